@@ -1,0 +1,376 @@
+"""Typed run configuration: one dataclass per subsystem, loaded from YAML with overrides.
+
+    cfg = load_config("configs/tiny.yaml", overrides=["train.steps=20", "optimizer.learning_rate=1e-3"])
+
+Every problem (unknown key, wrong type, out-of-range value, missing file) raises
+:class:`ConfigError` whose message is one line naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field and what is allowed."""
+
+
+DType = Literal["bfloat16", "float16", "float32"]
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "offload"]
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(value: Any, name: str) -> int:
+    """Parses ``1073741824``, ``"512MiB"`` or ``"2GB"`` into a byte count."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a byte size like 4096 or '512MiB', got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _BYTE_UNITS:
+            return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+    raise ConfigError(f"{name}: expected a byte size like 4096 or '512MiB', got {value!r}")
+
+
+def _check_range(name: str, value, *, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
+    if value is None:
+        return
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (
+        hi is not None and (value >= hi if hi_open else value > hi)
+    )
+    if bad:
+        lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo}"
+        hi_s = "" if hi is None else f"{'<' if hi_open else '<='} {hi}"
+        allowed = " and ".join(s for s in (lo_s, hi_s) if s)
+        raise ConfigError(f"{name}: must be {allowed}, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture and numerics of the model. Field names follow Hugging Face's config.json."""
+
+    path: Optional[str] = None  # Hugging Face folder (config.json + safetensors); overrides the shape fields
+    arch: Literal["llama", "qwen2", "mistral", "gpt2"] = "llama"
+    vocab_size: int = 0  # 0: take it from the tokenizer
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # HF rope_scaling, e.g. {rope_type: llama3, factor: 8.0, ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # q/k/v bias (Qwen2)
+    dtype: DType = "bfloat16"  # compute dtype of forward/backward
+    param_dtype: DType = "float32"  # dtype the in-memory optimizer keeps parameters in
+    remat: RematPolicy = "none"
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings"):
+            _check_range(f"model.{name}", getattr(self, name), lo=1)
+        _check_range("model.vocab_size", self.vocab_size, lo=0)
+        _check_range("model.head_dim", self.head_dim, lo=1)
+        _check_range("model.rms_norm_eps", self.rms_norm_eps, lo=0, lo_open=True)
+        _check_range("model.rope_theta", self.rope_theta, lo=0, lo_open=True)
+        _check_range("model.init_std", self.init_std, lo=0, lo_open=True)
+        if self.path is None:
+            if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"model.hidden_size: {self.hidden_size} is not divisible by "
+                    f"model.num_attention_heads={self.num_attention_heads}; set model.head_dim")
+            if self.num_attention_heads % self.num_key_value_heads:
+                raise ConfigError(
+                    f"model.num_key_value_heads: {self.num_key_value_heads} must divide "
+                    f"model.num_attention_heads={self.num_attention_heads}")
+
+
+@dataclass
+class DataConfig:
+    """Where text comes from, how it is tokenized and packed into batches."""
+
+    # Files or directories of .txt / .jsonl (and, for the tiny default, .py) files.
+    # "@stdlib" stands for the running Python's standard library folder.
+    paths: list[str] = field(default_factory=list)
+    include: list[str] = field(default_factory=lambda: ["*.txt", "*.jsonl"])  # globs inside directories
+    text_field: str = "text"  # JSONL field holding the text
+    tokenizer: str = "byte"  # "byte" or a local Hugging Face tokenizer folder ("model" = model.path)
+    seq_len: int = 256
+    batch_size: int = 8
+    seed: int = 0
+    max_documents: Optional[int] = None  # cap on documents read (None: all)
+
+    def __post_init__(self):
+        _check_range("data.seq_len", self.seq_len, lo=2)
+        _check_range("data.batch_size", self.batch_size, lo=1)
+        _check_range("data.max_documents", self.max_documents, lo=1)
+        if not self.text_field:
+            raise ConfigError("data.text_field: must be a non-empty field name")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with an optional warmup + decay schedule and global-norm clipping."""
+
+    learning_rate: float = 3e-4
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # final lr = learning_rate * min_lr_ratio for cosine/linear
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: Optional[float] = 1.0  # None: no clipping
+
+    def __post_init__(self):
+        _check_range("optimizer.learning_rate", self.learning_rate, lo=0)
+        _check_range("optimizer.warmup_steps", self.warmup_steps, lo=0)
+        _check_range("optimizer.min_lr_ratio", self.min_lr_ratio, lo=0, hi=1)
+        _check_range("optimizer.b1", self.b1, lo=0, hi=1, hi_open=True)
+        _check_range("optimizer.b2", self.b2, lo=0, hi=1, hi_open=True)
+        _check_range("optimizer.eps", self.eps, lo=0, lo_open=True)
+        _check_range("optimizer.weight_decay", self.weight_decay, lo=0)
+        _check_range("optimizer.grad_clip_norm", self.grad_clip_norm, lo=0, lo_open=True)
+
+
+@dataclass
+class OffloadConfig:
+    """Optimizer state and gradients on SSD, streamed through a preallocated host arena."""
+
+    enabled: bool = False
+    dir: str = "offload"  # shard files live here (one run per directory; it is locked)
+    arena_bytes: Optional[Any] = None  # e.g. "2GiB"; None: derive from host_memory_budget
+    host_memory_budget: Optional[Any] = None  # e.g. "16GiB"
+    chunk_bytes: Any = "64MiB"  # streaming granularity of the optimizer step
+    io_threads: int = 4
+    direct_io: bool = True  # O_DIRECT; falls back to buffered + fadvise where refused
+
+    def __post_init__(self):
+        if self.arena_bytes is not None:
+            self.arena_bytes = parse_bytes(self.arena_bytes, "offload.arena_bytes")
+            _check_range("offload.arena_bytes", self.arena_bytes, lo=4096)
+        if self.host_memory_budget is not None:
+            self.host_memory_budget = parse_bytes(self.host_memory_budget, "offload.host_memory_budget")
+            _check_range("offload.host_memory_budget", self.host_memory_budget, lo=4096)
+        self.chunk_bytes = parse_bytes(self.chunk_bytes, "offload.chunk_bytes")
+        _check_range("offload.chunk_bytes", self.chunk_bytes, lo=4096)
+        _check_range("offload.io_threads", self.io_threads, lo=1, hi=64)
+
+
+@dataclass
+class CheckpointConfig:
+    """Orbax checkpoints of the whole training state."""
+
+    dir: Optional[str] = None  # None: <train.out_dir>/checkpoints
+    every_steps: int = 0  # 0: only at the end
+    keep_last: int = 2
+
+    def __post_init__(self):
+        _check_range("checkpoint.every_steps", self.every_steps, lo=0)
+        _check_range("checkpoint.keep_last", self.keep_last, lo=1)
+
+
+@dataclass
+class TrainConfig:
+    """The loop: how long, how often to log, where outputs go."""
+
+    steps: int = 100
+    seed: int = 0
+    grad_accum: int = 1  # micro-batches per optimizer step
+    log_every: int = 10
+    out_dir: str = "runs/default"  # metrics.jsonl and checkpoints go here
+    progress: bool = True  # show a progress bar
+
+    def __post_init__(self):
+        _check_range("train.steps", self.steps, lo=1)
+        _check_range("train.grad_accum", self.grad_accum, lo=1)
+        _check_range("train.log_every", self.log_every, lo=1)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any value"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false",
+            dict: "a mapping"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp, name: str) -> Any:
+    """Checks ``value`` against the annotation ``tp``; returns it (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in typing.get_args(tp) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):  # a single path is a list of one
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+        return [_coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict:
+        if isinstance(value, dict):
+            return value
+    elif dataclasses.is_dataclass(tp):
+        return _build(tp, value, name)
+    raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls, data: Any, prefix: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(f"{full}: unknown key (allowed: {', '.join(names)})")
+        kwargs[key] = _coerce(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # pragma: no cover - dataclass signature mismatch
+        raise ConfigError(f"{prefix or 'config'}: {err}") from None
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parses the value of a ``--set a.b=value`` override as YAML (so 1e-3, true, [a, b] work)."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Applies ``section.field=value`` strings to a nested dict (in place) and returns it."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.field=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"--set {key!r}: expected section.field (e.g. train.steps)")
+        section, fld = parts
+        if section not in {f.name for f in dataclasses.fields(Config)}:
+            allowed = ", ".join(f.name for f in dataclasses.fields(Config))
+            raise ConfigError(f"{section}: unknown section (allowed: {allowed})")
+        data.setdefault(section, {})
+        if data[section] is None:
+            data[section] = {}
+        data[section][fld] = _parse_scalar(text)
+    return data
+
+
+def config_from_dict(data: dict) -> Config:
+    """Builds and validates a :class:`Config` from plain nested dicts."""
+    cfg = _build(Config, data, "")
+    _validate_cross_fields(cfg)
+    return cfg
+
+
+def _validate_cross_fields(cfg: Config) -> None:
+    if not cfg.data.paths:
+        raise ConfigError("data.paths: missing; give at least one .txt/.jsonl file or directory")
+    for p in cfg.data.paths:
+        if p != "@stdlib" and not os.path.exists(os.path.expanduser(p)):
+            raise ConfigError(f"data.paths: {p!r} does not exist")
+    tok = cfg.data.tokenizer
+    if tok == "model" and cfg.model.path is None:
+        raise ConfigError("data.tokenizer: 'model' needs model.path to be set")
+    if tok not in ("byte", "model") and not os.path.isdir(os.path.expanduser(tok)):
+        raise ConfigError(f"data.tokenizer: expected 'byte', 'model' or a tokenizer folder, got {tok!r}")
+    if cfg.model.path is not None and not os.path.isdir(os.path.expanduser(cfg.model.path)):
+        raise ConfigError(f"model.path: {cfg.model.path!r} is not a directory")
+    if cfg.data.seq_len > cfg.model.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len: {cfg.data.seq_len} exceeds model.max_position_embeddings="
+            f"{cfg.model.max_position_embeddings}")
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    """Reads a YAML config (safe loader), applies ``--set`` overrides and validates."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: file {str(p)!r} not found")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            first = str(err).splitlines()[0] if str(err) else "parse error"
+            raise ConfigError(f"{p}: invalid YAML ({first})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+    apply_overrides(data, overrides or [])
+    return config_from_dict(data)
