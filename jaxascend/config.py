@@ -274,6 +274,9 @@ def _coerce(value: Any, tp, name: str) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        # YAML 1.1 reads "1e-3" (no dot) as a string; accept plain numeric strings.
+        if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", value.strip()):
+            return float(value)
     elif tp is str:
         if isinstance(value, str):
             return value

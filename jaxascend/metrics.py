@@ -1,0 +1,105 @@
+"""Run metrics: host memory readings, a metrics.jsonl writer, the progress bar and the summary.
+
+Everything here is host-side bookkeeping; nothing touches device arrays, so the trainer decides
+where the (few) host<->device syncs happen.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import psutil
+from tqdm import tqdm
+
+GIB = 2**30
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process since it started (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def format_bytes(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+class MetricsLog:
+    """Appends one JSON object per logging step to ``<out_dir>/metrics.jsonl``."""
+
+    def __init__(self, out_dir: Path):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / "metrics.jsonl"
+        self._file: TextIO = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "MetricsLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Progress:
+    """A tqdm bar showing step, loss, tokens/s and peak host memory (or nothing when disabled)."""
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
+        self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                         disable=not enabled, file=sys.stderr)
+
+    def update(self, steps: int, record: dict[str, Any] | None = None) -> None:
+        self._bar.update(steps)
+        if record is not None:
+            self._bar.set_postfix_str(
+                f"loss={record['loss']:.4f} tok/s={record['tokens_per_s']:.0f} "
+                f"peak={format_bytes(record['peak_rss_bytes'])}", refresh=False)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class Throughput:
+    """Tokens per second between two logging points, measured on the host clock."""
+
+    def __init__(self):
+        self._t0 = time.perf_counter()
+        self._start = self._t0
+        self._tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def rate(self) -> float:
+        """Tokens/s since the last call; resets the window."""
+        now = time.perf_counter()
+        rate = self._tokens / max(now - self._t0, 1e-9)
+        self._t0, self._tokens = now, 0
+        return rate
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+
+def summary_table(rows: list[tuple[str, str]]) -> str:
+    """A two-column plain-text table for the end-of-run summary."""
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 3 + max(len(v) for _, v in rows))
+    return "\n".join([line] + [f"{k.ljust(width)} | {v}" for k, v in rows] + [line])

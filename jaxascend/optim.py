@@ -1,0 +1,38 @@
+"""Optimizers: the learning-rate schedule and the in-memory optax AdamW.
+
+The in-memory path is the baseline every JAX user has today (fp32 params and moments in RAM);
+the SSD-offloaded AdamW replaces it behind the same config section.
+"""
+
+from __future__ import annotations
+
+import optax
+
+from jaxascend.config import OptimizerConfig
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup to ``cfg.learning_rate`` then constant, cosine or linear decay to
+    ``cfg.learning_rate * cfg.min_lr_ratio`` at ``total_steps``."""
+    peak = cfg.learning_rate
+    warmup = min(cfg.warmup_steps, total_steps)
+    decay_steps = max(total_steps - warmup, 1)
+    end = peak * cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        main = optax.constant_schedule(peak)
+    elif cfg.schedule == "cosine":
+        main = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr_ratio)
+    else:
+        main = optax.linear_schedule(peak, end, decay_steps)
+    if warmup == 0:
+        return main
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), main], [warmup])
+
+
+def adamw_in_memory(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    """``clip_by_global_norm`` (if configured) followed by ``optax.adamw`` on the schedule."""
+    tx = optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                     weight_decay=cfg.weight_decay)
+    if cfg.grad_clip_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), tx)
+    return tx

@@ -1,0 +1,100 @@
+"""Config loading: YAML + --set overrides, and one-line errors that name the field."""
+
+import textwrap
+
+import pytest
+
+from jaxascend.config import Config, ConfigError, load_config, parse_bytes
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    p = tmp_path / "corpus.txt"
+    p.write_text("hello world\n" * 10)
+    return p
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "run.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_bundled_tiny_config_loads():
+    cfg = load_config("configs/tiny.yaml")
+    assert isinstance(cfg, Config)
+    assert cfg.data.paths == ["@stdlib"]
+    assert cfg.model.arch == "llama"
+
+
+def test_overrides_are_typed(data_file, tmp_path):
+    path = _write(tmp_path, f"data:\n  paths: [{data_file}]\n")
+    cfg = load_config(path, ["train.steps=7", "optimizer.learning_rate=1e-3", "model.tie_word_embeddings=false",
+                             "offload.arena_bytes=512MiB", "optimizer.grad_clip_norm=null"])
+    assert cfg.train.steps == 7
+    assert cfg.optimizer.learning_rate == 1e-3
+    assert cfg.model.tie_word_embeddings is False
+    assert cfg.offload.arena_bytes == 512 * 2**20
+    assert cfg.optimizer.grad_clip_norm is None
+
+
+def test_int_widens_to_float(data_file, tmp_path):
+    cfg = load_config(_write(tmp_path, f"data: {{paths: [{data_file}]}}\noptimizer: {{learning_rate: 1}}\n"))
+    assert cfg.optimizer.learning_rate == 1.0 and isinstance(cfg.optimizer.learning_rate, float)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.hiden_size=4", r"^model\.hiden_size: unknown key \(allowed: path, arch,"),
+        ("nosuch.x=1", r"^nosuch: unknown section \(allowed: model, data,"),
+        ("train.steps=abc", r"^train\.steps: expected an integer, got 'abc'$"),
+        ("train.steps=1.5", r"^train\.steps: expected an integer, got 1\.5$"),
+        ("train.steps=0", r"^train\.steps: must be >= 1, got 0$"),
+        ("model.dtype=int8", r"^model\.dtype: expected one of 'bfloat16', 'float16', 'float32', got 'int8'$"),
+        ("model.remat=sometimes", r"^model\.remat: expected one of 'none', 'full'"),
+        ("optimizer.b2=1.0", r"^optimizer\.b2: must be >= 0 and < 1, got 1\.0$"),
+        ("offload.arena_bytes=lots", r"^offload\.arena_bytes: expected a byte size like 4096 or '512MiB', got 'lots'$"),
+        ("model.num_key_value_heads=3", r"^model\.num_key_value_heads: 3 must divide model\.num_attention_heads=8$"),
+        ("data.tokenizer=/no/such/folder", r"^data\.tokenizer: expected 'byte', 'model' or a tokenizer folder"),
+        ("data.seq_len=4096", r"^data\.seq_len: 4096 exceeds model\.max_position_embeddings=2048$"),
+        ("train.steps", r"^--set 'train\.steps': expected section\.field=value$"),
+    ],
+)
+def test_bad_values_name_the_field(override, message, data_file, tmp_path):
+    path = _write(tmp_path, f"data:\n  paths: [{data_file}]\n")
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path, [override])
+    assert "\n" not in str(info.value)
+
+
+def test_missing_data_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"^data\.paths: missing"):
+        load_config(_write(tmp_path, "train: {steps: 3}\n"))
+
+
+def test_nonexistent_data_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"^data\.paths: '/nope/x\.txt' does not exist$"):
+        load_config(_write(tmp_path, "data: {paths: [/nope/x.txt]}\n"))
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match=r"^--config: file 'configs/nope\.yaml' not found$"):
+        load_config("configs/nope.yaml")
+
+
+def test_yaml_is_read_safely(tmp_path):
+    # A python tag would run code under an unsafe loader; the safe loader refuses it.
+    path = _write(tmp_path, "train: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML"):
+        load_config(path)
+
+
+def test_section_must_be_mapping(data_file, tmp_path):
+    with pytest.raises(ConfigError, match=r"^train: expected a mapping of fields, got 5$"):
+        load_config(_write(tmp_path, f"data: {{paths: [{data_file}]}}\ntrain: 5\n"))
+
+
+@pytest.mark.parametrize("text, value", [(4096, 4096), ("4KiB", 4096), ("1.5GiB", 3 * 2**29), ("2GB", 2 * 10**9)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text, "x") == value
