@@ -31,4 +31,7 @@ NB_MODULE(_native, m) {
       },
       "Maps each FFI target name to a capsule holding its XLA_FFI_Handler*.");
   for (auto binder : jaxascend::Binders()) binder(m);
+  // Sinks and stores registered for FFI calls are owned by process-wide tables that live until
+  // exit, after the interpreter's own teardown; that is intended, not a leak.
+  nb::set_leak_warnings(false);
 }

@@ -1,0 +1,33 @@
+// Gradient sinks: where a gradient goes the moment the backward pass computes it.
+//
+// The FFI target jaxascend_grad_sink (grad_sink.cc) is called inside a jitted backward pass
+// with one layer's gradient of one tensor; it computes the overflow/norm statistics and hands
+// the bytes to a sink found by an integer handle. The SSD store implements a sink that stages
+// the bytes in the arena and queues their write; MemorySink copies into host arrays (tests,
+// and the "full host gradient buffer" ablation).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxascend {
+
+class GradientSink {
+ public:
+  virtual ~GradientSink() = default;
+  // Takes `bytes` bytes of gradient `tensor` (a sink-defined id) for layer `layer` (0 for
+  // tensors outside the layer stack). Returns an empty string on success, else an error message.
+  virtual std::string Consume(int64_t tensor, int64_t layer, xla::ffi::DataType dtype,
+                              const void* data, size_t bytes) = 0;
+};
+
+// Process-wide table of live sinks; handles are never reused.
+int64_t RegisterSink(std::shared_ptr<GradientSink> sink);
+bool UnregisterSink(int64_t handle);
+std::shared_ptr<GradientSink> FindSink(int64_t handle);
+
+}  // namespace jaxascend

@@ -1,0 +1,79 @@
+"""Instant gradient offload: hand each gradient to a sink the moment the backward pass makes it.
+
+The trick (see docs/architecture.md): wrap parameters in :func:`offload_on_backward`, an identity
+``custom_vjp`` that takes an extra ``probe`` array. Differentiate the loss with respect to the
+probes only. The backward rule passes the parameters' cotangent to the side-effecting FFI target
+``jaxascend_grad_sink`` (which copies it out and computes its statistics) and returns those
+statistics as the probe's "gradient". Inside ``lax.scan`` this runs once per layer, so the full
+gradient tree never exists and the jitted step outputs only a few bytes per tensor.
+
+    probes = jnp.zeros((2,), jnp.float32)       # [sumsq, nonfinite]
+    def loss(probes):
+        w_ = offload_on_backward(w, probes, sink=handle, tensor=0)
+        return f(w_)
+    stats = jax.grad(loss)(probes)              # stats[0] = |dw|^2, stats[1] = #inf/nan in dw
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxascend import _native
+from jaxascend import native  # noqa: F401  (registers the FFI targets)
+
+PROBE_SIZE = 2  # [sum of squares of finite elements, count of non-finite elements]
+
+MemorySink = _native.MemorySink
+
+
+def sink_gradient(g: jax.Array, layer: jax.Array, *, sink: int, tensor: int) -> jax.Array:
+    """Sends ``g`` to sink ``sink`` as layer ``layer`` of tensor ``tensor``; returns f32[2] stats."""
+    out_types = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+    sumsq, nonfinite = jax.ffi.ffi_call("jaxascend_grad_sink", out_types, has_side_effect=True)(
+        g, jnp.asarray(layer, jnp.int32), sink=np.int64(sink), tensor=np.int64(tensor))
+    return jnp.stack([sumsq, nonfinite.astype(jnp.float32)])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _offload_identity(x, probe, layer, sink, tensor):
+    del probe, layer
+    return x
+
+
+def _offload_fwd(x, probe, layer, sink, tensor):
+    del probe
+    return x, layer
+
+
+def _offload_bwd(sink, tensor, layer, g):
+    stats = sink_gradient(g, layer, sink=sink, tensor=tensor)
+    # The parameter's own cotangent is dropped: nobody differentiates with respect to it, so XLA
+    # eliminates the zeros; the layer index is an integer input (float0 cotangent).
+    return jnp.zeros_like(g), stats, None
+
+
+_offload_identity.defvjp(_offload_fwd, _offload_bwd)
+
+
+def offload_on_backward(x: jax.Array, probe: jax.Array, *, sink: int, tensor: int,
+                        layer: jax.Array | int = 0) -> jax.Array:
+    """Identity on ``x``; on the backward pass ``x``'s cotangent goes to the sink and ``probe``
+    (f32[2]) receives ``[sum of squares, non-finite count]`` of it.
+
+    ``layer`` (an int32 scalar, may be traced, e.g. a scan counter) tells the sink where in the
+    tensor's layer stack this slice belongs.
+    """
+    return _offload_identity(x, probe, jnp.asarray(layer, jnp.int32), int(sink), int(tensor))
+
+
+def register_memory_sink(sink: "MemorySink") -> int:
+    """Registers a :class:`MemorySink` and returns the handle FFI calls use."""
+    return _native.register_memory_sink(sink)
+
+
+def unregister_sink(handle: int) -> bool:
+    return _native.unregister_sink(handle)
