@@ -1,0 +1,87 @@
+// Fused host AdamW: one pass per element over fp32 master/m/v and an fp16, bf16 or fp32
+// gradient, writing the new compute-dtype parameters. Used by the XLA FFI target
+// "jaxascend_adamw" and by jaxascend._native.adamw_update (numpy, in place), and callable
+// from other native code (the streamed optimizer step) through RunFusedAdamW.
+//
+// The arithmetic follows optax.adamw (scale_by_adam with eps_root=0, add_decayed_weights,
+// scale_by_learning_rate, apply_updates), every operation rounded separately (no FMA
+// contraction) so that the scalar, AVX2 and AVX-512 variants agree bit for bit:
+//   g  = float(grad) * grad_scale
+//   m  = (1-b1)*g + b1*m
+//   v  = (1-b2)*(g*g) + b2*v
+//   u  = (m*(1/bc1)) / (sqrt(v*(1/bc2)) + eps) + weight_decay*master
+//   master = master - lr*u;   params = round_to_nearest_even(master)
+// The bias corrections multiply by a float32 reciprocal because that is what optax computes
+// under XLA: its algebraic simplifier rewrites x / broadcast(scalar) as x * broadcast(1/scalar).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace jaxascend {
+
+// Element type of the gradient and of the output compute parameters.
+enum class AdamElem { kF32, kF16, kBF16 };
+
+// Instruction-set variant of the kernel; kAuto takes JAXASCEND_ADAM_ISA if set, else the best
+// the CPU supports.
+enum class AdamIsa { kAuto, kScalar, kAvx2, kAvx512 };
+
+// Runtime hyperparameters, in the order of the f32[kAdamScalarCount] scalars buffer.
+// one_minus_b1/b2 are passed rather than derived so that 1-b1 is rounded the way the caller
+// (optax: Python double arithmetic, then float32) rounded it.
+struct AdamScalars {
+  float lr;
+  float b1;
+  float b2;
+  float eps;
+  float weight_decay;
+  float grad_scale;        // combined loss-scale unscale and clipping factor
+  float bias_correction1;  // 1 - b1**count, count counting this update (>= 1)
+  float bias_correction2;  // 1 - b2**count
+  float one_minus_b1;
+  float one_minus_b2;
+};
+constexpr int kAdamScalarCount = 10;
+
+// One call's buffers. Inputs and outputs may alias (in-place update) or be disjoint; they must
+// not partially overlap.
+struct AdamBuffers {
+  const float* master_in;
+  const float* m_in;
+  const float* v_in;
+  const void* grad;  // n elements of grad_type
+  float* master_out;
+  float* m_out;
+  float* v_out;
+  void* params_out;  // n elements of param_type
+  int64_t n;
+  AdamElem grad_type;
+  AdamElem param_type;
+};
+
+// Largest `threads` accepted by RunFusedAdamW.
+constexpr int kAdamMaxThreads = 256;
+
+// Name used in messages and by JAXASCEND_ADAM_ISA: "auto", "scalar", "avx2", "avx512".
+const char* AdamIsaName(AdamIsa isa);
+
+// Parses an ISA name; returns false for an unknown name.
+bool ParseAdamIsa(const std::string& name, AdamIsa* isa);
+
+// Whether this CPU (and OS) can run the variant. kScalar and kAuto are always supported.
+bool AdamIsaSupported(AdamIsa isa);
+
+// Resolves kAuto (environment variable, then the best supported variant) and checks that the
+// result is supported. Returns "" or an error message.
+std::string ResolveAdamIsa(AdamIsa requested, AdamIsa* resolved);
+
+// Runs the update over b.n elements on `threads` threads (1 = inline on the caller's thread,
+// more = the calling thread plus workers of a persistent pool). Returns "" or an error
+// message naming the bad argument.
+std::string RunFusedAdamW(const AdamBuffers& b, const AdamScalars& s, int threads, AdamIsa isa);
+
+// Reads AdamScalars from a float buffer laid out as documented above.
+AdamScalars AdamScalarsFromArray(const float* values);
+
+}  // namespace jaxascend
