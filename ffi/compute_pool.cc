@@ -1,6 +1,8 @@
 // The compute pool behind ParallelFor (see compute_pool.h).
 #include "compute_pool.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
@@ -15,9 +17,15 @@ class ComputePool {
  public:
   // Leaked on purpose: workers block on cv_ until the process exits, and a static destructor
   // joining them could run after the interpreter has torn down what they reference.
+  // A forked child has none of the parent's workers (and maybe a mutex locked by one), so it
+  // starts over with a fresh pool; the parent's copy is leaked in the child.
   static ComputePool& Get() {
-    static ComputePool* pool = new ComputePool();
-    return *pool;
+    static std::once_flag once;
+    std::call_once(once, [] {
+      Slot() = new ComputePool();
+      pthread_atfork(nullptr, nullptr, [] { Slot() = new ComputePool(); });
+    });
+    return *Slot();
   }
 
   // Starts workers until there are at least `count`.
@@ -53,6 +61,11 @@ class ComputePool {
       }
       task();
     }
+  }
+
+  static ComputePool*& Slot() {
+    static ComputePool* pool = nullptr;
+    return pool;
   }
 
   std::mutex mu_;

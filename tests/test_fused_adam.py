@@ -1,6 +1,11 @@
 """The fused host AdamW kernel (ffi/adam.cc) against optax.adamw, across its two entry points
 and its ISA variants."""
 
+import os
+import select
+import signal
+import warnings
+
 import ml_dtypes
 import numpy as np
 import optax
@@ -245,6 +250,30 @@ def test_thread_pool_is_created_once():
     for _ in range(3):
         _run_numpy(inputs, jnp.bfloat16, AdamHyperParams(lr=1e-3), threads=3)
     assert _native.compute_pool_workers() == workers
+
+
+def test_thread_pool_works_in_a_forked_child():
+    """A child forked after the pool started has no workers; it must build its own rather
+    than wait forever on the parent's."""
+    inputs = _special_inputs(1 << 17, jnp.float16)
+    expected = _run_numpy(inputs, jnp.bfloat16, AdamHyperParams(lr=1e-3), threads=2)
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # JAX warns about fork; the child uses numpy only
+        pid = os.fork()
+    if pid == 0:  # child
+        got = _run_numpy(inputs, jnp.bfloat16, AdamHyperParams(lr=1e-3), threads=2)
+        same = all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(expected, got))
+        os.write(write_end, b"same" if same else b"diff")
+        os._exit(0)
+    os.close(write_end)
+    ready, _, _ = select.select([read_end], [], [], 20.0)
+    if not ready:
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    answer = os.read(read_end, 4) if ready else b"hung"
+    os.close(read_end)
+    assert answer == b"same"
 
 
 def test_isa_environment_variable(monkeypatch):
