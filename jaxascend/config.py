@@ -26,6 +26,9 @@ class ConfigError(ValueError):
 
 DType = Literal["bfloat16", "float16", "float32"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "offload"]
+HiddenAct = Literal["silu", "gelu_new", "gelu_pytorch_tanh", "gelu"]
+ROPE_TYPES = (None, "default", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -74,11 +77,14 @@ class ModelConfig:
     num_key_value_heads: int = 4
     head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-5
+    layer_norm_epsilon: float = 1e-5  # GPT-2's LayerNorm eps
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None  # HF rope_scaling, e.g. {rope_type: llama3, factor: 8.0, ...}
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # q/k/v bias (Qwen2)
+    sliding_window: Optional[int] = None  # Mistral: a query sees at most this many keys (itself included)
+    hidden_act: Optional[HiddenAct] = None  # None: the architecture's own (silu; gpt2: gelu_new)
     dtype: DType = "bfloat16"  # compute dtype of forward/backward
     param_dtype: DType = "float32"  # dtype the in-memory optimizer keeps parameters in
     remat: RematPolicy = "none"
@@ -92,6 +98,9 @@ class ModelConfig:
         _check_range("model.head_dim", self.head_dim, lo=1)
         _check_range("model.rms_norm_eps", self.rms_norm_eps, lo=0, lo_open=True)
         _check_range("model.rope_theta", self.rope_theta, lo=0, lo_open=True)
+        _check_range("model.layer_norm_epsilon", self.layer_norm_epsilon, lo=0, lo_open=True)
+        _check_range("model.sliding_window", self.sliding_window, lo=1)
+        self.rope_scaling = validate_rope_scaling(self.rope_scaling)
         _check_range("model.init_std", self.init_std, lo=0, lo_open=True)
         if self.path is None:
             if self.head_dim is None and self.hidden_size % self.num_attention_heads:
@@ -102,6 +111,33 @@ class ModelConfig:
                 raise ConfigError(
                     f"model.num_key_value_heads: {self.num_key_value_heads} must divide "
                     f"model.num_attention_heads={self.num_attention_heads}")
+
+
+def validate_rope_scaling(rope_scaling: Optional[dict], name: str = "model.rope_scaling") -> Optional[dict]:
+    """Checks a Hugging Face ``rope_scaling`` mapping and returns it with ``rope_type`` filled in.
+
+    Accepted: ``None``; ``{rope_type: default}``; ``{rope_type: llama3, factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings}`` (Llama 3.1/3.2). Older configs spell
+    ``rope_type`` as ``type``. Other keys are kept and ignored.
+    """
+    if rope_scaling is None:
+        return None
+    if not isinstance(rope_scaling, dict):
+        raise ConfigError(f"{name}: expected a mapping or null, got {rope_scaling!r}")
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(
+            f"{name}.rope_type: {rope_type!r} is not supported (allowed: null, 'default', 'llama3')")
+    if rope_type == "llama3":
+        for key in _LLAMA3_ROPE_KEYS:
+            value = rope_scaling.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{name}.{key}: rope_type 'llama3' needs a number > 0, got {value!r}")
+        if rope_scaling["high_freq_factor"] <= rope_scaling["low_freq_factor"]:
+            raise ConfigError(
+                f"{name}.high_freq_factor: must be > low_freq_factor={rope_scaling['low_freq_factor']}, "
+                f"got {rope_scaling['high_freq_factor']!r}")
+    return {**rope_scaling, "rope_type": rope_type or "default"}
 
 
 @dataclass

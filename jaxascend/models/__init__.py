@@ -1,0 +1,42 @@
+"""Decoder-only causal LMs in Flax NNX: the Llama family (llama, qwen2, mistral) and GPT-2.
+
+    model = build_model(cfg.model, vocab_size=259, rngs=nnx.Rngs(0))
+    logits = model(input_ids)            # int32 [B, T] -> float32 [B, T, V]
+    count_params(model)
+
+Layers are stacked along a leading axis and run under ``lax.scan`` with the remat policy
+``cfg.remat``; each model module documents its parameter tree against Hugging Face names.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jaxascend.config import ModelConfig
+from jaxascend.models.gpt2 import GPT2LMHeadModel
+from jaxascend.models.layers import OFFLOADED_ACTIVATIONS, REMAT_POLICIES, layer_forward, scan_layers
+from jaxascend.models.llama import LLAMA_ARCHS, LlamaForCausalLM
+
+ARCHS = LLAMA_ARCHS + ("gpt2",)
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs) -> nnx.Module:
+    """Builds the model ``cfg.arch`` names with freshly initialized parameters
+    (normal(cfg.init_std) matrices and embeddings, ones for norm scales, zeros for biases)."""
+    if cfg.arch in LLAMA_ARCHS:
+        return LlamaForCausalLM(cfg, vocab_size, rngs=rngs)
+    if cfg.arch == "gpt2":
+        return GPT2LMHeadModel(cfg, vocab_size, rngs=rngs)
+    raise ValueError(f"model.arch: {cfg.arch!r} is not supported (allowed: {', '.join(ARCHS)})")
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of scalar parameters (every ``nnx.Param`` leaf) in ``model``."""
+    return sum(int(leaf.size) for leaf in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+
+
+__all__ = [
+    "ARCHS", "GPT2LMHeadModel", "LlamaForCausalLM", "OFFLOADED_ACTIVATIONS", "REMAT_POLICIES",
+    "build_model", "count_params", "layer_forward", "scan_layers",
+]

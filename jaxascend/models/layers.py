@@ -1,0 +1,284 @@
+"""Building blocks shared by the decoder-only models: parameter-holding layers, RoPE,
+causal attention, activations, and the scanned layer stack with its remat policies.
+
+Conventions:
+
+- Parameters are stored in ``param_dtype`` and cast to the compute ``dtype`` at use.
+- Linear kernels are ``[in, out]`` (Hugging Face ``nn.Linear.weight`` is ``[out, in]``).
+- Norm statistics, attention scores and softmax are computed in float32.
+- Einsum axes: B batch, T query time, S key time, D model width, N query heads, K key/value
+  heads, G query heads per key/value head, H head width, V vocabulary, I/O linear in/out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxascend.config import validate_rope_scaling
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload")
+HIDDEN_ACTS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
+
+# Per-layer activations tagged with ``checkpoint_name``: the outputs of every projection matmul
+# plus the attention context. Remat "offload" keeps exactly these, in pinned host memory, and
+# recomputes the rest (norms, RoPE, softmax, activations) in the backward pass.
+OFFLOADED_ACTIVATIONS = (
+    "query", "key", "value", "attn_context", "attn_out", "mlp_gate", "mlp_up", "mlp_out",
+)
+
+
+def compute_dtype(name: str, field: str = "model.dtype"):
+    """Maps ``"bfloat16" | "float16" | "float32"`` to the jnp dtype; ValueError otherwise."""
+    if name not in DTYPES:
+        raise ValueError(f"{field}: {name!r} is not supported (allowed: {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def check_positive(name: str, value) -> None:
+    """Raises ValueError unless ``value`` is an int >= 1 (``name`` is the config field)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+
+
+def check_choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}: {value!r} is not supported (allowed: {', '.join(map(str, allowed))})")
+
+
+# ----------------------------------------------------------------------------- parameter layers
+
+class Linear(nnx.Module):
+    """``y = x @ kernel (+ bias)`` over the last axis; kernel ``[in, out]``."""
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool, init_std: float,
+                 dtype, param_dtype, rngs: nnx.Rngs):
+        check_positive("Linear.in_features", in_features)
+        check_positive("Linear.out_features", out_features)
+        init = jax.nn.initializers.normal(init_std)
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("BTI,IO->BTO", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """Token (or position) table ``embedding [V, D]``; ``attend`` is the tied output head."""
+
+    def __init__(self, num_embeddings: int, features: int, *, init_std: float, dtype, param_dtype,
+                 rngs: nnx.Rngs):
+        check_positive("Embed.num_embeddings", num_embeddings)
+        check_positive("Embed.features", features)
+        init = jax.nn.initializers.normal(init_std)
+        self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
+        self.dtype = dtype
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        # mode="fill": an out-of-range id gives NaN rows instead of silently clamping.
+        return jnp.take(self.embedding[...], ids, axis=0, mode="fill").astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """float32 logits ``x @ embedding.T`` (matmul in the compute dtype, fp32 accumulation)."""
+        table = self.embedding[...].astype(self.dtype)
+        return jnp.einsum("BTD,VD->BTV", x.astype(self.dtype), table,
+                          preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """``x / sqrt(mean(x**2) + eps) * scale``, computed in float32."""
+
+    def __init__(self, features: int, *, eps: float, dtype, param_dtype):
+        check_positive("RMSNorm.features", features)
+        if not eps > 0:
+            raise ValueError(f"model.rms_norm_eps: must be > 0, got {eps!r}")
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """``(x - mean) / sqrt(var + eps) * scale + bias``, computed in float32."""
+
+    def __init__(self, features: int, *, eps: float, dtype, param_dtype):
+        check_positive("LayerNorm.features", features)
+        if not eps > 0:
+            raise ValueError(f"model.layer_norm_epsilon: must be > 0, got {eps!r}")
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((features,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        centered = x32 - mean
+        var = jnp.mean(centered * centered, axis=-1, keepdims=True)
+        y = centered * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    """The Hugging Face ``hidden_act`` / ``activation_function`` of that name, evaluated in fp32."""
+    check_choice("model.hidden_act", name, HIDDEN_ACTS)
+    fn = {
+        "silu": jax.nn.silu,
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # tanh approximation
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # exact (erf)
+    }[name]
+    return lambda x: fn(x.astype(jnp.float32)).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- RoPE
+
+def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: Optional[dict]) -> np.ndarray:
+    """float32 ``[head_dim // 2]`` inverse frequencies, with Llama 3's ``rope_scaling`` applied.
+
+    llama3: wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` are
+    kept, those longer than ``original / low_freq_factor`` are divided by ``factor``, and the band
+    between is interpolated linearly in ``original / wavelength``.
+    """
+    if head_dim % 2:
+        raise ValueError(f"model.head_dim: RoPE needs an even head dimension, got {head_dim}")
+    scaling = validate_rope_scaling(rope_scaling)
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is not None and scaling["rope_type"] == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        original = float(scaling["original_max_position_embeddings"])
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (original / wavelength - low) / (high - low)
+        interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = np.where(wavelength < original / high, inv_freq,
+                            np.where(wavelength > original / low, inv_freq / factor, interpolated))
+    return inv_freq.astype(np.float32)
+
+
+def rope_angles(positions: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array]:
+    """``(sin, cos)``, each float32 ``[B, T, H/2]``, for int positions ``[B, T]``."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotates ``x [B, T, N, H]`` in the half-split layout of Hugging Face's ``rotate_half``."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    sin, cos = sin[:, :, None, :], cos[:, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def causal_mask(length: int, sliding_window: Optional[int] = None) -> jax.Array:
+    """bool ``[T, S]``: query ``t`` sees key ``s`` iff ``s <= t`` (and ``t - s < sliding_window``)."""
+    t = jnp.arange(length)[:, None]
+    s = jnp.arange(length)[None, :]
+    mask = s <= t
+    if sliding_window is not None:
+        mask = mask & (s > t - sliding_window)
+    return mask
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     sliding_window: Optional[int] = None) -> jax.Array:
+    """Grouped-query causal attention. ``q [B,T,N,H]``, ``k, v [B,T,K,H]`` with ``N % K == 0``
+    (query head ``n`` uses key/value head ``n // (N // K)``). Returns ``[B,T,N,H]`` in q's dtype;
+    scores and softmax in float32."""
+    batch, length, num_heads, head_dim = q.shape
+    num_kv = k.shape[2]
+    q = q.reshape(batch, length, num_kv, num_heads // num_kv, head_dim)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (head_dim ** -0.5)
+    scores = jnp.where(causal_mask(length, sliding_window), scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+    return out.reshape(batch, length, num_heads, head_dim)
+
+
+# ----------------------------------------------------------------------------- layer stack
+
+def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
+                 rngs: nnx.Rngs) -> nnx.Module:
+    """Builds ``num_layers`` independently initialized layers as one module whose parameters
+    have a leading layer axis ``[L, ...]`` (what :func:`scan_layers` iterates over)."""
+    check_positive("model.num_hidden_layers", num_layers)
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num_layers)
+    def make(layer_rngs: nnx.Rngs) -> nnx.Module:
+        return make_layer(layer_rngs)
+
+    return make(rngs)
+
+
+def remat_policy(name: str):
+    """``(use_checkpoint, policy)`` for a ``ModelConfig.remat`` name."""
+    check_choice("model.remat", name, REMAT_POLICIES)
+    policies = jax.checkpoint_policies
+    return {
+        "none": (False, None),
+        "full": (True, None),  # save nothing but the layer input; recompute the whole layer
+        "dots": (True, policies.checkpoint_dots),
+        "dots_no_batch": (True, policies.dots_with_no_batch_dims_saveable),
+        "offload": (True, policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(OFFLOADED_ACTIVATIONS),
+            offload_src="device", offload_dst="pinned_host")),
+    }[name]
+
+
+def layer_forward(graphdef: nnx.GraphDef, layer_params: nnx.State, hidden: jax.Array,
+                  positions: jax.Array) -> jax.Array:
+    """One layer as a pure function of (its parameters, the hidden carry, positions)."""
+    return nnx.merge(graphdef, layer_params)(hidden, positions)
+
+
+def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, remat: str) -> jax.Array:
+    """Runs ``hidden`` through the stacked ``layers`` with ``lax.scan``, one layer per step.
+
+    Each step applies :func:`layer_forward` to that layer's slice of the stacked parameters,
+    wrapped in ``jax.checkpoint`` with the ``remat`` policy (see :func:`remat_policy`). The
+    parameters enter the scan as ``xs``, so a per-layer transform of them (e.g. a custom_vjp
+    identity that ships the layer's gradient out) can be applied at the top of ``step``.
+    """
+    use_checkpoint, policy = remat_policy(remat)
+    graphdef, stacked_params = nnx.split(layers)
+
+    def step(carry, layer_params):
+        return layer_forward(graphdef, layer_params, carry, positions), None
+
+    if use_checkpoint:
+        # prevent_cse=False: inside scan CSE cannot merge the recomputation with the forward.
+        step = jax.checkpoint(step, policy=policy, prevent_cse=False)
+    hidden, _ = jax.lax.scan(step, hidden, stacked_params)
+    return hidden
+
+
+def default_positions(input_ids: jax.Array, positions: Optional[jax.Array]) -> jax.Array:
+    """Checks ``input_ids [B, T]`` (integer) and returns ``positions`` or ``arange(T)`` per row."""
+    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise ValueError(f"input_ids: expected an integer array [batch, time], got "
+                         f"{input_ids.dtype}{list(input_ids.shape)}")
+    if positions is None:
+        return jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+    if positions.shape != input_ids.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions: expected an integer array shaped like input_ids "
+                         f"{list(input_ids.shape)}, got {positions.dtype}{list(positions.shape)}")
+    return positions

@@ -1,0 +1,186 @@
+"""The Llama family (arch ``llama``, ``qwen2``, ``mistral``) as one Flax NNX causal LM.
+
+RMSNorm pre-norm blocks, RoPE (``rope_theta``; ``rope_scaling`` None/default/llama3),
+grouped-query attention, optional q/k/v bias (Qwen2), optional sliding window (Mistral),
+SwiGLU MLP, tied or untied output head.
+
+Parameter tree and its Hugging Face names (``L`` layers, ``D`` hidden_size, ``N`` heads,
+``K`` key/value heads, ``H`` head_dim, ``F`` intermediate_size, ``V`` vocab). Our layer
+parameters are stacked along a leading layer axis; HF's ``model.layers.{i}.X`` is slice ``[i]``
+of our ``layers.X``. "T" means HF's tensor is the transpose of our slice (HF ``nn.Linear.weight``
+is ``[out, in]``; our kernels are ``[in, out]``).
+
+=========================================================  ============================================  =====
+Hugging Face tensor                                        our path (shape)                              T
+=========================================================  ============================================  =====
+``model.embed_tokens.weight`` [V, D]                       ``embed_tokens.embedding`` [V, D]
+``model.layers.{i}.input_layernorm.weight`` [D]            ``layers.input_layernorm.scale`` [L, D]
+``model.layers.{i}.self_attn.q_proj.weight`` [N*H, D]      ``layers.self_attn.q_proj.kernel`` [L, D, N*H]  T
+``model.layers.{i}.self_attn.q_proj.bias`` [N*H]           ``layers.self_attn.q_proj.bias`` [L, N*H]       (attention_bias)
+``model.layers.{i}.self_attn.k_proj.weight`` [K*H, D]      ``layers.self_attn.k_proj.kernel`` [L, D, K*H]  T
+``model.layers.{i}.self_attn.k_proj.bias`` [K*H]           ``layers.self_attn.k_proj.bias`` [L, K*H]       (attention_bias)
+``model.layers.{i}.self_attn.v_proj.weight`` [K*H, D]      ``layers.self_attn.v_proj.kernel`` [L, D, K*H]  T
+``model.layers.{i}.self_attn.v_proj.bias`` [K*H]           ``layers.self_attn.v_proj.bias`` [L, K*H]       (attention_bias)
+``model.layers.{i}.self_attn.o_proj.weight`` [D, N*H]      ``layers.self_attn.o_proj.kernel`` [L, N*H, D]  T
+``model.layers.{i}.post_attention_layernorm.weight`` [D]   ``layers.post_attention_layernorm.scale`` [L, D]
+``model.layers.{i}.mlp.gate_proj.weight`` [F, D]           ``layers.mlp.gate_proj.kernel`` [L, D, F]       T
+``model.layers.{i}.mlp.up_proj.weight`` [F, D]             ``layers.mlp.up_proj.kernel`` [L, D, F]         T
+``model.layers.{i}.mlp.down_proj.weight`` [D, F]           ``layers.mlp.down_proj.kernel`` [L, F, D]       T
+``model.norm.weight`` [D]                                  ``norm.scale`` [D]
+``lm_head.weight`` [V, D]                                  ``lm_head.kernel`` [D, V]                       T (absent when tied)
+=========================================================  ============================================  =====
+
+Head layout inside ``N*H`` is head-major (``n * H + h``), as in HF, so no permutation is needed.
+With ``tie_word_embeddings`` HF checkpoints may omit ``lm_head.weight`` (or store a copy of the
+embedding); our tree has no ``lm_head`` then. HF's ``rotary_emb.inv_freq`` buffers are not
+parameters (recomputed from the config).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxascend.config import ModelConfig, validate_rope_scaling
+from jaxascend.models import layers as L
+
+LLAMA_ARCHS = ("llama", "qwen2", "mistral")
+
+
+def _check_llama_config(cfg: ModelConfig, vocab_size: int) -> int:
+    """Validates the fields this model reads; returns the head dimension."""
+    L.check_choice("model.arch", cfg.arch, LLAMA_ARCHS)
+    L.check_positive("vocab_size", vocab_size)
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads"):
+        L.check_positive(f"model.{name}", getattr(cfg, name))
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError(f"model.num_key_value_heads: {cfg.num_key_value_heads} must divide "
+                         f"model.num_attention_heads={cfg.num_attention_heads}")
+    if cfg.head_dim is None:
+        if cfg.hidden_size % cfg.num_attention_heads:
+            raise ValueError(f"model.hidden_size: {cfg.hidden_size} is not divisible by "
+                             f"model.num_attention_heads={cfg.num_attention_heads}; set model.head_dim")
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+    else:
+        L.check_positive("model.head_dim", cfg.head_dim)
+        head_dim = cfg.head_dim
+    validate_rope_scaling(cfg.rope_scaling)
+    if head_dim % 2:
+        raise ValueError(f"model.head_dim: RoPE needs an even head dimension, got {head_dim}")
+    if cfg.sliding_window is not None:
+        L.check_positive("model.sliding_window", cfg.sliding_window)
+    L.check_choice("model.hidden_act", cfg.hidden_act or "silu", L.HIDDEN_ACTS)
+    L.check_choice("model.remat", cfg.remat, L.REMAT_POLICIES)
+    L.compute_dtype(cfg.dtype, "model.dtype")
+    L.compute_dtype(cfg.param_dtype, "model.param_dtype")
+    if not cfg.init_std > 0:
+        raise ValueError(f"model.init_std: must be > 0, got {cfg.init_std!r}")
+    return head_dim
+
+
+class LlamaAttention(nnx.Module):
+    """Grouped-query self-attention with RoPE and an optional sliding window."""
+
+    def __init__(self, cfg: ModelConfig, head_dim: int, *, rngs: nnx.Rngs):
+        dtype, param_dtype = L.DTYPES[cfg.dtype], L.DTYPES[cfg.param_dtype]
+        n, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size
+
+        def linear(i, o, bias):
+            return L.Linear(i, o, use_bias=bias, init_std=cfg.init_std, dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
+
+        self.q_proj = linear(d, n * head_dim, cfg.attention_bias)
+        self.k_proj = linear(d, k * head_dim, cfg.attention_bias)
+        self.v_proj = linear(d, k * head_dim, cfg.attention_bias)
+        self.o_proj = linear(n * head_dim, d, False)
+        self.num_heads, self.num_kv_heads, self.head_dim = n, k, head_dim
+        # A tuple, not an array: static module data must be hashable (it is part of the graphdef).
+        self.inv_freq = tuple(L.rope_inverse_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling).tolist())
+        self.sliding_window = cfg.sliding_window
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        sin, cos = L.rope_angles(positions, self.inv_freq)
+        q = checkpoint_name(L.apply_rope(q, sin, cos), "query")
+        k = checkpoint_name(L.apply_rope(k, sin, cos), "key")
+        v = checkpoint_name(v, "value")
+        context = L.causal_attention(q, k, v, sliding_window=self.sliding_window)
+        context = checkpoint_name(context.reshape(batch, length, -1), "attn_context")
+        return checkpoint_name(self.o_proj(context), "attn_out")
+
+
+class LlamaMLP(nnx.Module):
+    """SwiGLU: ``down_proj(act(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype, param_dtype = L.DTYPES[cfg.dtype], L.DTYPES[cfg.param_dtype]
+        d, f = cfg.hidden_size, cfg.intermediate_size
+
+        def linear(i, o):
+            return L.Linear(i, o, use_bias=False, init_std=cfg.init_std, dtype=dtype,
+                            param_dtype=param_dtype, rngs=rngs)
+
+        self.gate_proj = linear(d, f)
+        self.up_proj = linear(d, f)
+        self.down_proj = linear(f, d)
+        self.hidden_act = cfg.hidden_act or "silu"  # a name: module data must hash by value
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = checkpoint_name(self.gate_proj(x), "mlp_gate")
+        up = checkpoint_name(self.up_proj(x), "mlp_up")
+        return checkpoint_name(self.down_proj(L.activation(self.hidden_act)(gate) * up), "mlp_out")
+
+
+class LlamaDecoderLayer(nnx.Module):
+    """Pre-norm block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, head_dim: int, *, rngs: nnx.Rngs):
+        dtype, param_dtype = L.DTYPES[cfg.dtype], L.DTYPES[cfg.param_dtype]
+        self.input_layernorm = L.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype,
+                                         param_dtype=param_dtype)
+        self.self_attn = LlamaAttention(cfg, head_dim, rngs=rngs)
+        self.post_attention_layernorm = L.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
+                                                  dtype=dtype, param_dtype=param_dtype)
+        self.mlp = LlamaMLP(cfg, rngs=rngs)
+
+    def __call__(self, hidden: jax.Array, positions: jax.Array) -> jax.Array:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Decoder-only LM: ``model(input_ids [B,T], positions [B,T] | None) -> float32 [B,T,V]``."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
+        head_dim = _check_llama_config(cfg, vocab_size)
+        dtype, param_dtype = L.DTYPES[cfg.dtype], L.DTYPES[cfg.param_dtype]
+        self.embed_tokens = L.Embed(vocab_size, cfg.hidden_size, init_std=cfg.init_std,
+                                    dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layers = L.stack_layers(lambda r: LlamaDecoderLayer(cfg, head_dim, rngs=r),
+                                     cfg.num_hidden_layers, rngs)
+        self.norm = L.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype,
+                              param_dtype=param_dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else L.Linear(
+            cfg.hidden_size, vocab_size, use_bias=False, init_std=cfg.init_std, dtype=dtype,
+            param_dtype=param_dtype, rngs=rngs)
+        self.remat = cfg.remat
+        self.dtype = dtype
+
+    def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None) -> jax.Array:
+        positions = L.default_positions(input_ids, positions)
+        hidden = self.embed_tokens(input_ids)
+        hidden = L.scan_layers(self.layers, hidden, positions, self.remat)
+        hidden = self.norm(hidden)
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden)
+        return jnp.einsum("BTD,DV->BTV", hidden, self.lm_head.kernel[...].astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
