@@ -70,7 +70,7 @@ class Progress:
         if record is not None:
             self._bar.set_postfix_str(
                 f"loss={record['loss']:.4f} tok/s={record['tokens_per_s']:.0f} "
-                f"peak={format_bytes(record['peak_rss_bytes'])}", refresh=False)
+                f"peak={format_bytes(record['peak_rss_bytes'])}")
 
     def close(self) -> None:
         self._bar.close()

@@ -71,7 +71,7 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State, tx: optax.GradientT
             grads, losses = jax.lax.scan(micro, zeros, tokens)
             grads = jax.tree.map(lambda g: g / grad_accum, grads)
             loss = losses.mean()
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
