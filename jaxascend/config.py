@@ -190,15 +190,28 @@ class OptimizerConfig:
 
 @dataclass
 class OffloadConfig:
-    """Optimizer state and gradients on SSD, streamed through a preallocated host arena."""
+    """Optimizer state and gradients on SSD, streamed through a preallocated host arena.
+
+    Sizes accept integers or strings like ``"64MiB"``. The SSD engine needs
+    ``block_bytes`` to be a multiple of 4096 and ``chunk_bytes``, ``shard_bytes`` and
+    ``staging_bytes`` to be multiples of ``block_bytes`` (I/O addresses whole blocks).
+    """
 
     enabled: bool = False
     dir: str = "offload"  # shard files live here (one run per directory; it is locked)
-    arena_bytes: Optional[Any] = None  # e.g. "2GiB"; None: derive from host_memory_budget
-    host_memory_budget: Optional[Any] = None  # e.g. "16GiB"
+    arena_bytes: Optional[Any] = None  # e.g. "2GiB"; None: exactly what the arena plan needs
+    host_memory_budget: Optional[Any] = None  # e.g. "16GiB"; the arena must fit in it
     chunk_bytes: Any = "64MiB"  # streaming granularity of the optimizer step
-    io_threads: int = 4
+    io_threads: int = 8  # pread/pwrite workers = requests in flight
     direct_io: bool = True  # O_DIRECT; falls back to buffered + fadvise where refused
+    block_bytes: Any = "1MiB"  # checksum block = I/O request size
+    shard_bytes: Any = "1GiB"  # largest shard file
+    staging_bytes: Any = "8MiB"  # each arena staging slot (copies in/out, gradient writes)
+    staging_slots: int = 2  # staging slots: copy one while another is written
+    stream_depth: int = 3  # pipeline stages: 1 in use, depth-2 read ahead, 1 written behind
+    lock_memory: bool = True  # mlock the arena (warns and continues unlocked if refused)
+    pin_memory: bool = True  # cudaHostRegister the arena when a CUDA device is present
+    preallocate: bool = True  # fallocate shard space up front, so a full disk fails early
 
     def __post_init__(self):
         if self.arena_bytes is not None:
@@ -207,9 +220,20 @@ class OffloadConfig:
         if self.host_memory_budget is not None:
             self.host_memory_budget = parse_bytes(self.host_memory_budget, "offload.host_memory_budget")
             _check_range("offload.host_memory_budget", self.host_memory_budget, lo=4096)
-        self.chunk_bytes = parse_bytes(self.chunk_bytes, "offload.chunk_bytes")
-        _check_range("offload.chunk_bytes", self.chunk_bytes, lo=4096)
         _check_range("offload.io_threads", self.io_threads, lo=1, hi=64)
+        _check_range("offload.staging_slots", self.staging_slots, lo=1, hi=64)
+        _check_range("offload.stream_depth", self.stream_depth, lo=2, hi=64)
+        self.block_bytes = parse_bytes(self.block_bytes, "offload.block_bytes")
+        _check_range("offload.block_bytes", self.block_bytes, lo=4096)
+        if self.block_bytes % 4096:
+            raise ConfigError(f"offload.block_bytes: must be a multiple of 4096, got {self.block_bytes}")
+        for name in ("chunk_bytes", "shard_bytes", "staging_bytes"):
+            value = parse_bytes(getattr(self, name), f"offload.{name}")
+            _check_range(f"offload.{name}", value, lo=self.block_bytes)
+            if value % self.block_bytes:
+                raise ConfigError(f"offload.{name}: must be a multiple of offload.block_bytes="
+                                  f"{self.block_bytes}, got {value}")
+            setattr(self, name, value)
 
 
 @dataclass
