@@ -98,6 +98,28 @@ void AdamRangeScalar(const AdamBuffers& b, const AdamScalars& s, int64_t begin, 
 // AVX2 + F16C: 8 lanes. FMA is deliberately not requested (see the top of the file).
 #define JAXASCEND_TARGET_AVX2 __attribute__((target("avx2,f16c")))
 
+// Software prefetch this many elements ahead of the loop. The hardware prefetchers follow the
+// streams too, but the loop's long sqrt/div chains keep few iterations in flight, and asking
+// early measured 5-10% faster on one thread (16M elements, fp16 gradients, AVX-512; runs on
+// a shared 2-core machine, so the figure is rough).
+constexpr int64_t kPrefetchAhead = 256;
+
+// Prefetches the line holding element i + kPrefetchAhead of `base` (elements of `size`
+// bytes). Prefetches never fault, so running past the end of a buffer is harmless; the
+// address is formed as an integer so no out-of-bounds pointer is created.
+inline void PrefetchAhead(const void* base, int64_t i, int64_t size) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(base) + (i + kPrefetchAhead) * size;
+  _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T0);
+}
+
+template <AdamElem G>
+inline void PrefetchInputs(const AdamBuffers& b, int64_t i) {
+  PrefetchAhead(b.master_in, i, 4);
+  PrefetchAhead(b.m_in, i, 4);
+  PrefetchAhead(b.v_in, i, 4);
+  PrefetchAhead(b.grad, i, G == AdamElem::kF32 ? 4 : 2);
+}
+
 template <AdamElem E>
 JAXASCEND_TARGET_AVX2 inline __m256 Load8(const void* p, int64_t i) {
   if constexpr (E == AdamElem::kF32) {
@@ -151,6 +173,7 @@ JAXASCEND_TARGET_AVX2 void AdamRangeAvx2(const AdamBuffers& b, const AdamScalars
   const __m256 omb1 = _mm256_set1_ps(s.one_minus_b1), omb2 = _mm256_set1_ps(s.one_minus_b2);
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
+    PrefetchInputs<G>(b, i);
     const __m256 g = _mm256_mul_ps(Load8<G>(b.grad, i), grad_scale);
     const __m256 master = _mm256_loadu_ps(b.master_in + i);
     const __m256 m = _mm256_add_ps(_mm256_mul_ps(omb1, g),
@@ -221,6 +244,7 @@ JAXASCEND_TARGET_AVX512 void AdamRangeAvx512(const AdamBuffers& b, const AdamSca
   const __m512 omb1 = _mm512_set1_ps(s.one_minus_b1), omb2 = _mm512_set1_ps(s.one_minus_b2);
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
+    PrefetchInputs<G>(b, i);
     const __m512 g = _mm512_mul_ps(Load16<G>(b.grad, i), grad_scale);
     const __m512 master = _mm512_loadu_ps(b.master_in + i);
     const __m512 m = _mm512_add_ps(_mm512_mul_ps(omb1, g),
