@@ -166,13 +166,14 @@ class GPT2LMHeadModel(nnx.Module):
         self.remat = cfg.remat
         self.dtype = dtype
 
-    def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
+                 layer_hook: Optional[L.LayerHook] = None) -> jax.Array:
         if positions is None and input_ids.ndim == 2 and input_ids.shape[1] > self.max_positions:
             raise ValueError(f"input_ids: length {input_ids.shape[1]} exceeds "
                              f"model.max_position_embeddings={self.max_positions}")
         positions = L.default_positions(input_ids, positions)
         hidden = self.wte(input_ids) + self.wpe(positions)
-        hidden = L.scan_layers(self.h, hidden, positions, self.remat)
+        hidden = L.scan_layers(self.h, hidden, positions, self.remat, layer_hook)
         hidden = self.ln_f(hidden)
         if self.lm_head is None:
             return self.wte.attend(hidden)

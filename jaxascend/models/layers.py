@@ -250,24 +250,35 @@ def layer_forward(graphdef: nnx.GraphDef, layer_params: nnx.State, hidden: jax.A
     return nnx.merge(graphdef, layer_params)(hidden, positions)
 
 
-def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, remat: str) -> jax.Array:
+LayerHook = Callable[[nnx.State, jax.Array], nnx.State]
+
+
+def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, remat: str,
+                layer_hook: Optional[LayerHook] = None) -> jax.Array:
     """Runs ``hidden`` through the stacked ``layers`` with ``lax.scan``, one layer per step.
 
     Each step applies :func:`layer_forward` to that layer's slice of the stacked parameters,
     wrapped in ``jax.checkpoint`` with the ``remat`` policy (see :func:`remat_policy`). The
     parameters enter the scan as ``xs``, so a per-layer transform of them (e.g. a custom_vjp
-    identity that ships the layer's gradient out) can be applied at the top of ``step``.
+    identity that ships the layer's gradient out) can be applied at the top of ``step``:
+    ``layer_hook(layer_params, layer_index)`` does exactly that when given.
     """
     use_checkpoint, policy = remat_policy(remat)
     graphdef, stacked_params = nnx.split(layers)
 
-    def step(carry, layer_params):
+    num_layers = jax.tree.leaves(stacked_params)[0].shape[0]
+
+    def step(carry, xs):
+        layer_params, index = xs
+        if layer_hook is not None:
+            layer_params = layer_hook(layer_params, index)
         return layer_forward(graphdef, layer_params, carry, positions), None
 
     if use_checkpoint:
         # prevent_cse=False: inside scan CSE cannot merge the recomputation with the forward.
         step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-    hidden, _ = jax.lax.scan(step, hidden, stacked_params)
+    xs = (stacked_params, jnp.arange(num_layers, dtype=jnp.int32))
+    hidden, _ = jax.lax.scan(step, hidden, xs)
     return hidden
 
 

@@ -174,10 +174,11 @@ class LlamaForCausalLM(nnx.Module):
         self.remat = cfg.remat
         self.dtype = dtype
 
-    def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
+                 layer_hook: Optional[L.LayerHook] = None) -> jax.Array:
         positions = L.default_positions(input_ids, positions)
         hidden = self.embed_tokens(input_ids)
-        hidden = L.scan_layers(self.layers, hidden, positions, self.remat)
+        hidden = L.scan_layers(self.layers, hidden, positions, self.remat, layer_hook)
         hidden = self.norm(hidden)
         if self.lm_head is None:
             return self.embed_tokens.attend(hidden)

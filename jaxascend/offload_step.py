@@ -1,0 +1,131 @@
+"""The forward/backward step with instant gradient offload.
+
+Every parameter leaf gets a tensor id (its index in the flattened parameter tree). Leaves of the
+layer stack are wrapped in :func:`~jaxascend.grad_sink.offload_on_backward` inside the layer scan,
+one layer at a time; the other leaves (embeddings, final norm, head) are wrapped before the model
+is assembled. The loss is differentiated with respect to small "probe" arrays only, so
+
+* each gradient leaves for the sink (the SSD store) the moment the backward pass computes it,
+  in the compute dtype, and the full gradient tree never exists;
+* the step returns, per leaf (and per layer), ``[sum of squares, non-finite count]`` of the
+  gradient: the overflow check and the global norm for clipping, with no extra pass or buffer.
+
+    routing = SinkRouting.for_params(params, stack_key="layers")
+    step = make_offload_step(graphdef, rest, routing, handle)
+    loss, stats = step(params, tokens, loss_scale)    # gradients are already on their way to SSD
+    sumsq, nonfinite = total_stats(stats)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxascend.grad_sink import PROBE_SIZE, offload_on_backward
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRoute:
+    """Where one parameter leaf's gradient goes."""
+
+    key: str  # jax.tree_util.keystr of the leaf's path in the parameter state
+    tensor: int  # tensor id passed to the sink (index in the flattened parameter tree)
+    layers: int  # > 0 for leaves of the layer stack (their leading axis), 0 otherwise
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkRouting:
+    """Tensor ids for every parameter leaf, split into layer-stack and top-level leaves."""
+
+    stack_key: str
+    routes: tuple[LeafRoute, ...]
+
+    @classmethod
+    def for_params(cls, params: nnx.State, stack_key: str) -> "SinkRouting":
+        """``stack_key`` is the attribute holding the scanned layers ('layers' for the Llama
+        family, 'h' for GPT-2); its leaves have a leading layer axis."""
+        flat, _ = jax.tree_util.tree_flatten_with_path(params)
+        routes = []
+        for tensor, (path, leaf) in enumerate(flat):
+            stacked = _first_key(path) == stack_key
+            routes.append(LeafRoute(_layer_key(path) if stacked else jax.tree_util.keystr(path), tensor,
+                                    int(leaf.shape[0]) if stacked else 0, tuple(leaf.shape), leaf.dtype))
+        if not any(r.layers for r in routes):
+            raise ValueError(f"model parameters have no layer stack under {stack_key!r}")
+        return cls(stack_key, tuple(routes))
+
+    def probes(self) -> dict[str, jax.Array]:
+        """Zero probes: f32[L, 2] per stacked leaf, f32[2] per other leaf."""
+        return {r.key: jnp.zeros(((r.layers,) if r.layers else ()) + (PROBE_SIZE,), jnp.float32)
+                for r in self.routes}
+
+    def by_key(self) -> dict[str, LeafRoute]:
+        return {r.key: r for r in self.routes}
+
+
+def _first_key(path) -> str:
+    entry = path[0]
+    return str(getattr(entry, "key", getattr(entry, "name", entry)))
+
+
+def _layer_key(path) -> str:
+    """Key of a stacked leaf as seen inside the scan (its path without the stack attribute)."""
+    return "layer:" + jax.tree_util.keystr(path[1:])
+
+
+def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
+                      loss_fn) -> Any:
+    """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)``.
+
+    ``loss_fn(model, tokens, layer_hook)`` returns the scalar loss of one batch. ``stats`` maps each
+    leaf key to its probe's gradient (``[..., 2]``: sum of squares, non-finite count) of the
+    *scaled* gradient. ``loss`` is unscaled.
+    """
+    routes = routing.by_key()
+
+    def hook_leaf(key, x, probe, layer=0):
+        route = routes[key]
+        return offload_on_backward(x, probe, sink=sink, tensor=route.tensor, layer=layer)
+
+    def scaled_loss(probes, params, tokens, loss_scale):
+        def top(path, x):
+            if _first_key(path) == routing.stack_key:
+                return x
+            key = jax.tree_util.keystr(path)
+            return hook_leaf(key, x, probes[key])
+
+        params = jax.tree_util.tree_map_with_path(top, params)
+
+        def layer_hook(layer_params, index):
+            def one(path, x):
+                key = "layer:" + jax.tree_util.keystr(path)
+                return hook_leaf(key, x, probes[key][index], layer=index)
+
+            return jax.tree_util.tree_map_with_path(one, layer_params)
+
+        model = nnx.merge(graphdef, params, rest)
+        loss = loss_fn(model, tokens, layer_hook)
+        return loss * loss_scale.astype(loss.dtype), loss
+
+    grad_of_probes = jax.value_and_grad(scaled_loss, has_aux=True)
+
+    @partial(jax.jit, static_argnums=())
+    def step(params, tokens, loss_scale):
+        (_, loss), stats = grad_of_probes(routing.probes(), params, tokens, loss_scale)
+        return loss, stats
+
+    return step
+
+
+def total_stats(stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Sums per-leaf probe statistics into ``(sum of squares, non-finite count)``."""
+    sumsq = sum(jnp.sum(s[..., 0]) for s in stats.values())
+    nonfinite = sum(jnp.sum(s[..., 1]) for s in stats.values())
+    return sumsq, nonfinite
