@@ -10,9 +10,11 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
 #include <cstring>
+#include <stdexcept>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -166,6 +168,34 @@ void BindGradSink(nb::module_& m) {
       "Makes a MemorySink reachable from jaxascend_grad_sink; returns its handle.");
   m.def("unregister_sink", &UnregisterSink, nb::arg("handle"),
         "Removes a sink; later calls with its handle fail with an error.");
+  // The host half of the sink for backends whose FFI calls cannot run on the host (GPU): the
+  // jitted step copies the gradient to host memory with an io_callback and calls this.
+  m.def(
+      "consume_gradient",
+      [](int64_t handle, int64_t tensor, int64_t layer, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig> g,
+         const std::string& dtype) {
+        std::shared_ptr<GradientSink> target = FindSink(handle);
+        if (!target) {
+          throw nb::value_error(("grad_sink: no open gradient sink with handle " + std::to_string(handle)).c_str());
+        }
+        ffi::DataType type;
+        if (dtype == "float32") type = ffi::DataType::F32;
+        else if (dtype == "float16") type = ffi::DataType::F16;
+        else if (dtype == "bfloat16") type = ffi::DataType::BF16;
+        else throw nb::value_error(("grad_sink: unsupported gradient dtype " + dtype).c_str());
+        GradStats s;
+        const int64_t itemsize = type == ffi::DataType::F32 ? 4 : 2;
+        GradStatsOf(type, g.data(), static_cast<int64_t>(g.size()) / itemsize, &s);
+        std::string err;
+        {
+          nb::gil_scoped_release release;
+          err = target->Consume(tensor, layer, type, g.data(), g.size());
+        }
+        if (!err.empty()) throw std::runtime_error(err);
+        return std::make_pair(static_cast<float>(s.sumsq), s.nonfinite);
+      },
+      nb::arg("handle"), nb::arg("tensor"), nb::arg("layer"), nb::arg("gradient"), nb::arg("dtype"),
+      "Hands a host copy (raw bytes) of one layer's gradient to a sink; returns (sumsq, nonfinite).");
 }
 }  // namespace
 

@@ -21,6 +21,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from jaxascend import _native
 from jaxascend import native  # noqa: F401  (registers the FFI targets)
@@ -31,11 +32,34 @@ MemorySink = _native.MemorySink
 
 
 def sink_gradient(g: jax.Array, layer: jax.Array, *, sink: int, tensor: int) -> jax.Array:
-    """Sends ``g`` to sink ``sink`` as layer ``layer`` of tensor ``tensor``; returns f32[2] stats."""
+    """Sends ``g`` to sink ``sink`` as layer ``layer`` of tensor ``tensor``; returns f32[2] stats.
+
+    On the CPU backend this is the FFI target, reading the gradient where XLA computed it. On
+    other backends (GPU) the gradient is copied to host memory by an ``io_callback`` whose host
+    side calls the same sink.
+    """
+    if _use_host_callback():
+        return _sink_gradient_via_host(g, layer, sink=sink, tensor=tensor)
     out_types = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
     sumsq, nonfinite = jax.ffi.ffi_call("jaxascend_grad_sink", out_types, has_side_effect=True)(
         g, jnp.asarray(layer, jnp.int32), sink=np.int64(sink), tensor=np.int64(tensor))
     return jnp.stack([sumsq, nonfinite.astype(jnp.float32)])
+
+
+def _use_host_callback() -> bool:
+    """FFI targets are registered for the CPU platform; elsewhere the sink is reached from host."""
+    return jax.default_backend() != "cpu"
+
+
+def _sink_gradient_via_host(g, layer, *, sink, tensor):
+    dtype_name = jnp.dtype(g.dtype).name
+
+    def host(g_host, layer_host):
+        sumsq, nonfinite = _native.consume_gradient(sink, tensor, int(layer_host),
+                                                    np.ascontiguousarray(g_host).reshape(-1).view(np.uint8), dtype_name)
+        return np.array([sumsq, float(nonfinite)], np.float32)
+
+    return io_callback(host, jax.ShapeDtypeStruct((PROBE_SIZE,), jnp.float32), g, layer, ordered=False)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -15,6 +15,7 @@ def forget_failed_effects():
     yield
     dispatch.runtime_tokens.clear()
 
+from jaxascend import grad_sink
 from jaxascend.grad_sink import MemorySink, offload_on_backward, register_memory_sink, unregister_sink
 
 L, D = 3, 16
@@ -54,8 +55,11 @@ def _sinked_step(dtype, handle):
     return jax.jit(jax.value_and_grad(loss))
 
 
+@pytest.mark.parametrize("via_host", [False, True], ids=["ffi", "host-callback"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_sink_receives_exact_gradients(params, dtype):
+def test_sink_receives_exact_gradients(params, dtype, via_host, monkeypatch):
+    # via_host: the io_callback path that GPU backends take, forced here on the CPU.
+    monkeypatch.setattr(grad_sink, "_use_host_callback", lambda: via_host or jax.default_backend() != "cpu")
     w, emb, x = params
     ref_w, ref_emb = jax.jit(jax.grad(
         lambda w, e: _net(w.astype(dtype), e.astype(dtype), x.astype(dtype), lambda p, i: p),
