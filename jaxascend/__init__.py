@@ -1,8 +1,36 @@
-"""jaxascend: full-parameter fine-tuning of LLMs in JAX/Flax with optimizer state on SSD."""
+"""jaxascend: full-parameter fine-tuning of LLMs in JAX/Flax with optimizer state on SSD.
+
+Importing the package registers the native XLA FFI targets (``jaxascend._native``) for the CPU
+platform. The public pieces, from the bottom up:
+
+* :class:`HostArena` / :class:`ArenaPlan` -- one pinned, preallocated host allocation;
+* :class:`SsdStore` -- checksummed ``O_DIRECT`` shard files, streamed through the arena;
+* :func:`fused_adamw_update` -- the fused host AdamW kernel;
+* :func:`offload_on_backward` -- instant gradient offload inside the backward pass;
+* :func:`grad_stats` -- fused overflow check + sum of squares;
+* :func:`load_config` / :func:`run` -- the trainer behind ``python -m jaxascend.train``.
+"""
 
 from jaxascend import native as _native_registration  # noqa: F401  (registers FFI targets)
+from jaxascend.arena import ArenaError, ArenaPlan, HostArena
+from jaxascend.config import Config, ConfigError, load_config
+from jaxascend.fused_adam import AdamHyperParams, fused_adamw_update, fused_adamw_update_numpy
+from jaxascend.grad_sink import offload_on_backward
 from jaxascend.grad_stats import grad_stats, tree_grad_stats
+from jaxascend.ssd_store import ChecksumError, SsdStore, StoreError, StoreLockedError
 
 __version__ = "0.1.0"
 
-__all__ = ["grad_stats", "tree_grad_stats", "__version__"]
+
+def run(cfg: Config):
+    """Trains with ``cfg`` (see :func:`jaxascend.trainer.run`)."""
+    from jaxascend.trainer import run as _run
+
+    return _run(cfg)
+
+
+__all__ = [
+    "AdamHyperParams", "ArenaError", "ArenaPlan", "ChecksumError", "Config", "ConfigError", "HostArena",
+    "SsdStore", "StoreError", "StoreLockedError", "__version__", "fused_adamw_update",
+    "fused_adamw_update_numpy", "grad_stats", "load_config", "offload_on_backward", "run", "tree_grad_stats",
+]
