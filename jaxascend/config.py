@@ -176,6 +176,15 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip_norm: Optional[float] = 1.0  # None: no clipping
+    # Loss scaling: "dynamic" scales fp16 compute only (bf16/fp32 need none), "always" scales any
+    # dtype, "none" never. Overflowing steps are skipped and the scale multiplied by backoff.
+    loss_scale: Literal["dynamic", "always", "none"] = "dynamic"
+    loss_scale_init: float = 2.0**15
+    loss_scale_growth: float = 2.0
+    loss_scale_backoff: float = 0.5
+    loss_scale_growth_interval: int = 2000  # finite steps in a row before the scale grows
+    loss_scale_min: float = 1.0
+    loss_scale_max: float = 2.0**24
 
     def __post_init__(self):
         _check_range("optimizer.learning_rate", self.learning_rate, lo=0)
@@ -186,6 +195,14 @@ class OptimizerConfig:
         _check_range("optimizer.eps", self.eps, lo=0, lo_open=True)
         _check_range("optimizer.weight_decay", self.weight_decay, lo=0)
         _check_range("optimizer.grad_clip_norm", self.grad_clip_norm, lo=0, lo_open=True)
+        _check_range("optimizer.loss_scale_init", self.loss_scale_init, lo=0, lo_open=True)
+        _check_range("optimizer.loss_scale_growth", self.loss_scale_growth, lo=1)
+        _check_range("optimizer.loss_scale_backoff", self.loss_scale_backoff, lo=0, hi=1, lo_open=True, hi_open=True)
+        _check_range("optimizer.loss_scale_growth_interval", self.loss_scale_growth_interval, lo=1)
+        _check_range("optimizer.loss_scale_min", self.loss_scale_min, lo=0, lo_open=True)
+        if self.loss_scale_max < self.loss_scale_min:
+            raise ConfigError(f"optimizer.loss_scale_max: {self.loss_scale_max} is below "
+                              f"optimizer.loss_scale_min={self.loss_scale_min}")
 
 
 @dataclass
@@ -250,6 +267,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class ExportConfig:
+    """Hugging Face export of the trained weights (later: ``python -m jaxascend.export``)."""
+
+    enabled: bool = False  # write a Hugging Face folder at the end of the run
+    dir: Optional[str] = None  # None: <train.out_dir>/hf
+    dtype: DType = "bfloat16"  # dtype the exported weights are stored in
+    shard_bytes: Any = "5GB"  # largest safetensors shard (transformers' default)
+    save_params: bool = True  # write <train.out_dir>/params.safetensors so a run can be exported later
+
+    def __post_init__(self):
+        self.shard_bytes = parse_bytes(self.shard_bytes, "export.shard_bytes")
+        _check_range("export.shard_bytes", self.shard_bytes, lo=1)
+
+
+@dataclass
 class TrainConfig:
     """The loop: how long, how often to log, where outputs go."""
 
@@ -273,6 +305,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def to_dict(self) -> dict:
