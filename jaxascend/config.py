@@ -255,15 +255,20 @@ class OffloadConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Orbax checkpoints of the whole training state."""
+    """Orbax checkpoints of the whole training state (see :mod:`jaxascend.checkpoint`)."""
 
     dir: Optional[str] = None  # None: <train.out_dir>/checkpoints
     every_steps: int = 0  # 0: only at the end
     keep_last: int = 2
+    async_save: bool = True  # small items (params, meta) are written in the background
+    compression: Literal["none", "zstd"] = "none"  # of the streamed optimizer-state arrays
+    cleanup_partial: bool = True  # remove half-written saves (Orbax tmp dirs) when opening dir
 
     def __post_init__(self):
         _check_range("checkpoint.every_steps", self.every_steps, lo=0)
         _check_range("checkpoint.keep_last", self.keep_last, lo=1)
+        if self.compression not in ("none", "zstd"):
+            raise ConfigError(f"checkpoint.compression: expected one of 'none', 'zstd', got {self.compression!r}")
 
 
 @dataclass
@@ -291,11 +296,26 @@ class TrainConfig:
     log_every: int = 10
     out_dir: str = "runs/default"  # metrics.jsonl and checkpoints go here
     progress: bool = True  # show a progress bar
+    # "auto": newest complete checkpoint in checkpoint.dir (fresh start if none); "none": fresh
+    # start; an integer: that step's checkpoint (an error if it is missing).
+    resume: Union[Literal["auto", "none"], int] = "auto"
 
     def __post_init__(self):
+        self.resume = validate_resume(self.resume)
         _check_range("train.steps", self.steps, lo=1)
         _check_range("train.grad_accum", self.grad_accum, lo=1)
         _check_range("train.log_every", self.log_every, lo=1)
+
+
+def validate_resume(value: Any, name: str = "train.resume") -> Union[str, int]:
+    """``"auto"``, ``"none"`` or a step number >= 0 (a string of digits is read as one)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not (value in ("auto", "none") or isinstance(value, int)):
+        raise ConfigError(f"{name}: expected 'auto', 'none' or a step number, got {value!r}")
+    if isinstance(value, int) and value < 0:
+        raise ConfigError(f"{name}: a step number must be >= 0, got {value!r}")
+    return value
 
 
 @dataclass
