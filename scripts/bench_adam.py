@@ -16,6 +16,8 @@ Every method does one full AdamW step per timed call: the fused kernel on numpy 
 jitted with donated state (XLA's own threads, all cores); and numpy with preallocated
 scratch (one thread). Baselines use fp16 gradients. The compute params are fp16 for fp16
 gradients and bf16 otherwise. A rate is n / median seconds over --reps calls after a warm-up.
+The probe and the kernel variants take turns within each repetition on the same buffers, so
+the ratio kernel/limit holds up on a machine shared with other work; absolute rates do not.
 """
 
 from __future__ import annotations
@@ -55,55 +57,71 @@ def param_dtype_for(grad_dtype: str) -> str:
     return grad_dtype if grad_dtype != "float32" else "bfloat16"
 
 
-def time_calls(fn, reps: int) -> float:
-    """Median seconds of fn() over `reps` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def time_interleaved(fns: dict, reps: int) -> dict:
+    """Median seconds per call of each function, after one warm-up call each. The functions
+    take turns within every repetition, so load from other processes on a shared machine
+    hits all of them alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def make_state(n: int, grad_dtype: str, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    master = rng.standard_normal(n, dtype=np.float32)
-    m = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
-    v = np.abs(rng.standard_normal(n, dtype=np.float32)) * np.float32(1e-6)
-    grad = (rng.standard_normal(n, dtype=np.float32) * np.float32(1e-2)).astype(NP_DTYPES[grad_dtype])
-    params = np.empty(n, NP_DTYPES[param_dtype_for(grad_dtype)])
-    return master, m, v, grad, params
+class Buffers:
+    """One size's flat buffers, shared by every method: fp32 master/m/v, and a gradient and a
+    compute-params buffer per gradient dtype."""
+
+    def __init__(self, n: int, grad_dtypes: list[str], seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.n = n
+        self.master = rng.standard_normal(n, dtype=np.float32)
+        self.m = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
+        self.v = np.abs(rng.standard_normal(n, dtype=np.float32)) * np.float32(1e-6)
+        grad32 = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-2)
+        self.grads = {d: grad32.astype(NP_DTYPES[d]) for d in grad_dtypes}
+        # fill() touches every page now, so no timed call pays for first-touch faults.
+        self.params = {}
+        for d in grad_dtypes:
+            self.params[d] = np.empty(n, NP_DTYPES[param_dtype_for(d)])
+            self.params[d].fill(0)
+
+    def fused(self, grad_dtype: str, threads: int):
+        scalars = np.asarray(HPARAMS.scalars())
+        grad, params = self.grads[grad_dtype], self.params[grad_dtype]
+        return lambda: fused_adamw_update_numpy(self.master, self.m, self.v, grad, params,
+                                                scalars, threads=threads)
+
+    def probe(self, threads: int):
+        grad16 = self.grads["float16"].view(np.uint16)
+        params16 = self.params["float16"].view(np.uint16)
+        return lambda: _native.adamw_bandwidth_probe(self.master, self.m, self.v, grad16,
+                                                     params16, 1.0, threads)
 
 
-def bench_fused(n: int, grad_dtype: str, threads: list[int], reps: int) -> dict:
-    master, m, v, grad, params = make_state(n, grad_dtype)
-    scalars = np.asarray(HPARAMS.scalars())
-    out = {}
+def bench_kernel_and_limit(bufs: Buffers, grad_dtypes: list[str], threads: list[int],
+                           reps: int) -> tuple[dict, dict]:
+    """Rates of the bandwidth probe and the fused kernel, timed in turns on the same buffers."""
+    limit, fused = {}, {d: {} for d in grad_dtypes}
     for t in threads:
-        seconds = time_calls(
-            lambda: fused_adamw_update_numpy(master, m, v, grad, params, scalars, threads=t), reps)
-        out[f"{t}_threads"] = n / seconds
-    return out
+        fns = {"limit": bufs.probe(t)} if "float16" in grad_dtypes else {}
+        fns.update({d: bufs.fused(d, t) for d in grad_dtypes})
+        for name, seconds in time_interleaved(fns, reps).items():
+            (limit if name == "limit" else fused[name])[f"{t}_threads"] = bufs.n / seconds
+    return limit, fused
 
 
-def bench_bandwidth(n: int, threads: list[int], reps: int) -> dict:
-    master, m, v, grad, params = make_state(n, "float16")
-    grad16, params16 = grad.view(np.uint16), params.view(np.uint16)
-    out = {}
-    for t in threads:
-        seconds = time_calls(
-            lambda: _native.adamw_bandwidth_probe(master, m, v, grad16, params16, 1.0, t), reps)
-        out[f"{t}_threads"] = n / seconds
-    return out
-
-
-def bench_numpy(n: int, reps: int) -> float:
-    master, m, v, grad, params = make_state(n, "float16")
+def bench_numpy(bufs: Buffers, reps: int) -> float:
+    master, m, v = bufs.master, bufs.m, bufs.v
+    grad, params = bufs.grads["float16"], bufs.params["float16"]
     lr, b1, b2, eps, wd, gs, bc1, bc2, omb1, omb2 = (np.float32(x) for x in
                                                       np.asarray(HPARAMS.scalars()))
     inv_bc1, inv_bc2 = np.float32(1) / bc1, np.float32(1) / bc2
-    g, tmp = np.empty(n, np.float32), np.empty(n, np.float32)
+    g, tmp = np.empty(bufs.n, np.float32), np.empty(bufs.n, np.float32)
 
     def step():
         nonlocal master, m, v, g, tmp  # the in-place operators below rebind these names
@@ -126,14 +144,13 @@ def bench_numpy(n: int, reps: int) -> float:
         master -= g
         params[...] = master  # rounds to the param dtype
 
-    return n / time_calls(step, reps)
+    return bufs.n / time_interleaved({"numpy": step}, reps)["numpy"]
 
 
-def bench_jnp(n: int, reps: int) -> float:
-    master, m, v, grad, _ = make_state(n, "float16")
-    state = [jnp.asarray(master), jnp.asarray(m), jnp.asarray(v)]
-    grad = jnp.asarray(grad)
-    del master, m, v
+def bench_jnp(bufs: Buffers, reps: int) -> float:
+    """adamw_reference jitted with donated state (copies of the buffers in XLA's memory)."""
+    state = [jnp.asarray(bufs.master), jnp.asarray(bufs.m), jnp.asarray(bufs.v)]
+    grad = jnp.asarray(bufs.grads["float16"])
     scalars = HPARAMS.scalars()
     step = jax.jit(lambda *a: adamw_reference(*a, param_dtype=jnp.float16),
                    donate_argnums=(0, 1, 2))
@@ -143,17 +160,16 @@ def bench_jnp(n: int, reps: int) -> float:
         jax.block_until_ready(out)
         state[:] = out[:3]
 
-    return n / time_calls(call, reps)
+    return bufs.n / time_interleaved({"jnp": call}, reps)["jnp"]
 
 
-def bench_optax(n: int, reps: int) -> float:
-    master, _, _, grad, _ = make_state(n, "float16")
+def bench_optax(bufs: Buffers, reps: int) -> float:
+    """optax.adamw update + apply_updates + cast to fp16, jitted with donated state."""
     tx = optax.adamw(HPARAMS.lr, b1=HPARAMS.b1, b2=HPARAMS.b2, eps=HPARAMS.eps,
                      weight_decay=HPARAMS.weight_decay)
-    params = jnp.asarray(master)
-    del master
+    params = jnp.asarray(bufs.master)
     carry = [params, tx.init(params)]
-    grad = jnp.asarray(grad)
+    grad = jnp.asarray(bufs.grads["float16"])
 
     def step(params, opt_state, grad):
         updates, opt_state = tx.update(grad.astype(jnp.float32) * HPARAMS.grad_scale, opt_state,
@@ -168,7 +184,7 @@ def bench_optax(n: int, reps: int) -> float:
         jax.block_until_ready(compute)
         carry[:] = [params, opt_state]
 
-    return n / time_calls(call, reps)
+    return bufs.n / time_interleaved({"optax": call}, reps)["optax"]
 
 
 def busy_processes() -> list[str]:
@@ -237,12 +253,14 @@ def main() -> None:
         "results": [],
     }
     for n in (parse_size(s) for s in args.sizes.split(",")):
+        bufs = Buffers(n, sorted(set(grad_dtypes) | {"float16"}))
         r = {"params": n, "bytes_per_param_fp16": 28}
-        r["bandwidth_limit"] = bench_bandwidth(n, threads, args.reps)
-        r["fused"] = {d: bench_fused(n, d, threads, args.reps) for d in grad_dtypes}
-        r["jnp_adamw_jit"] = bench_jnp(n, args.reps)
-        r["optax_adamw_jit"] = bench_optax(n, args.reps)
-        r["numpy_adamw"] = bench_numpy(n, args.reps)
+        r["bandwidth_limit"], r["fused"] = bench_kernel_and_limit(bufs, grad_dtypes, threads,
+                                                                  args.reps)
+        r["jnp_adamw_jit"] = bench_jnp(bufs, args.reps)
+        r["optax_adamw_jit"] = bench_optax(bufs, args.reps)
+        r["numpy_adamw"] = bench_numpy(bufs, args.reps)
+        del bufs
         if "float16" in r["fused"]:
             fused = r["fused"]["float16"]
             r["ratios_fp16"] = {
