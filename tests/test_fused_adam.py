@@ -382,7 +382,7 @@ def test_ffi_handler_errors():
         ((z, z, z, z, s, jnp.int32), "adamw: params dtype int32 is not supported"),
     ]
     for args, message in cases:
-        with pytest.raises(Exception, match=message):
+        with pytest.raises(jax.errors.JaxRuntimeError, match=message):
             jax.block_until_ready(_raw_ffi(*args))
-    with pytest.raises(Exception, match=r"adamw: threads=0 must be in \[1, 256\]"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"adamw: threads=0 must be in \[1, 256\]"):
         jax.block_until_ready(_raw_ffi(z, z, z, z, s, jnp.float16, threads=0))
