@@ -1,0 +1,110 @@
+"""Which Hugging Face tensor holds which of our parameters: names, shapes and transposes.
+
+The tables in :mod:`jaxascend.models.llama` and :mod:`jaxascend.models.gpt2` are the reference;
+here they are derived from the model's own (abstract) parameter tree with three rules:
+
+* a stacked layer parameter ``layers.X`` (``h.X`` for GPT-2) of shape ``[L, ...]`` is the HF
+  tensors ``model.layers.{i}.X`` (``transformer.h.{i}.X``), one per layer;
+* the leaf names map ``kernel``/``scale``/``embedding`` -> ``weight`` and ``bias`` -> ``bias``;
+* a Llama-family ``kernel`` is stored transposed by HF (``nn.Linear`` is ``[out, in]``); GPT-2's
+  ``Conv1D`` kernels are not, but its separate ``lm_head`` is an ``nn.Linear``.
+
+    plan = param_plan(model_cfg)                  # one ParamMapping per parameter of ours
+    for m in plan: print(m.path, m.shape, m.hf_names[0], m.transpose)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from flax import nnx
+
+from jaxascend.config import ModelConfig
+from jaxascend.models import build_model
+
+# Stacked-layer collection names and the HF base-model prefix, per architecture family.
+_LAYER_COLLECTION = {"llama": "layers", "qwen2": "layers", "mistral": "layers", "gpt2": "h"}
+HF_PREFIX = {"llama": "model.", "qwen2": "model.", "mistral": "model.", "gpt2": "transformer."}
+_LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """One parameter of ours and the Hugging Face tensor(s) it is made of."""
+
+    path: tuple[str, ...]  # our parameter path, e.g. ("layers", "mlp", "up_proj", "kernel")
+    shape: tuple[int, ...]  # our shape (stacked: leading layer axis)
+    hf_names: tuple[str, ...]  # one per layer when stacked, else one; without the base prefix
+    hf_shape: tuple[int, ...]  # shape of each HF tensor
+    transpose: bool  # HF tensor is the transpose of our (per-layer) slice
+    stacked: bool  # our parameter has a leading layer axis
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """Shape of one layer's slice (our layout)."""
+        return self.shape[1:] if self.stacked else self.shape
+
+    def hf_name(self, layer: Optional[int], prefix: str) -> str:
+        """Full HF name of the tensor for ``layer`` (None when not stacked), given the prefix."""
+        name = self.hf_names[layer if self.stacked else 0]
+        return name if name.startswith("lm_head.") else prefix + name
+
+
+def abstract_params(cfg: ModelConfig, vocab_size: Optional[int] = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """``(graphdef, state)`` of ``cfg``'s model with ShapeDtypeStruct leaves (nothing allocated)."""
+    vocab = vocab_size or cfg.vocab_size
+    if not vocab:
+        raise ValueError("model.vocab_size: 0 (unknown); set it or load it from config.json")
+    abstract = nnx.eval_shape(lambda: build_model(cfg, vocab, rngs=nnx.Rngs(0)))
+    return nnx.split(abstract)
+
+
+def param_plan(cfg: ModelConfig, vocab_size: Optional[int] = None) -> list[ParamMapping]:
+    """One :class:`ParamMapping` per parameter of ``cfg``'s model, in the model's tree order."""
+    _, state = abstract_params(cfg, vocab_size)
+    collection = _LAYER_COLLECTION[cfg.arch]
+    plan = []
+    for path, variable in nnx.to_flat_state(state):
+        path = tuple(str(p) for p in path)
+        shape = tuple(variable.get_value().shape)
+        stacked = path[0] == collection
+        leaf = _LEAF_NAMES[path[-1]]
+        transpose = path[-1] == "kernel" and (cfg.arch != "gpt2" or path[0] == "lm_head")
+        layer_shape = shape[1:] if stacked else shape
+        hf_shape = tuple(reversed(layer_shape)) if transpose else layer_shape
+        stem = ".".join(path[1:-1] if stacked else path[:-1])
+        if stacked:
+            names = tuple(f"{collection}.{i}.{stem}.{leaf}" for i in range(cfg.num_hidden_layers))
+        else:
+            names = (f"{stem}.{leaf}",)
+        plan.append(ParamMapping(path, shape, names, hf_shape, transpose, stacked))
+    return plan
+
+
+def is_ignored_hf_tensor(name: str, arch: str) -> bool:
+    """Buffers some checkpoints carry that are not parameters: RoPE ``inv_freq`` (Llama family)
+    and GPT-2's causal-mask ``attn.bias`` / ``attn.masked_bias``."""
+    if arch == "gpt2":
+        return name.endswith((".attn.bias", ".attn.masked_bias"))
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def tree_path_to_dotted(path) -> str:
+    """A ``jax.tree_util`` key path or tuple of names as ``"layers.mlp.up_proj.kernel"``."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                key = getattr(key, attr)
+                break
+        parts.append(str(key))
+    return ".".join(parts)
+
+
+__all__ = ["HF_PREFIX", "ParamMapping", "abstract_params", "is_ignored_hf_tensor", "param_plan",
+           "tree_path_to_dotted"]
