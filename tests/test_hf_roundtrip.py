@@ -223,3 +223,33 @@ def test_exported_config_is_read_by_transformers(checkpoints, tmp_path):
 def test_presets_match_published_parameter_counts(arch, size):
     cfg = model_config_from_hf_dict(PRESETS[arch][size])
     assert sum(math.prod(m.shape) for m in param_plan(cfg)) == PUBLISHED_PARAMS[(arch, size)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_tiled_transpose_matches_numpy(dtype):
+    from jaxascend.hf_load import transpose_into
+    from jaxascend.models.layers import DTYPES
+
+    src = np.random.default_rng(0).standard_normal((300, 700)).astype(DTYPES[dtype])
+    dst = np.empty((700, 300), src.dtype)
+    transpose_into(dst, src)
+    assert dst.tobytes() == np.ascontiguousarray(src.T).tobytes()
+
+
+def test_make_hf_checkpoint_script(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "make_hf_checkpoint.py"
+    proc = subprocess.run([sys.executable, str(script), "--arch", "gpt2", "--size", "tiny", "--out",
+                           str(tmp_path / "g"), "--dtype", "fp16"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["params"] == sum(math.prod(m.shape) for m in param_plan(model_config_from_hf(tmp_path / "g")))
+    assert "tokenizer.json" in report["files"] and "model.safetensors" in report["files"]
+    with CheckpointFiles(tmp_path / "g") as ckpt:
+        assert {e.dtype for e in ckpt.entries.values()} == {"F16"}
+    bad = subprocess.run([sys.executable, str(script), "--arch", "gpt2", "--size", "9B", "--out",
+                          str(tmp_path / "x")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "not a preset for gpt2 (allowed: tiny, 124M)" in bad.stderr
