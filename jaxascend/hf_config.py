@@ -14,7 +14,6 @@ loaded into a silently different model.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any, Optional
@@ -259,8 +258,3 @@ def hf_config_dict(cfg: ModelConfig, *, dtype: str = "bfloat16", vocab_size: Opt
         if value is not None:
             out[key] = value
     return out
-
-
-def model_config_to_dict(cfg: ModelConfig) -> dict:
-    """Plain dict of every ModelConfig field (for metadata); inverse of ``ModelConfig(**d)``."""
-    return dataclasses.asdict(cfg)
