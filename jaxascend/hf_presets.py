@@ -150,7 +150,9 @@ def make_hf_checkpoint(arch: str, size: str, out_dir: str | os.PathLike, *, dtyp
 
     hf = preset_config(arch, size)
     cfg: ModelConfig = model_config_from_hf_dict(hf, source=f"preset {arch}/{size}")
-    tokenizer_vocab = min(tokenizer_vocab, cfg.vocab_size)
+    # Leave room for special tokens that a model-specific tokenizer class adds on load (Qwen2's
+    # adds <|endoftext|>): the tokenizer must never outgrow the embedding table.
+    tokenizer_vocab = min(tokenizer_vocab, cfg.vocab_size - 16)
     source = random_reader(seed, cfg.init_std, random_norms)
     shapes = {m.path: m.layer_shape for m in param_plan(cfg)}
     token_ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}

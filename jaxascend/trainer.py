@@ -19,7 +19,11 @@ import optax
 import yaml
 from flax import nnx
 
-from jaxascend.config import Config, ConfigError
+from jaxascend.config import Config, ConfigError, ModelConfig
+from jaxascend.hf_config import model_config_from_hf
+from jaxascend.hf_export import export_hf
+from jaxascend.hf_load import load_hf_model
+from jaxascend.params_file import save_params
 from jaxascend.data import BatchStream
 from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, rss_bytes, summary_table
 from jaxascend.models import build_model, count_params
@@ -83,9 +87,35 @@ def _check_supported(cfg: Config) -> None:
     if cfg.offload.enabled:
         raise ConfigError("offload.enabled: the SSD-offloaded optimizer is not wired into the trainer yet; "
                           "set offload.enabled=false")
-    if cfg.model.path is not None:
-        raise ConfigError("model.path: loading Hugging Face checkpoints is not available yet; "
-                          "leave model.path unset to train from scratch")
+
+
+def resolve_model_config(cfg: Config) -> ModelConfig:
+    """``cfg.model``, or the architecture read from ``model.path``'s config.json with the run's
+    numerics (dtype, param_dtype, remat) on top."""
+    if cfg.model.path is None:
+        return cfg.model
+    model_cfg = model_config_from_hf(cfg.model.path, base=cfg.model)
+    if cfg.data.seq_len > model_cfg.max_position_embeddings:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_position_embeddings="
+                          f"{model_cfg.max_position_embeddings} ({cfg.model.path}/config.json)")
+    return model_cfg
+
+
+def tokenizer_source(cfg: Config) -> str | None:
+    """The folder whose tokenizer files an export should copy (None for the byte tokenizer)."""
+    if cfg.data.tokenizer == "byte":
+        return None
+    return cfg.model.path if cfg.data.tokenizer == "model" else cfg.data.tokenizer
+
+
+def save_outputs(cfg: Config, out_dir: Path, params: nnx.State, model_cfg: ModelConfig, vocab_size: int) -> None:
+    """The run's weights: ``params.safetensors`` (exportable later) and, if asked, a HF folder."""
+    tok_src = tokenizer_source(cfg)
+    if cfg.export.save_params:
+        save_params(out_dir / "params.safetensors", params, model_cfg, vocab_size=vocab_size, tokenizer=tok_src)
+    if cfg.export.enabled:
+        export_hf(params, model_cfg, cfg.export.dir or out_dir / "hf", tokenizer_src=tok_src,
+                  dtype=cfg.export.dtype, shard_bytes=cfg.export.shard_bytes, vocab_size=vocab_size)
 
 
 def run(cfg: Config) -> TrainResult:
@@ -96,13 +126,17 @@ def run(cfg: Config) -> TrainResult:
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
     # Build: tokenizer, data, model, optimizer.
+    model_cfg = resolve_model_config(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     stream = BatchStream(cfg.data, tokenizer)
-    vocab_size = cfg.model.vocab_size or tokenizer.vocab_size
+    vocab_size = model_cfg.vocab_size or tokenizer.vocab_size
     if vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size: {vocab_size} is smaller than the tokenizer's "
                           f"vocabulary ({tokenizer.vocab_size})")
-    model = build_model(cfg.model, vocab_size, rngs=nnx.Rngs(cfg.train.seed))
+    if cfg.model.path is not None:
+        model = load_hf_model(cfg.model.path, model_cfg)  # tensor by tensor, cast to param_dtype
+    else:
+        model = build_model(model_cfg, vocab_size, rngs=nnx.Rngs(cfg.train.seed))
     num_params = count_params(model)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
@@ -133,6 +167,7 @@ def run(cfg: Config) -> TrainResult:
             log.write(record)
             progress.update(1, record)
     progress.close()
+    save_outputs(cfg, out_dir, params, model_cfg, vocab_size)  # fp32 master weights in this path
 
     result = TrainResult(steps=cfg.train.steps, losses=losses, num_params=num_params,
                          peak_rss_bytes=peak_rss_bytes(),

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -86,3 +87,25 @@ def test_cli_bad_input_is_one_line(override, message):
     assert proc.stderr.strip().startswith(message)
     assert len(proc.stderr.strip().splitlines()) == 1
     assert "Traceback" not in proc.stderr
+
+
+def test_fine_tune_hf_checkpoint_and_export(tmp_path, corpus):
+    from jaxascend.hf_load import load_hf_params
+    from jaxascend.hf_presets import make_hf_checkpoint
+
+    src = tmp_path / "hf-in"
+    make_hf_checkpoint("qwen2", "tiny", src, dtype="float32", seed=0)
+    r = run(load_config("configs/tiny.yaml", [
+        f"model.path={src}", "data.tokenizer=model", f"data.paths=[{corpus}]", "data.include=['*.txt']",
+        "data.seq_len=32", "data.batch_size=2", "train.steps=2", "train.progress=false", "export.enabled=true",
+        "export.dtype=float32", "optimizer.warmup_steps=0",
+        f"train.out_dir={tmp_path / 'run'}"]))
+    assert len(r.losses) == 2 and all(np.isfinite(r.losses))
+    out = tmp_path / "run" / "hf"
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    assert (tmp_path / "run" / "params.safetensors").exists()
+    before, after = load_hf_params(src), load_hf_params(out)
+    # Two AdamW steps moved every weight matrix away from the checkpoint it started from.
+    changed = [not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+               for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)) if np.ndim(a) >= 2]
+    assert all(changed)
