@@ -177,6 +177,13 @@ def ssd_adamw(learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2: 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def ssd_adamw_state(state: OffloadedAdamState) -> SsdAdamWState:
+    """The optax state that matches ``state`` as it stands (count = its updates applied), e.g.
+    after :meth:`OffloadedAdamState.restored` in a new process, where owner ids start afresh."""
+    return SsdAdamWState(count=jnp.asarray(state.updates_applied, jnp.int32),
+                         state_id=jnp.asarray(state.state_id, jnp.int32))
+
+
 def ssd_adamw_step(settings: AdamWSettings, opt_state: SsdAdamWState, state: OffloadedAdamState, *,
                    grad_scale: float = 1.0, skip: bool = False,
                    put: Optional[Callable] = None) -> tuple[Optional[object], SsdAdamWState]:

@@ -10,7 +10,7 @@ import pytest
 
 from jaxascend.config import OffloadConfig
 from jaxascend.offload_state import OffloadedAdamState
-from jaxascend.optim import AdamWSettings, SsdAdamWState, ssd_adamw, ssd_adamw_step
+from jaxascend.optim import AdamWSettings, SsdAdamWState, ssd_adamw, ssd_adamw_state, ssd_adamw_step
 
 STEPS = 100
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=10, decay_steps=STEPS)
@@ -198,3 +198,16 @@ def test_misuse_is_an_error_with_a_message(make_state):
         jax.block_until_ready(ssd_adamw(1e-3, state=other).update(grads, new_state, params))
     with pytest.raises(ValueError, match=r"gradients leaf 0 \('big'\) has shape \(4,\), expected \(5000,\)"):
         tx.update({**grads, "big": np.zeros(4, np.float32)}, new_state, params)
+
+
+def test_optax_state_rebuilt_after_a_restore(make_state):
+    """A checkpoint restore fills the regions and declares the update count; ssd_adamw_state
+    then gives the optax state that goes with it."""
+    state = make_state(jnp.float32)
+    ssd_adamw(1e-3, state=state).init(_init_params())
+    state.restored(updates_applied=7)
+    opt_state = ssd_adamw_state(state)
+    assert int(opt_state.count) == 7 and int(opt_state.state_id) == state.state_id
+    state.write_grads(next(_gradients(jnp.float32, 1)))
+    _, opt_state = ssd_adamw_step(AdamWSettings(1e-3), opt_state, state)
+    assert int(opt_state.count) == 8 == state.updates_applied
