@@ -66,7 +66,7 @@ def test_transformers_loads_our_export_unchanged(arch, tmp_path):
     np.testing.assert_allclose(ours(folder), reference, atol=ATOL, rtol=RTOL)
     copied = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     original = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    assert len(copied) == len(original) >= 512
+    assert len(copied) == len(original) > 259  # a trained BPE vocabulary, not just bytes + specials
     assert copied("def f(x): return x")["input_ids"] == original("def f(x): return x")["input_ids"]
 
 
