@@ -25,9 +25,12 @@ An array named ``"master/layers/mlp/w"`` is the leaf ``tree["master"]["layers"][
 of ``ocp.StandardCheckpointer().restore(".../offloaded")``, or
 ``ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": ".../offloaded/master.layers.mlp.w"}})``.
 A zarr chunk is a run of whole rows (shape ``(1, .., 1, k, *trailing)``), i.e. one contiguous
-byte range of the region; chunks are at most one slot minus two SSD blocks, because the SSD is
-read in whole blocks around each chunk. On restore every chunk's crc32c is checked against the
-manifest, so a garbled or truncated file is reported by its path instead of being trained on.
+byte range of the array; chunks are at most one slot minus two SSD blocks, because the SSD is
+read in whole blocks around each chunk (a chunk that crosses a span boundary is assembled in one
+chunk-sized buffer). Restore reads the zarr chunks one at a time (one chunk of host memory),
+checks each one's crc32c against the manifest before using it -- a garbled or truncated file is
+reported by its path instead of being trained on -- and writes whole SSD blocks back, merging
+blocks shared with neighbouring data.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
@@ -49,19 +51,13 @@ from jaxascend.arena import SlotRequest
 from jaxascend.checkpoint_errors import CorruptCheckpointError, IncompatibleCheckpointError
 from jaxascend.config import OffloadConfig
 from jaxascend.ssd_stream import Segment
+from jaxascend.zarr_layout import (chunk_grid, numpy_dtype, orbax_tree_metadata, zarr_chunk_shape, zarr_dtype,
+                                   zarr_spec)
 
 CHECKPOINT_SHAPE_CLASS = "checkpoint"
 MANIFEST_FILE = "jaxascend_arrays.json"
-ORBAX_METADATA_FILE = "_METADATA"
 FORMAT = "jaxascend-offloaded/1"
 COMPRESSORS = {"none": None, "zstd": {"id": "zstd", "level": 1}}  # zstd level 1: Orbax's own choice
-
-
-def numpy_dtype(dtype: Any) -> np.dtype:
-    """``np.dtype`` of a numpy/JAX dtype or a name, including ``"bfloat16"``."""
-    if isinstance(dtype, str) and hasattr(ml_dtypes, dtype):
-        return np.dtype(getattr(ml_dtypes, dtype))
-    return np.dtype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,84 +189,6 @@ def specs_for_offload_layout(layout, tensors: Sequence[str] = ("master", "m", "v
     return specs
 
 
-# ----------------------------------------------------------------------------- layout
-
-def zarr_chunk_shape(shape: Sequence[int], itemsize: int, max_chunk_bytes: int) -> tuple:
-    """The chunk shape ``(1, .., 1, k, *shape[axis+1:])`` with the most elements that fit
-    ``max_chunk_bytes``: whole trailing rows, so each chunk is one contiguous byte range."""
-    max_elems = max(1, max_chunk_bytes // itemsize)
-    dims = [max(int(d), 1) for d in shape]
-    inner = 1
-    for axis in reversed(range(len(dims))):
-        if inner * dims[axis] > max_elems:
-            return (1,) * axis + (max(1, max_elems // inner),) + tuple(dims[axis + 1:])
-        inner *= dims[axis]
-    return tuple(dims)
-
-
-def chunk_grid(shape: Sequence[int], chunks: Sequence[int]) -> list[tuple]:
-    """``(grid_index, box, flat_start, flat_stop)`` of every chunk in C order (flat order, for
-    chunks made by :func:`zarr_chunk_shape`)."""
-    if math.prod(shape) == 0:
-        return []
-    grid = [-(-d // c) for d, c in zip(shape, chunks)]
-    out = []
-    for idx in np.ndindex(*grid):
-        box = tuple(slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunks, shape))
-        start = int(np.ravel_multi_index([b.start for b in box], shape)) if shape else 0
-        out.append((idx, box, start, start + math.prod(b.stop - b.start for b in box)))
-    return out
-
-
-def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple]:
-    """Rectangular boxes ``(slices, flat_start, flat_stop)`` covering the C-order elements
-    ``[start, stop)`` of an array of ``shape``, in order (a partial row, whole rows, a partial row)."""
-    if start >= stop:
-        return []
-    if len(shape) == 0:
-        return [((), start, stop)]
-    if len(shape) == 1:
-        return [((slice(start, stop),), start, stop)]
-    inner = math.prod(shape[1:])
-    out = []
-
-    def row_part(row, lo, hi):
-        base = row * inner
-        return [((slice(row, row + 1),) + sub, base + s, base + e) for sub, s, e in flat_boxes(shape[1:], lo, hi)]
-
-    row, col = divmod(start, inner)
-    if col:
-        end = min(stop, (row + 1) * inner)
-        out += row_part(row, col, end - row * inner)
-        start = end
-    first, last = start // inner, stop // inner
-    if start < stop and last > first:
-        out.append(((slice(first, last),) + tuple(slice(0, d) for d in shape[1:]), first * inner, last * inner))
-        start = last * inner
-    if start < stop:
-        out += row_part(last, 0, stop - last * inner)
-    return out
-
-
-def orbax_tree_metadata(specs: Sequence[ArraySpec]) -> dict:
-    """The ``_METADATA`` Orbax's PyTree handler writes for a tree of numpy arrays without OCDBT."""
-    tree = {}
-    for s in specs:
-        tree[str(s.keys)] = {"key_metadata": [{"key": k, "key_type": 2} for k in s.keys],  # 2: dict key
-                             "value_metadata": {"value_type": "np.ndarray", "skip_deserialize": False}}
-    return {"tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
-            "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
-
-
-def _zarr_spec(path: Path) -> dict:
-    return {"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}
-
-
-def _zarr_dtype(dtype: np.dtype) -> str:
-    """The zarr v2 ``dtype`` string (tensorstore spells bfloat16 by name)."""
-    return "bfloat16" if dtype == np.dtype(ml_dtypes.bfloat16) else dtype.str
-
-
 def _ts_context() -> ts.Context:
     # No fsync per chunk file: _fsync_tree() flushes them all once the item is written.
     return ts.Context({"file_io_concurrency": {"limit": 4}, "data_copy_concurrency": {"limit": 2},
@@ -368,9 +286,9 @@ def save_arrays(directory: Path, arrays: SsdArrays, compression: str = "none") -
         regions = _regions_of(store, spec)
         isz = spec.dtype.itemsize
         chunks = zarr_chunk_shape(spec.shape, isz, max_chunk_bytes)
-        dst = ts.open({**_zarr_spec(directory / spec.dirname),
+        dst = ts.open({**zarr_spec(directory / spec.dirname),
                        "metadata": {"shape": list(spec.shape), "chunks": list(chunks), "order": "C",
-                                    "dtype": _zarr_dtype(spec.dtype),
+                                    "dtype": zarr_dtype(spec.dtype),
                                     "compressor": COMPRESSORS[compression], "fill_value": None}},
                       create=True, context=context).result()
         grid = chunk_grid(spec.shape, chunks)
@@ -402,7 +320,7 @@ def save_arrays(directory: Path, arrays: SsdArrays, compression: str = "none") -
                         "spans": [[x.region, x.offset, x.nbytes] for x in spec.spans]})
     _fsync_tree(directory)
     manifest = {"format": FORMAT, "compression": compression, "arrays": entries}
-    (directory / ORBAX_METADATA_FILE).write_text(json.dumps(orbax_tree_metadata(arrays.specs)))
+    (directory / "_METADATA").write_text(json.dumps(orbax_tree_metadata([s.keys for s in arrays.specs])))
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -441,32 +359,45 @@ def check_arrays_match(manifest: dict, specs: Sequence[ArraySpec], where: Path) 
                 f"{spec.dtype.name}{spec.shape} in this run")
 
 
-class _ChunkChecksums:
-    """Checks crc32c per zarr chunk while the array's bytes arrive in flat order."""
+class _ChunkReader:
+    """An array's zarr chunks read one at a time in flat order, each checked against its crc32c
+    before any of its bytes are used: every chunk file is read once, one chunk in memory."""
 
-    def __init__(self, grid, crcs, array_dir: Path, manifest_path: Path, itemsize: int):
+    def __init__(self, src, grid: list, crcs: list, array_dir: Path, manifest_path: Path, itemsize: int):
         if len(crcs) != len(grid):
             raise CorruptCheckpointError(f"checkpoint file {manifest_path} lists {len(crcs)} checksums for "
                                          f"{array_dir}, which has {len(grid)} chunks")
-        self.grid, self.crcs, self.dir, self.manifest = grid, crcs, array_dir, manifest_path
+        self.src, self.grid, self.crcs, self.dir, self.manifest = src, grid, crcs, array_dir, manifest_path
         self.itemsize = itemsize
-        self.index, self.cursor, self.crc = 0, 0, 0
+        self.index, self.data = -1, np.zeros(0, np.uint8)
 
-    def feed(self, data: np.ndarray) -> None:
+    def copy_to(self, out: np.ndarray, flat_byte: int) -> None:
+        """Fills ``out`` (uint8) with the array's bytes from byte ``flat_byte`` on."""
         pos = 0
-        while pos < data.size:
-            idx, _, _, stop = self.grid[self.index]
-            take = min(data.size - pos, (stop - self.cursor) * self.itemsize)
-            self.crc = _native.crc32c(data[pos:pos + take], self.crc)
+        while pos < out.size:
+            at = flat_byte + pos
+            start = self._load(at)
+            take = min(out.size - pos, start + self.data.size - at)
+            out[pos:pos + take] = self.data[at - start:at - start + take]
             pos += take
-            self.cursor += take // self.itemsize
-            if self.cursor == stop:
-                if self.crc != self.crcs[self.index]:
-                    key = ".".join(str(i) for i in idx) or "0"
-                    raise CorruptCheckpointError(
-                        f"checkpoint file {self.dir / key} is corrupt: its data has crc32c {self.crc:#010x}, "
-                        f"{self.manifest} recorded {self.crcs[self.index]:#010x}")
-                self.index, self.crc = self.index + 1, 0
+
+    def _load(self, at: int) -> int:
+        """Makes the chunk holding byte ``at`` current; returns its first byte."""
+        while self.index < 0 or self.grid[self.index][3] * self.itemsize <= at:
+            self.index += 1
+            idx, box, _, _ = self.grid[self.index]
+            path = self.dir / (".".join(str(i) for i in idx) or "0")
+            self.data = np.zeros(0, np.uint8)  # drop the previous chunk before reading the next
+            try:
+                values = self.src[box].read().result()
+            except ValueError as err:
+                raise CorruptCheckpointError(f"checkpoint file {path} cannot be read ({err})") from None
+            self.data = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+            crc = _native.crc32c(self.data)
+            if crc != self.crcs[self.index]:
+                raise CorruptCheckpointError(f"checkpoint file {path} is corrupt: its data has crc32c {crc:#010x}, "
+                                             f"{self.manifest} recorded {self.crcs[self.index]:#010x}")
+        return self.grid[self.index][2] * self.itemsize
 
 
 def _restore_passes(spec: ArraySpec, regions: dict, block: int, piece_bytes: int) -> list[list[tuple]]:
@@ -491,8 +422,9 @@ def _restore_passes(spec: ArraySpec, regions: dict, block: int, piece_bytes: int
 
 
 def restore_arrays(directory: Path, arrays: SsdArrays) -> dict:
-    """Streams every array of ``arrays`` from ``directory`` back into its store spans, checking
-    chunk checksums; returns the manifest. On an error the regions hold a partial restore."""
+    """Streams every array of ``arrays`` from ``directory`` back into its store spans, one zarr
+    chunk in memory at a time, each checked against its crc32c; returns the manifest. On an
+    error the regions hold a partial restore."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_arrays_match(manifest, arrays.specs, directory)
@@ -504,18 +436,18 @@ def restore_arrays(directory: Path, arrays: SsdArrays) -> dict:
         regions = _regions_of(store, spec)
         entry, array_dir = saved[spec.name], directory / spec.dirname
         try:
-            src = ts.open(_zarr_spec(array_dir), open=True, context=context).result()
+            src = ts.open(zarr_spec(array_dir), open=True, context=context).result()
         except ValueError as err:
             raise CorruptCheckpointError(f"checkpoint array {array_dir} cannot be opened ({err})") from None
         layout = list(src.chunk_layout.read_chunk.shape or ())
-        if list(src.shape) != list(spec.shape) or numpy_dtype(src.dtype.name) != spec.dtype or layout != entry["chunks"]:
+        dtype = numpy_dtype(src.dtype.name)
+        if list(src.shape) != list(spec.shape) or dtype != spec.dtype or layout != entry["chunks"]:
             raise CorruptCheckpointError(
                 f"checkpoint file {array_dir / '.zarray'} says {src.dtype.name}{tuple(src.shape)} in chunks "
                 f"{layout}, {directory / MANIFEST_FILE} says {entry['dtype']}{tuple(entry['shape'])} in chunks "
                 f"{entry['chunks']}")
-        checksums = _ChunkChecksums(chunk_grid(spec.shape, entry["chunks"]), entry["crc32c"], array_dir,
-                                    directory / MANIFEST_FILE, spec.dtype.itemsize)
-        isz = spec.dtype.itemsize
+        reader = _ChunkReader(src, chunk_grid(spec.shape, entry["chunks"]), entry["crc32c"], array_dir,
+                              directory / MANIFEST_FILE, spec.dtype.itemsize)
         for pieces in _restore_passes(spec, regions, block, slot_bytes):
             # A piece that covers only part of its first or last block reads it first (merge).
             segments = [[Segment(r, wl, wh - wl, read=(wl < lo or wh > hi), write=True)]
@@ -523,18 +455,7 @@ def restore_arrays(directory: Path, arrays: SsdArrays) -> dict:
             with store.stream(segments, arrays.slot_class, depth=depth) as stream:
                 for chunk in stream:
                     _, lo, hi, write_lo, _, flat = pieces[chunk.index]
-                    raw = chunk.arrays[0][lo - write_lo:hi - write_lo]
-                    typed = raw.view(spec.dtype)
-                    e0 = flat // isz
-                    for box, fs, fe in flat_boxes(spec.shape, e0, e0 + typed.size):
-                        target = ts.array(typed[fs - e0:fe - e0].reshape([b.stop - b.start for b in box]),
-                                          copy=False, write=True)
-                        try:
-                            target.write(src[box]).result()
-                        except ValueError as err:
-                            raise CorruptCheckpointError(
-                                f"checkpoint array {array_dir} cannot be read ({err})") from None
-                    checksums.feed(raw)
+                    reader.copy_to(chunk.arrays[0][lo - write_lo:hi - write_lo], flat)
     return manifest
 
 

@@ -34,7 +34,8 @@ from jaxascend.arena import ArenaPlan, HostArena
 from jaxascend.checkpoint import Checkpointer
 from jaxascend.config import CheckpointConfig, OffloadConfig, parse_bytes
 from jaxascend.metrics import rss_bytes
-from jaxascend.ssd_checkpoint import CHECKPOINT_SHAPE_CLASS, SsdArrays, checkpoint_arena_requests, specs_for_offload_layout
+from jaxascend.ssd_checkpoint import (CHECKPOINT_SHAPE_CLASS, SsdArrays, checkpoint_arena_requests,
+                                      specs_for_offload_layout)
 from jaxascend.ssd_store import SsdStore
 from jaxascend.ssd_stream import Segment
 

@@ -24,12 +24,11 @@ from jaxascend.checkpoint import Checkpointer, check_compatible
 from jaxascend.checkpoint_errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                          IncompatibleCheckpointError)
 from jaxascend.config import CheckpointConfig, Config, ModelConfig, OffloadConfig
-from jaxascend.ssd_checkpoint import (ArraySpec, Span, SsdArrays, checkpoint_arena_requests, chunk_grid, flat_boxes,
-                                      specs_for_offload_layout, zarr_chunk_shape)
+from jaxascend.ssd_checkpoint import ArraySpec, Span, SsdArrays, checkpoint_arena_requests, specs_for_offload_layout
+from jaxascend.zarr_layout import chunk_grid, zarr_chunk_shape
 from jaxascend.ssd_store import SsdStore
 
 BLOCK = 16384
-REPO = Path(__file__).resolve().parents[1]
 
 
 def offload_cfg(path, **kw):
@@ -154,18 +153,6 @@ def save_one(directory, ssd_arrays, step=3, cfg=None, **kw):
 
 
 # ----------------------------------------------------------------------------- layout helpers
-@pytest.mark.parametrize("shape", [(), (7,), (5, 9), (3, 4, 5), (2, 3, 1, 7)])
-def test_flat_boxes_cover_exactly_the_range_in_order(shape):
-    size = int(np.prod(shape))
-    ref = np.arange(size).reshape(shape)
-    for start in range(size + 1):
-        for stop in range(start, size + 1):
-            got = [ref[box].reshape(-1) for box, _, _ in flat_boxes(shape, start, stop)]
-            got = np.concatenate(got) if got else np.zeros(0, int)
-            np.testing.assert_array_equal(got, np.arange(start, stop))
-            assert all(ref[box].size == fe - fs for box, fs, fe in flat_boxes(shape, start, stop))
-
-
 def test_zarr_chunks_are_contiguous_runs_of_rows_within_the_budget():
     for shape, isz, budget in [((100, 30), 4, 1000), ((4, 5, 1001), 4, 4000), ((10,), 2, 6), ((3, 7), 4, 4)]:
         chunks = zarr_chunk_shape(shape, isz, budget)
@@ -352,7 +339,7 @@ def corrupt(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize("target, how, message", [
     ("offloaded/m.layers.mlp.w/1.0.0", "garble", "checkpoint file {path} is corrupt: its data has crc32c"),
-    ("offloaded/m.layers.mlp.w/0.0.0", "truncate", "{array}"),
+    ("offloaded/m.layers.mlp.w/0.0.0", "truncate", "checkpoint file {path} cannot be read"),
     ("offloaded/jaxascend_arrays.json", "truncate", "checkpoint file {path} is corrupt"),
     ("meta/metadata", "garble", "checkpoint file {path} is corrupt"),
     ("params/_METADATA", "truncate", "checkpoint item {item} cannot be read"),
@@ -373,8 +360,7 @@ def test_corrupt_checkpoint_file_is_reported_with_its_path(tmp_path, ssd, target
     with Checkpointer(CheckpointConfig(dir=str(tmp_path / "ckpt")), run_config=run_config()) as ckpt:
         with pytest.raises(CorruptCheckpointError) as err:
             ckpt.restore(3, params_like=abstract(params), opt_state_like=abstract(opt_state), ssd=arrays)
-    expected = message.format(path=path, item=path.parent if "params" not in target else step_dir / "params",
-                              array=step_dir / "offloaded" / "m.layers.mlp.w")
+    expected = message.format(path=path, item=step_dir / "params")
     assert expected in str(err.value)
 
 
