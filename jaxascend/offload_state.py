@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 
 from jaxascend.arena import ArenaError, ArenaPlan, HostArena, SlotRequest, format_bytes, round_to_alignment
@@ -75,6 +75,12 @@ class StepStats:
     def ssd_gbps(self) -> float:
         """Bytes read plus written per second of the step."""
         return (self.bytes_read + self.bytes_written) / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _to_default_device(host: np.ndarray) -> jax.Array:
+    # device_put, unlike jnp.asarray, makes no intermediate host copy (measured: one leaf less
+    # at the peak); the host buffer is never reused, so the array may alias it.
+    return jax.device_put(host, may_alias=True)
 
 
 def _serialized(method):
@@ -284,14 +290,14 @@ class OffloadedAdamState:
         before this one; ``grad_scale`` = loss-scale unscale times clip factor) or its float32[10]
         ``scalars()``. Gradients must have arrived since the last step (sink or
         :meth:`write_grads`). ``put`` turns each filled host leaf into the returned array
-        (default ``jnp.asarray``; e.g. ``lambda x: jax.device_put(x, sharding)``); the host leaf
-        is dropped right after. ``skip=True`` (an overflowed step) touches nothing, forgets the
+        (default: ``jax.device_put`` to the default device; e.g. ``lambda x: jax.device_put(x,
+        sharding)``); the host leaf is dropped right after. ``skip=True`` (an overflowed step) touches nothing, forgets the
         received gradients and returns None.
         """
         if skip:
             self._forget_gradients()
             return None
-        put = jnp.asarray if put is None else put
+        put = _to_default_device if put is None else put
         new_leaves: list = [None] * len(self.layout.leaves)
 
         def on_leaf(leaf: LeafLayout, host: np.ndarray) -> None:

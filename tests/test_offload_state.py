@@ -113,7 +113,7 @@ def test_streamed_step_equals_the_kernel_on_whole_arrays(make_state, dtype):
         for leaf, g, p in zip(state.leaves, jax.tree.leaves(grads), jax.tree.leaves(new)):
             out = np.empty(leaf.size, _np(dtype))
             fused_adamw_update_numpy(*ref[leaf.index], g.reshape(-1), out, hp)
-            assert p.dtype == dtype and p.shape == leaf.shape
+            assert isinstance(p, jax.Array) and p.dtype == dtype and p.shape == leaf.shape
             np.testing.assert_array_equal(np.asarray(p).reshape(-1).view(np.uint8), out.view(np.uint8))
     for leaf in state.leaves:
         for k, which in enumerate(("master", "m", "v")):
