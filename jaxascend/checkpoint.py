@@ -16,20 +16,24 @@ removed the next time the directory is opened, with ``checkpoint.cleanup_partial
       meta/metadata          JSON: step, the run config, and the caller's meta (data stream
                              state, loss scale, ...)
 
-The trainer's use::
+The trainer's use (``state`` an :class:`~jaxascend.offload_state.OffloadedAdamState`)::
 
-    ckpt = Checkpointer(cfg.checkpoint, run_config=cfg)          # context manager
-    step0 = ckpt.resume_step(cfg.train.resume)                  # None: fresh start
+    ckpt = Checkpointer(cfg.checkpoint, run_config=cfg)           # context manager
+    ssd = SsdArrays(state.store, specs_for_offload_layout(state.layout),
+                    slot_class=STATE_SLOT_CLASS)                 # the step's slots are idle meanwhile
+    step0 = ckpt.resume_step(cfg.train.resume)                   # None: fresh start
     if step0 is not None:
-        r = ckpt.restore(step0, params_like=params, ssd=SsdArrays(store, specs))
-        params, data_state = r.params, r.meta["data_state"]
+        r = ckpt.restore(step0, params_like=params, opt_state_like=opt_state, ssd=ssd)
+        params, opt_state = r.params, r.opt_state
+        state.restored(r.meta["updates_applied"])                # the shards were rebuilt
+        stream = BatchStream(cfg.data, tokenizer, state=r.meta["data_state"])
     ...
-    if ckpt.should_save(step, cfg.train.steps):
-        ckpt.save(step, params=params, ssd=SsdArrays(store, specs),
-                  rng=jax.random.key_data(key), meta={"data_state": stream.state()})
-    ckpt.close()                                                # waits for pending saves
+    if ckpt.should_save(step, cfg.train.steps):                  # after the step's SSD writes
+        ckpt.save(step, params=params, opt_state=opt_state, ssd=ssd,
+                  meta={"data_state": stream.state(), "updates_applied": state.updates_applied})
+    ckpt.close()                                                 # waits for pending saves
 
-Reading a checkpoint without jaxascend (numpy arrays come back, with their saved dtypes)::
+Reading a checkpoint without jaxascend (arrays come back with their saved shapes and dtypes)::
 
     import orbax.checkpoint as ocp
     params = ocp.StandardCheckpointer().restore("run/checkpoints/100/params")

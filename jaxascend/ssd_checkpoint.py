@@ -25,12 +25,12 @@ An array named ``"master/layers/mlp/w"`` is the leaf ``tree["master"]["layers"][
 of ``ocp.StandardCheckpointer().restore(".../offloaded")``, or
 ``ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": ".../offloaded/master.layers.mlp.w"}})``.
 A zarr chunk is a run of whole rows (shape ``(1, .., 1, k, *trailing)``), i.e. one contiguous
-byte range of the array; chunks are at most one slot minus two SSD blocks, because the SSD is
-read in whole blocks around each chunk (a chunk that crosses a span boundary is assembled in one
-chunk-sized buffer). Restore reads the zarr chunks one at a time (one chunk of host memory),
-checks each one's crc32c against the manifest before using it -- a garbled or truncated file is
-reported by its path instead of being trained on -- and writes whole SSD blocks back, merging
-blocks shared with neighbouring data.
+byte range of the array; chunks hold at most ``offload.chunk_bytes`` and at most one slot minus
+two SSD blocks, because the SSD is read in whole blocks around each chunk (a chunk that crosses a
+span boundary is assembled in one chunk-sized buffer). Restore reads the zarr chunks one at a
+time (one chunk of host memory), checks each one's crc32c against the manifest before using it --
+a garbled or truncated file is reported by its path instead of being trained on -- and writes
+whole SSD blocks back, merging blocks shared with neighbouring data.
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ class SsdArrays:
     specs: tuple
     slot_class: str = CHECKPOINT_SHAPE_CLASS
     depth: Optional[int] = None
+    max_chunk_bytes: Optional[int] = None  # zarr chunk size cap; default offload.chunk_bytes
 
     def __post_init__(self):
         specs = tuple(s if isinstance(s, ArraySpec) else ArraySpec.contiguous(*s) for s in self.specs)
@@ -278,7 +279,10 @@ def save_arrays(directory: Path, arrays: SsdArrays, compression: str = "none") -
     directory.mkdir(parents=True, exist_ok=True)
     store = arrays.store
     slot_bytes, depth, block = _pass_geometry(arrays)
-    max_chunk_bytes = slot_bytes - 2 * block  # a chunk plus the partial blocks around it fits a slot
+    # A chunk plus the partial blocks around it fits a slot; the cap bounds the memory of a restore
+    # (one chunk) and of a chunk assembled across spans, whatever the slots' size.
+    cap = store.cfg.chunk_bytes if arrays.max_chunk_bytes is None else int(arrays.max_chunk_bytes)
+    max_chunk_bytes = max(1, min(slot_bytes - 2 * block, cap))
     context = _ts_context()
     carry = None  # assembles a zarr chunk that spans several store spans (allocated on first use)
     entries = []

@@ -23,7 +23,7 @@ from jaxascend.arena import ArenaPlan, HostArena
 from jaxascend.checkpoint import Checkpointer, check_compatible
 from jaxascend.checkpoint_errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                          IncompatibleCheckpointError)
-from jaxascend.config import CheckpointConfig, Config, ModelConfig, OffloadConfig
+from jaxascend.config import CheckpointConfig, Config, ModelConfig, OffloadConfig, TrainConfig
 from jaxascend.ssd_checkpoint import ArraySpec, Span, SsdArrays, checkpoint_arena_requests, specs_for_offload_layout
 from jaxascend.zarr_layout import chunk_grid, zarr_chunk_shape
 from jaxascend.ssd_store import SsdStore
@@ -318,6 +318,14 @@ def test_resume_step_missing_or_directory_missing_is_reported(tmp_path, ssd):
         assert ckpt.should_save(10, 25) is False and ckpt.should_save(25, 25) is True
 
 
+def test_default_directory_is_under_the_run_output(tmp_path):
+    cfg = Config(train=TrainConfig(out_dir=str(tmp_path / "run")))
+    with Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt:
+        assert ckpt.directory == tmp_path / "run" / "checkpoints" and ckpt.all_steps() == []
+    with pytest.raises(ValueError, match="checkpoint.dir is unset"):
+        Checkpointer(CheckpointConfig())
+
+
 def test_keep_last_and_every_steps(tmp_path):
     params, _ = small_state()
     with Checkpointer(CheckpointConfig(dir=str(tmp_path / "c"), keep_last=2, every_steps=5)) as ckpt:
@@ -538,3 +546,28 @@ def test_offloaded_adam_state_resumes_bit_exactly_from_a_checkpoint(tmp_path):
         for leaf in a.layout.leaves:
             for which in ("master", "m", "v"):
                 assert same_bits(b.read_state(leaf.index, which), a.read_state(leaf.index, which)), (leaf.path, which)
+
+
+def test_in_memory_trainer_state_round_trip(tmp_path):
+    """nnx.State params and the in-memory trainer's optax state, restored into their own types."""
+    from flax import nnx
+
+    from jaxascend.optim import adamw_in_memory
+
+    class Tiny(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(100, 8, rngs=rngs)
+            self.proj = nnx.Linear(8, 16, rngs=rngs)
+
+    cfg = run_config()
+    _, params, _ = nnx.split(Tiny(nnx.Rngs(0)), nnx.Param, ...)
+    tx = adamw_in_memory(cfg.optimizer, total_steps=10)
+    opt_state = tx.init(params)
+    _, opt_state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), opt_state, params)
+    with Checkpointer(CheckpointConfig(dir=str(tmp_path / "c")), run_config=cfg) as ckpt:
+        ckpt.save(1, params=params, opt_state=opt_state, meta={"data_state": {"epoch": 0}})
+    _, fresh, _ = nnx.split(Tiny(nnx.Rngs(1)), nnx.Param, ...)
+    with Checkpointer(CheckpointConfig(dir=str(tmp_path / "c")), run_config=cfg) as ckpt:
+        r = ckpt.restore(ckpt.resume_step("auto"), params_like=fresh, opt_state_like=tx.init(fresh))
+    assert isinstance(r.params, nnx.State) and trees_same_bits(r.params, params)
+    assert trees_same_bits(r.opt_state, opt_state)
