@@ -229,6 +229,7 @@ class OffloadConfig:
     lock_memory: bool = True  # mlock the arena (warns and continues unlocked if refused)
     pin_memory: bool = True  # cudaHostRegister the arena when a CUDA device is present
     preallocate: bool = True  # fallocate shard space up front, so a full disk fails early
+    kernel_threads: int = 1  # threads of the fused AdamW kernel per chunk (the step is I/O bound)
 
     def __post_init__(self):
         if self.arena_bytes is not None:
@@ -240,6 +241,7 @@ class OffloadConfig:
         _check_range("offload.io_threads", self.io_threads, lo=1, hi=64)
         _check_range("offload.staging_slots", self.staging_slots, lo=1, hi=64)
         _check_range("offload.stream_depth", self.stream_depth, lo=2, hi=64)
+        _check_range("offload.kernel_threads", self.kernel_threads, lo=1, hi=256)
         self.block_bytes = parse_bytes(self.block_bytes, "offload.block_bytes")
         _check_range("offload.block_bytes", self.block_bytes, lo=4096)
         if self.block_bytes % 4096:

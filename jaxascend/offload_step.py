@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxascend.grad_sink import PROBE_SIZE, offload_on_backward
+from jaxascend.grad_sink import PROBE_SIZE, offload_on_backward, sink_gradient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,3 +129,48 @@ def total_stats(stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     sumsq = sum(jnp.sum(s[..., 0]) for s in stats.values())
     nonfinite = sum(jnp.sum(s[..., 1]) for s in stats.values())
     return sumsq, nonfinite
+
+
+def make_accumulating_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
+                                   loss_fn) -> Any:
+    """Gradient accumulation with the sink: ``step(params, tokens[A, B, T+1], loss_scale)``.
+
+    The ``A`` micro-batches' gradients are summed in a float32 accumulator (4 B/param in the
+    device memory kind; on a CPU-only machine that is host RAM), averaged, cast to the compute
+    dtype and sent to the sink leaf by leaf, layer by layer. Only ``grad_accum > 1`` pays for
+    the accumulator; a single micro-batch uses :func:`make_offload_step`.
+    """
+    routes = routing.by_key()
+
+    def scaled_loss(params, tokens, loss_scale):
+        loss = loss_fn(nnx.merge(graphdef, params, rest), tokens, None)
+        return loss * loss_scale.astype(loss.dtype), loss
+
+    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
+
+    def send(key, g):
+        route = routes[key]
+        if not route.layers:
+            return sink_gradient(g, 0, sink=sink, tensor=route.tensor)
+        return jax.lax.map(lambda xs: sink_gradient(xs[0], xs[1], sink=sink, tensor=route.tensor),
+                           (g, jnp.arange(route.layers, dtype=jnp.int32)))
+
+    @jax.jit
+    def step(params, tokens, loss_scale):
+        def micro(acc, micro_tokens):
+            (_, loss), g = grad_fn(params, micro_tokens, loss_scale)
+            return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        acc, losses = jax.lax.scan(micro, zeros, tokens)
+        count = tokens.shape[0]
+        stats = {}
+        flat, _ = jax.tree_util.tree_flatten_with_path(acc)
+        dtypes = [p.dtype for p in jax.tree.leaves(params)]
+        for (path, a), dtype in zip(flat, dtypes):
+            stacked = _first_key(path) == routing.stack_key
+            key = _layer_key(path) if stacked else jax.tree_util.keystr(path)
+            stats[key] = send(key, (a / count).astype(dtype))
+        return losses.mean(), stats
+
+    return step

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import yaml
@@ -26,8 +24,11 @@ from jaxascend.hf_load import load_hf_model
 from jaxascend.params_file import save_params
 from jaxascend.data import BatchStream
 from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, rss_bytes, summary_table
+from jaxascend.in_memory_engine import InMemoryEngine
+from jaxascend.memory_probe import MemorySampler
 from jaxascend.models import build_model, count_params
-from jaxascend.optim import adamw_in_memory, learning_rate_schedule
+from jaxascend.offload_engine import OffloadEngine
+from jaxascend.optim import learning_rate_schedule
 from jaxascend.tokenizer import load_tokenizer
 
 
@@ -39,54 +40,15 @@ class TrainResult:
     losses: list[float]  # one per optimizer step
     num_params: int
     peak_rss_bytes: int
+    peak_page_cache_bytes: int  # page cache held by the offload files (buffered I/O hides memory there)
     tokens_per_s: float
+    engine: str  # "in-memory" or "offload"
+    skipped_steps: int  # overflowed steps (fp16), state untouched
+    arena_capacity_bytes: int
+    arena_high_water_bytes: int
+    ssd_bytes_read: int
+    ssd_bytes_written: int
     out_dir: str
-
-
-def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from logits over ``tokens[:, :-1]``."""
-    labels = tokens[:, 1:]
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
-
-
-def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State, tx: optax.GradientTransformation,
-                    grad_accum: int) -> Callable:
-    """One jitted optimizer step over ``grad_accum`` micro-batches ``tokens[A, B, T+1]``.
-
-    Gradients are accumulated in the parameter dtype (fp32 for the in-memory baseline: 4 B/param).
-    """
-
-    def loss_fn(params, tokens):
-        model = nnx.merge(graphdef, params, rest)
-        return next_token_loss(model(tokens[:, :-1]), tokens)
-
-    grad_fn = jax.value_and_grad(loss_fn)
-
-    @partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, tokens):
-        if grad_accum == 1:
-            loss, grads = grad_fn(params, tokens[0])
-        else:
-            def micro(acc, micro_tokens):
-                loss, g = grad_fn(params, micro_tokens)
-                return jax.tree.map(jnp.add, acc, g), loss
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            grads, losses = jax.lax.scan(micro, zeros, tokens)
-            grads = jax.tree.map(lambda g: g / grad_accum, grads)
-            loss = losses.mean()
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
-
-    return step
-
-
-def _check_supported(cfg: Config) -> None:
-    if cfg.offload.enabled:
-        raise ConfigError("offload.enabled: the SSD-offloaded optimizer is not wired into the trainer yet; "
-                          "set offload.enabled=false")
 
 
 def resolve_model_config(cfg: Config) -> ModelConfig:
@@ -118,14 +80,20 @@ def save_outputs(cfg: Config, out_dir: Path, params: nnx.State, model_cfg: Model
                   dtype=cfg.export.dtype, shard_bytes=cfg.export.shard_bytes, vocab_size=vocab_size)
 
 
+def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig):
+    """The offloaded engine (state on SSD) or the in-memory baseline, per ``offload.enabled``."""
+    if cfg.offload.enabled:
+        return OffloadEngine(cfg, model, model_cfg)
+    return InMemoryEngine(cfg, model)
+
+
 def run(cfg: Config) -> TrainResult:
     """Trains ``cfg.train.steps`` optimizer steps and writes metrics and a summary to ``out_dir``."""
-    _check_supported(cfg)
     out_dir = Path(cfg.train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
-    # Build: tokenizer, data, model, optimizer.
+    # Build: tokenizer, data, model, engine (optimizer state in RAM or on SSD).
     model_cfg = resolve_model_config(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     stream = BatchStream(cfg.data, tokenizer)
@@ -138,24 +106,20 @@ def run(cfg: Config) -> TrainResult:
     else:
         model = build_model(model_cfg, vocab_size, rngs=nnx.Rngs(cfg.train.seed))
     num_params = count_params(model)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    del model
-    tx = adamw_in_memory(cfg.optimizer, cfg.train.steps)
-    opt_state = tx.init(params)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
-    train_step = make_train_step(graphdef, rest, tx, cfg.train.grad_accum)
     tokens_per_step = cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
 
-    # Loop.
-    losses: list[float] = []
-    pending: list[dict[str, jax.Array]] = []
-    throughput = Throughput()
-    progress = Progress(cfg.train.steps, enabled=cfg.train.progress)
-    with MetricsLog(out_dir) as log:
+    with build_engine(cfg, model, model_cfg) as engine, MetricsLog(out_dir) as log, \
+            MemorySampler(getattr(engine, "shard_files", list), interval=0.2) as memory:
+        del model  # the engine holds what it needs (compute params; master weights on SSD)
+        # Loop.
+        losses: list[float] = []
+        pending: list[dict[str, Any]] = []
+        throughput = Throughput()
+        progress = Progress(cfg.train.steps, enabled=cfg.train.progress)
         for step in range(1, cfg.train.steps + 1):
             tokens = np.stack([next(stream) for _ in range(cfg.train.grad_accum)])
-            params, opt_state, stats = train_step(params, opt_state, tokens)
-            pending.append(stats)
+            pending.append(engine.step(tokens))
             throughput.add(tokens_per_step)
             if step % cfg.train.log_every and step != cfg.train.steps:
                 progress.update(1)
@@ -163,15 +127,21 @@ def run(cfg: Config) -> TrainResult:
             fetched = jax.device_get(pending)  # SYNC: waits for the steps dispatched since the last log
             pending.clear()
             losses.extend(float(s["loss"]) for s in fetched)
-            record = _log_record(step, fetched[-1], schedule, throughput, stream)
+            record = _log_record(step, fetched[-1], schedule, throughput, stream, engine, memory)
             log.write(record)
             progress.update(1, record)
-    progress.close()
-    save_outputs(cfg, out_dir, params, model_cfg, vocab_size)  # fp32 master weights in this path
+        progress.close()
+        save_outputs(cfg, out_dir, engine.export_params(), model_cfg, vocab_size)  # fp32 master weights
+        report = engine.report()
 
     result = TrainResult(steps=cfg.train.steps, losses=losses, num_params=num_params,
-                         peak_rss_bytes=peak_rss_bytes(),
+                         peak_rss_bytes=peak_rss_bytes(), peak_page_cache_bytes=memory.peak_page_cache,
                          tokens_per_s=cfg.train.steps * tokens_per_step / throughput.elapsed(),
+                         engine=engine.name, skipped_steps=int(report.get("skipped_steps", 0)),
+                         arena_capacity_bytes=int(report.get("arena_capacity_bytes", 0)),
+                         arena_high_water_bytes=int(report.get("arena_high_water_bytes", 0)),
+                         ssd_bytes_read=int(getattr(engine, "ssd_bytes_read", 0)),
+                         ssd_bytes_written=int(getattr(engine, "ssd_bytes_written", 0)),
                          out_dir=str(out_dir))
     (out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
     print(_summary(result))
@@ -179,27 +149,44 @@ def run(cfg: Config) -> TrainResult:
 
 
 def _log_record(step: int, stats: dict[str, Any], schedule: optax.Schedule, throughput: Throughput,
-                stream: BatchStream) -> dict[str, Any]:
+                stream: BatchStream, engine, memory: MemorySampler) -> dict[str, Any]:
+    sample = memory.sample()
+    report = engine.report()
+    updates = step - 1 - int(report.get("skipped_steps", 0))
     return {
         "step": step,
         "loss": float(stats["loss"]),
         "grad_norm": float(stats["grad_norm"]),
         # The schedule is evaluated at the count used for this step's update (0-based).
-        "learning_rate": float(schedule(step - 1)),
+        "learning_rate": float(schedule(updates)),
         "tokens_per_s": throughput.rate(),
         "elapsed_s": throughput.elapsed(),
-        "rss_bytes": rss_bytes(),
+        "rss_bytes": sample.rss,
         "peak_rss_bytes": peak_rss_bytes(),
+        "page_cache_bytes": sample.page_cache,
+        "peak_page_cache_bytes": memory.peak_page_cache,
         "data_state": stream.state(),
+        **{k: v for k, v in report.items()},
+        **{k: v for k, v in stats.items() if k not in ("loss", "grad_norm")},
     }
 
 
 def _summary(r: TrainResult) -> str:
-    return summary_table([
-        ("steps", str(r.steps)),
+    rows = [
+        ("engine", r.engine),
+        ("steps (skipped for overflow)", f"{r.steps} ({r.skipped_steps})"),
         ("parameters", f"{r.num_params:,}"),
         ("loss first -> last", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),
         ("tokens/s", f"{r.tokens_per_s:,.0f}"),
-        ("peak host memory (RSS)", format_bytes(r.peak_rss_bytes)),
-        ("outputs", r.out_dir),
-    ])
+        ("peak host memory (RSS)", f"{format_bytes(r.peak_rss_bytes)} ({r.peak_rss_bytes / r.num_params:.1f} B/param)"),
+        ("peak page cache of offload files", format_bytes(r.peak_page_cache_bytes)),
+    ]
+    if r.engine == "offload":
+        rows += [
+            ("arena capacity / high-water", f"{format_bytes(r.arena_capacity_bytes)} / "
+                                            f"{format_bytes(r.arena_high_water_bytes)}"),
+            ("SSD read / written per step", f"{format_bytes(r.ssd_bytes_read / max(r.steps - r.skipped_steps, 1))} / "
+                                            f"{format_bytes(r.ssd_bytes_written / max(r.steps - r.skipped_steps, 1))}"),
+        ]
+    rows.append(("outputs", r.out_dir))
+    return summary_table(rows)

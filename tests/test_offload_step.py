@@ -11,7 +11,7 @@ from jaxascend.config import ModelConfig
 from jaxascend.grad_sink import MemorySink, register_memory_sink, unregister_sink
 from jaxascend.models import build_model
 from jaxascend.offload_step import SinkRouting, make_offload_step, total_stats
-from jaxascend.trainer import next_token_loss
+from jaxascend.losses import next_token_loss
 
 VOCAB = 50
 

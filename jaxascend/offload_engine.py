@@ -1,0 +1,142 @@
+"""The offloaded engine: compute params in the compute dtype, everything else on SSD.
+
+One step, top to bottom:
+
+1. forward/backward, jitted, with every gradient leaving for the SSD store the moment the
+   backward pass computes it (:mod:`jaxascend.offload_step`), in the compute dtype;
+2. the probes' statistics come back: overflow (any inf/NaN) and the global norm are known
+   before the optimizer touches any state (the one host sync of the step);
+3. on overflow the step is skipped, state untouched, and the loss scale backs off (fp16);
+   otherwise the streamed fused AdamW (:class:`~jaxascend.offload_state.OffloadedAdamState`)
+   reads master/m/v/grad chunk by chunk, unscales and clips in the kernel, writes master/m/v
+   back and emits the new compute params leaf by leaf.
+
+Host memory: the compute params (2 B/param for bf16/fp16), the fixed-size arena, and one leaf
+being filled by the step. With ``train.grad_accum > 1`` a float32 accumulator (4 B/param)
+lives in the device memory kind during the backward passes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxascend.config import Config, ModelConfig
+from jaxascend.loss_scale import LossScaleState, update_loss_scale
+from jaxascend.losses import next_token_loss
+from jaxascend.models.layers import DTYPES
+from jaxascend.offload_state import OffloadedAdamState
+from jaxascend.offload_step import SinkRouting, make_accumulating_offload_step, make_offload_step, total_stats
+from jaxascend.optim import AdamWSettings, ssd_adamw_state, ssd_adamw_step
+
+
+def stack_key_of(arch: str) -> str:
+    """The attribute holding the scanned layer stack of each architecture."""
+    return "h" if arch == "gpt2" else "layers"
+
+
+def _loss_with_hook(model, tokens, layer_hook):
+    return next_token_loss(model(tokens[:, :-1], layer_hook=layer_hook), tokens)
+
+
+class OffloadEngine:
+    """Owns the arena, the SSD store and the AdamW state on it (through
+    :class:`OffloadedAdamState`); a context manager that closes them (and unlocks
+    ``offload.dir``) on exit."""
+
+    name = "offload"
+
+    def __init__(self, cfg: Config, model: nnx.Module, model_cfg: ModelConfig):
+        self.cfg = cfg
+        self.compute_dtype = compute_dtype = model_cfg.dtype
+        dtype = DTYPES[compute_dtype]
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        self.graphdef, self.rest = graphdef, rest
+        self.stack_key = stack_key_of(model_cfg.arch)
+        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
+        routing = SinkRouting.for_params(params, self.stack_key)
+        stacked = jax.tree.unflatten(jax.tree.structure(params), [r.layers > 0 for r in routing.routes])
+        self.state = OffloadedAdamState.create(spec, cfg.offload, stacked=stacked,
+                                               kernel_threads=cfg.offload.kernel_threads)
+        try:
+            self.state.init(params)  # fp32 master weights from the loaded/initialised params
+            # The compute copy; the param_dtype copy is dropped once the master weights are on SSD.
+            self.params = jax.tree.map(lambda x: x.astype(dtype), params)
+            del params
+            sink = self.state.gradient_sink()
+            ids = jax.tree.leaves(self.state.tensor_ids())
+            if ids != [r.tensor for r in routing.routes]:
+                raise RuntimeError("offload: gradient-sink tensor ids disagree with the optimizer's leaf order")
+            make = make_offload_step if cfg.train.grad_accum == 1 else make_accumulating_offload_step
+            self._fwd_bwd = make(graphdef, rest, routing, sink.handle, _loss_with_hook)
+            self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.train.steps)
+            self.opt_state = ssd_adamw_state(self.state)
+            self.loss_scale = LossScaleState.initial(cfg.optimizer, compute_dtype)
+            self.ssd_bytes_read = 0
+            self.ssd_bytes_written = 0
+        except BaseException:
+            self.state.close()
+            raise
+
+    def step(self, tokens: np.ndarray) -> dict[str, Any]:
+        """One optimizer step over ``tokens[A, B, T+1]``; returns host scalars."""
+        scale = self.loss_scale.scale
+        micro = tokens[0] if self.cfg.train.grad_accum == 1 else tokens
+        loss, stats = self._fwd_bwd(self.params, micro, jnp.float32(scale))
+        # SYNC: the overflow check and the clip factor need the statistics, and the optimizer may
+        # read the gradient regions only once the backward pass has written all of them.
+        loss, (sumsq, nonfinite) = jax.device_get((loss, total_stats(stats)))
+        self.loss_scale, skip = update_loss_scale(self.loss_scale, bool(nonfinite > 0), self.cfg.optimizer,
+                                                  self.compute_dtype)
+        grad_norm = math.sqrt(float(sumsq)) / scale
+        clip = 1.0
+        max_norm = self.cfg.optimizer.grad_clip_norm
+        if max_norm is not None and not skip and grad_norm > max_norm:
+            clip = max_norm / grad_norm
+        if not skip:
+            self.params = None  # the step emits new leaves; the old ones need not outlive it
+        new_params, self.opt_state = ssd_adamw_step(self.settings, self.opt_state, self.state,
+                                                    grad_scale=clip / scale, skip=skip)
+        if new_params is not None:
+            self.params = new_params
+            last = self.state.last_step
+            self.ssd_bytes_read += last.bytes_read
+            self.ssd_bytes_written += last.bytes_written
+        return {"loss": float(loss), "grad_norm": grad_norm if not skip else float("nan"),
+                "skipped": bool(skip), "loss_scale": scale}
+
+    def export_params(self):
+        """The weights to save or export: fp32 master weights read back from SSD leaf by leaf."""
+        leaves = [self.state.read_state(leaf, "master") for leaf in self.state.leaves]
+        return self.state.layout.treedef.unflatten(leaves)
+
+    def report(self) -> dict[str, Any]:
+        arena = self.state.store.arena
+        last = self.state.last_step
+        return {
+            "arena_capacity_bytes": arena.capacity,
+            "arena_high_water_bytes": arena.high_water_bytes,
+            "arena_locked": arena.locked,
+            "arena_pinned": arena.pinned,
+            "direct_io": self.state.store.direct_io,
+            "ssd_read_bytes_step": last.bytes_read if last else 0,
+            "ssd_write_bytes_step": last.bytes_written if last else 0,
+            "ssd_gbps_step": last.ssd_gbps if last else 0.0,
+            "optimizer_seconds_step": last.seconds if last else 0.0,
+            "loss_scale": self.loss_scale.scale,
+            "skipped_steps": self.loss_scale.skipped_steps,
+        }
+
+    def shard_files(self) -> list[str]:
+        return sorted({e.shard_path for r in self.state.store.regions() for e in r.extents})
+
+    def __enter__(self) -> "OffloadEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.state.close()
