@@ -217,8 +217,9 @@ class Checkpointer:
         # crc32c of every saved array leaf goes into the meta item and is checked on restore.
         checksums = {item: tree_checksums(arg.item) for item, arg in items.items()
                      if isinstance(arg, ocp.args.StandardSave)}
-        record = {"format": FORMAT, "step": step, "items": sorted(items), "config": self.run_config,
-                  "meta": _jsonable(meta or {}, "meta"), "checksums": checksums}
+        record = {"format": FORMAT, "step": step, "items": sorted(items),
+                  "config": _jsonable(self.run_config, "config"), "meta": _jsonable(meta or {}, "meta"),
+                  "checksums": checksums}
         record["crc32c"] = _record_crc(record)  # a garbled byte may still parse as JSON
         items[META] = ocp.args.JsonSave(record)
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -236,7 +237,9 @@ class Checkpointer:
             if not isinstance(record, dict) or record.get("format") != FORMAT:
                 raise ValueError(f"format is {record.get('format') if isinstance(record, dict) else None!r}, "
                                  f"expected {FORMAT!r}")
-            record["items"], record["config"], record["meta"], record["step"]  # noqa: B018 - required keys
+            missing = [key for key in ("step", "items", "config", "meta", "crc32c") if key not in record]
+            if missing:
+                raise ValueError(f"it lacks {missing}")
             saved_crc = record.pop("crc32c")
             if saved_crc != _record_crc(record):
                 raise ValueError(f"its contents have crc32c {_record_crc(record):#010x}, it recorded {saved_crc:#010x}")
@@ -260,8 +263,7 @@ class Checkpointer:
         record = self.read_meta(step)
         check_compatible(record["config"], self.run_config, step_dir)
         saved_items = set(record["items"])
-        wanted = {PARAMS: params_like is not None or PARAMS in saved_items, OPT_STATE: opt_state_like is not None,
-                  OFFLOADED: ssd is not None}
+        wanted = {PARAMS: True, OPT_STATE: opt_state_like is not None, OFFLOADED: ssd is not None}
         for item, requested in wanted.items():
             if requested and item not in saved_items:
                 raise IncompatibleCheckpointError(f"checkpoint {step_dir} has no {item!r} item (it holds "
@@ -279,7 +281,9 @@ class Checkpointer:
         if RNG in saved_items:
             items[RNG] = ocp.args.StandardRestore()
         if ssd is not None:
-            items[OFFLOADED] = SsdArraysRestore(SsdArrays.of(ssd))
+            ssd = SsdArrays.of(ssd)
+            validate_arrays(ssd)  # a bad spec is the caller's error, not a corrupt checkpoint
+            items[OFFLOADED] = SsdArraysRestore(ssd)
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(**items))
         except CheckpointError:

@@ -3,6 +3,7 @@ Orbax/tensorstore reading every array without jaxascend; refusals with messages 
 config, missing step, corrupt files); half-written checkpoints (SIGKILL during a save) never
 picked; host memory during an SSD save bounded by the arena."""
 
+import gc
 import json
 import os
 import signal
@@ -77,8 +78,8 @@ def write_interleaved(store, layout, values):
 
 @pytest.fixture
 def ssd(tmp_path):
-    """A store holding an interleaved layout (2 stacked leaves) and three contiguous arrays
-    (fp32, bf16, and two sharing one region at unaligned offsets); yields (SsdArrays, values)."""
+    """A store holding an interleaved layout (2 stacked leaves) and contiguous arrays (bf16, a
+    0-d fp32, and two sharing one region at unaligned offsets); yields (SsdArrays, values)."""
     cfg = offload_cfg(tmp_path / "offload")
     plan = ArenaPlan().extend(SsdStore.arena_requests(cfg)).extend(checkpoint_arena_requests(cfg))
     arena = HostArena(plan, cfg)
@@ -98,9 +99,13 @@ def ssd(tmp_path):
              "packed/b": rng.standard_normal((3, 1111)).astype(np.float32)}
     store.add_region("h", extra["scale/h"].nbytes)
     store.write("h", extra["scale/h"])
+    extra["scale/s"] = np.float32(rng.standard_normal())  # a 0-d array
+    store.add_region("s", 4)
+    store.write("s", np.asarray(extra["scale/s"]))
     store.add_region("packed", 4 * 1001 + 4 * 3333)
     store.write("packed", np.concatenate([extra["packed/a"], extra["packed/b"].ravel()]))
-    specs += [("scale/h", "h", 0, (300, 77), "bfloat16"), ("packed/a", "packed", 0, (1001,), np.float32),
+    specs += [("scale/h", "h", 0, (300, 77), "bfloat16"), ("scale/s", "s", 0, (), np.float32),
+              ("packed/a", "packed", 0, (1001,), np.float32),
               ("packed/b", "packed", 4 * 1001, (3, 1111), np.float32)]
     flat.update(extra)
     with store:
@@ -345,6 +350,8 @@ def corrupt(path: Path, how: str) -> None:
     path.write_bytes(bytes(data))
 
 
+# Orbax leaves coroutines of a failed OCDBT read un-awaited; collected here, not in a later test.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("target, how, message", [
     ("offloaded/m.layers.mlp.w/1.0.0", "garble", "checkpoint file {path} is corrupt: its data has crc32c"),
     ("offloaded/m.layers.mlp.w/0.0.0", "truncate", "checkpoint file {path} cannot be read"),
@@ -370,6 +377,7 @@ def test_corrupt_checkpoint_file_is_reported_with_its_path(tmp_path, ssd, target
             ckpt.restore(3, params_like=abstract(params), opt_state_like=abstract(opt_state), ssd=arrays)
     expected = message.format(path=path, item=step_dir / "params")
     assert expected in str(err.value)
+    gc.collect()
 
 
 # ----------------------------------------------------------------------------- crash safety
