@@ -110,10 +110,12 @@ Status ShardStore::Open(const StoreOptions& options, std::shared_ptr<Arena> aren
   store->options_ = options;
   store->arena_ = std::move(arena);
   store->direct_io_ = options.direct_io;
-  store->io_mode_status_ = options.direct_io
-                               ? "O_DIRECT"
-                               : "buffered I/O with posix_fadvise(POSIX_FADV_DONTNEED) after each block "
-                                 "(offload.direct_io is false)";
+  store->io_mode_status_ = options.direct_io ? "O_DIRECT"
+                          : options.drop_page_cache
+                              ? "buffered I/O with posix_fadvise(POSIX_FADV_DONTNEED) after each block "
+                                "(offload.direct_io is false)"
+                              : "buffered I/O keeping the page cache (offload.direct_io and "
+                                "offload.drop_page_cache are false)";
   // On any failure below, the destructor (via Close) undoes what was done so far.
   JAXASCEND_RETURN_IF_ERROR(store->AcquireLock());
   {
@@ -195,12 +197,19 @@ Status ShardStore::OpenShard(int32_t index) {
     if (fd < 0) {
       direct_io_ = false;
       io_mode_status_ = "O_DIRECT refused for " + shard->path + ": " + DescribeErrno(err) +
-                        "; using buffered I/O with posix_fadvise(POSIX_FADV_DONTNEED) after each block";
+                        (options_.drop_page_cache
+                             ? "; using buffered I/O with posix_fadvise(POSIX_FADV_DONTNEED) after each block"
+                             : "; using buffered I/O keeping the page cache (offload.drop_page_cache is false)");
     }
   }
   if (fd < 0) {
     fd = open(shard->path.c_str(), flags, 0644);
     if (fd < 0) return Status::Io(errno, "cannot open shard file " + shard->path + ": " + DescribeErrno(errno));
+  }
+  if (!direct_io_ && options_.drop_page_cache) {
+    // Requests are whole blocks that are dropped once done: kernel read-ahead would only
+    // cache pages nobody asked for (and nobody drops). Advisory, like the drops themselves.
+    posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
   }
   shard->fd = fd;
   shards_.push_back(std::move(shard));
@@ -422,9 +431,10 @@ Status ShardStore::ExecuteBlock(const BlockRequest& req) {
       return Status::Io(EIO, "short write: wrote " + std::to_string(n) + " of " + std::to_string(io) +
                                  " bytes to " + where());
     }
-    if (!direct_io_) {
+    if (!direct_io_ && options_.drop_page_cache) {
       // Buffered fallback: push this block to disk, then drop it from the page cache, so
-      // host memory does not grow with the model. Write-back errors surface here.
+      // host memory does not grow with the model. Write-back errors surface here. (Without
+      // drop_page_cache the block stays cached and dirty, as with ZeRO-Infinity's buffered I/O.)
       if (sync_file_range(f.fd, file_offset, io,
                           SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER) != 0) {
         const int err = errno;
@@ -452,7 +462,7 @@ Status ShardStore::ExecuteBlock(const BlockRequest& req) {
     return Status::Io(EIO, "short read: got " + std::to_string(n) + " of " + std::to_string(io) + " bytes from " +
                                where());
   }
-  if (!direct_io_) posix_fadvise(f.fd, file_offset, io, POSIX_FADV_DONTNEED);  // advisory
+  if (!direct_io_ && options_.drop_page_cache) posix_fadvise(f.fd, file_offset, io, POSIX_FADV_DONTNEED);  // advisory
   const uint32_t crc = Crc32c(req.buffer, static_cast<size_t>(logical));
   const uint32_t expected = r.crcs[req.block].load(std::memory_order_acquire);
   if (crc != expected) {

@@ -17,7 +17,8 @@
 //
 // I/O modes. O_DIRECT unless the filesystem refuses it (EINVAL, e.g. tmpfs) or the caller
 // turns it off; then buffered I/O with sync_file_range + posix_fadvise(DONTNEED) per block, so
-// the page cache does not grow with the model. direct_io() / io_mode_status() say which.
+// the page cache does not grow with the model (unless drop_page_cache is false: then plain
+// page-cache I/O, written back whenever the kernel likes). direct_io() / io_mode_status() say which.
 //
 // For native callers (the gradient sink FFI handler): FindStore(handle) returns an open store;
 // WriteFromHost() copies a host buffer into the store's arena staging slots and queues the
@@ -48,6 +49,9 @@ struct StoreOptions {
   int io_threads = 4;
   bool direct_io = true;
   bool preallocate = true;  // fallocate shard space when a region is added
+  // Buffered I/O only: sync + drop each block from the page cache after it is transferred.
+  // False keeps every page cached (ZeRO-Infinity's page-cache I/O, an ablation baseline).
+  bool drop_page_cache = true;
 };
 
 struct ShardFile {

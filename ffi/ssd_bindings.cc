@@ -229,7 +229,8 @@ void BindStore(nb::module_& m) {
       .def_rw("staging_slots", &StoreOptions::staging_slots)
       .def_rw("io_threads", &StoreOptions::io_threads)
       .def_rw("direct_io", &StoreOptions::direct_io)
-      .def_rw("preallocate", &StoreOptions::preallocate);
+      .def_rw("preallocate", &StoreOptions::preallocate)
+      .def_rw("drop_page_cache", &StoreOptions::drop_page_cache);
 
   nb::class_<ShardStore>(m, "ShardStore", "The SSD shard store (see shard_store.h); use jaxascend.ssd_store.SsdStore.")
       .def_static("open",

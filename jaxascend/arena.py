@@ -19,6 +19,11 @@ The arena's size is ``offload.arena_bytes`` or, when unset, exactly what the pla
 way it must fit ``offload.host_memory_budget`` (when set) and the machine's RAM. If ``mlock`` is
 refused (RLIMIT_MEMLOCK) the arena works unlocked and says so once in the log; ``locked`` and
 ``pinned`` report what happened, ``lock_status`` / ``pin_status`` say why.
+
+``offload.pow2_buffers`` (an ablation switch, see docs/architecture.md) rounds every planned
+buffer up to a power of two bytes, as allocators with power-of-two size classes (PyTorch's
+pinned-memory caching allocator, behind ZeRO-Infinity's pinned buffers) do. The whole arena
+is written at allocation, so the rounding costs real resident memory.
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ IO_ALIGNMENT = 4096
 def round_to_alignment(nbytes: int) -> int:
     """``nbytes`` rounded up to the 4096-byte I/O alignment (the only rounding the arena does)."""
     return -(-int(nbytes) // IO_ALIGNMENT) * IO_ALIGNMENT
+
+
+def next_power_of_two(nbytes: int) -> int:
+    """The smallest power of two >= ``nbytes`` (>= 1)."""
+    return 1 << max(int(nbytes) - 1, 0).bit_length()
 
 
 def format_bytes(n: int) -> str:
@@ -97,6 +107,10 @@ class ArenaPlan:
     def total_bytes(self) -> int:
         return sum(r.total_bytes for r in self.requests)
 
+    def rounded_to_power_of_two(self) -> "ArenaPlan":
+        """The same slots, each rounded up to a power of two bytes (the ``pow2_buffers`` ablation)."""
+        return ArenaPlan([SlotRequest(r.shape_class, next_power_of_two(r.nbytes), r.count) for r in self.requests])
+
     def bytes_by_class(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for r in self.requests:
@@ -143,6 +157,8 @@ class HostArena:
 
     def __init__(self, plan: ArenaPlan, cfg: Optional[OffloadConfig] = None):
         cfg = cfg if cfg is not None else OffloadConfig()
+        if cfg.pow2_buffers:
+            plan = plan.rounded_to_power_of_two()
         capacity = resolve_capacity(plan, cfg)
         self._native = _native.Arena.create(
             capacity, [(r.shape_class, int(r.nbytes), int(r.count)) for r in plan.requests],

@@ -230,6 +230,18 @@ class OffloadConfig:
     pin_memory: bool = True  # cudaHostRegister the arena when a CUDA device is present
     preallocate: bool = True  # fallocate shard space up front, so a full disk fails early
     kernel_threads: int = 1  # threads of the fused AdamW kernel per chunk (the step is I/O bound)
+    # Buffered I/O only (direct_io false, or the O_DIRECT fallback): drop each block from the
+    # page cache after it is read or written. False is ZeRO-Infinity's page-cache I/O: the kernel
+    # keeps (and writes back, when it likes) every page it has seen, up to 14 B/param.
+    drop_page_cache: bool = True
+    # Ablation switches: each brings back one host-memory habit of a ZeRO-Infinity-style
+    # offload, so its cost can be measured (docs/architecture.md, "Ablation switches"). All
+    # false is jaxascend; all true (with direct_io and drop_page_cache false) is the baseline.
+    # None changes the arithmetic: the losses and the SSD state stay the same.
+    pow2_buffers: bool = False  # every arena buffer rounded up to a power of two bytes
+    single_pool: bool = False  # one pool of step buffers, each sized for the largest tensor
+    fp32_grad_buffer: bool = False  # gradients land in a full fp32 host buffer (4 B/param)
+    post_backward_overflow_check: bool = False  # full gradient tree, then a scan with temporaries
 
     def __post_init__(self):
         if self.arena_bytes is not None:
@@ -301,10 +313,14 @@ class TrainConfig:
     # "auto": newest complete checkpoint in checkpoint.dir (fresh start if none); "none": fresh
     # start; an integer: that step's checkpoint (an error if it is missing).
     resume: Union[Literal["auto", "none"], int] = "auto"
+    # Stop after this step (saving a checkpoint there) as if interrupted: a time-boxed job that a
+    # later run with the same config resumes. None: run to train.steps.
+    stop_at_step: Optional[int] = None
 
     def __post_init__(self):
         self.resume = validate_resume(self.resume)
         _check_range("train.steps", self.steps, lo=1)
+        _check_range("train.stop_at_step", self.stop_at_step, lo=1, hi=self.steps)
         _check_range("train.grad_accum", self.grad_accum, lo=1)
         _check_range("train.log_every", self.log_every, lo=1)
 

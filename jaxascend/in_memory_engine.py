@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxascend.checkpoint import Checkpointer
 from jaxascend.config import Config
 from jaxascend.losses import next_token_loss
 from jaxascend.optim import adamw_in_memory
@@ -70,6 +71,15 @@ class InMemoryEngine:
         """Dispatches one step asynchronously; the stats are device scalars (no sync here)."""
         self.params, self.opt_state, stats = self._step(self.params, self.opt_state, tokens)
         return stats
+
+    def save_checkpoint(self, ckpt: Checkpointer, step: int, meta: dict) -> None:
+        ckpt.save(step, params=self.params, opt_state=self.opt_state, meta=meta)
+
+    def restore_checkpoint(self, ckpt: Checkpointer, step: int) -> dict:
+        """Loads params and the optax state of ``step``; returns the checkpoint's meta."""
+        restored = ckpt.restore(step, params_like=self.params, opt_state_like=self.opt_state)
+        self.params, self.opt_state = restored.params, restored.opt_state
+        return restored.meta
 
     def export_params(self) -> nnx.State:
         """The weights to save or export: the fp32 parameters themselves here."""

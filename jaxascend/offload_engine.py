@@ -26,13 +26,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxascend.checkpoint import Checkpointer
 from jaxascend.config import Config, ModelConfig
+from jaxascend.kill_points import kill_point
 from jaxascend.loss_scale import LossScaleState, update_loss_scale
 from jaxascend.losses import next_token_loss
 from jaxascend.models.layers import DTYPES
+from jaxascend.offload_layout import STATE_SLOT_CLASS, OffloadLayout
 from jaxascend.offload_state import OffloadedAdamState
 from jaxascend.offload_step import SinkRouting, make_accumulating_offload_step, make_offload_step, total_stats
 from jaxascend.optim import AdamWSettings, ssd_adamw_state, ssd_adamw_step
+from jaxascend.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
+from jaxascend.ssd_checkpoint import (
+    CHECKPOINT_SHAPE_CLASS,
+    SsdArrays,
+    checkpoint_arena_requests,
+    specs_for_offload_layout,
+)
 
 
 def stack_key_of(arch: str) -> str:
@@ -61,8 +71,16 @@ class OffloadEngine:
         spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
         routing = SinkRouting.for_params(params, self.stack_key)
         stacked = jax.tree.unflatten(jax.tree.structure(params), [r.layers > 0 for r in routing.routes])
+        # Checkpoints stream master/m/v through the step's state slots, which are idle between
+        # steps; a model so small that those slots hold under 3 SSD blocks gets a few of its own.
+        layout = OffloadLayout.plan(spec, cfg.offload, stacked)
+        self._checkpoint_slots = STATE_SLOT_CLASS
+        extra = ()
+        if layout.state_slot_bytes < 3 * cfg.offload.block_bytes:
+            extra = tuple(checkpoint_arena_requests(cfg.offload, chunk_bytes=cfg.offload.block_bytes))
+            self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS
         self.state = OffloadedAdamState.create(spec, cfg.offload, stacked=stacked,
-                                               kernel_threads=cfg.offload.kernel_threads)
+                                               kernel_threads=cfg.offload.kernel_threads, extra_requests=extra)
         try:
             self.state.init(params)  # fp32 master weights from the loaded/initialised params
             # The compute copy; the param_dtype copy is dropped once the master weights are on SSD.
@@ -72,8 +90,12 @@ class OffloadEngine:
             ids = jax.tree.leaves(self.state.tensor_ids())
             if ids != [r.tensor for r in routing.routes]:
                 raise RuntimeError("offload: gradient-sink tensor ids disagree with the optimizer's leaf order")
-            make = make_offload_step if cfg.train.grad_accum == 1 else make_accumulating_offload_step
-            self._fwd_bwd = make(graphdef, rest, routing, sink.handle, _loss_with_hook)
+            if cfg.offload.post_backward_overflow_check:  # ablation: full tree, then a scan
+                full_step = make_full_gradient_step(graphdef, rest, cfg.train.grad_accum, _loss_with_hook)
+                self._fwd_bwd = PostBackwardCheckedStep(full_step, self.state)
+            else:
+                make = make_offload_step if cfg.train.grad_accum == 1 else make_accumulating_offload_step
+                self._fwd_bwd = make(graphdef, rest, routing, sink.handle, _loss_with_hook)
             self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.train.steps)
             self.opt_state = ssd_adamw_state(self.state)
             self.loss_scale = LossScaleState.initial(cfg.optimizer, compute_dtype)
@@ -88,6 +110,7 @@ class OffloadEngine:
         scale = self.loss_scale.scale
         micro = tokens[0] if self.cfg.train.grad_accum == 1 else tokens
         loss, stats = self._fwd_bwd(self.params, micro, jnp.float32(scale))
+        kill_point("backward")  # tests: the backward pass is running and writing gradients
         # SYNC: the overflow check and the clip factor need the statistics, and the optimizer may
         # read the gradient regions only once the backward pass has written all of them.
         loss, (sumsq, nonfinite) = jax.device_get((loss, total_stats(stats)))
@@ -110,6 +133,25 @@ class OffloadEngine:
         return {"loss": float(loss), "grad_norm": grad_norm if not skip else float("nan"),
                 "skipped": bool(skip), "loss_scale": scale}
 
+    def _ssd_arrays(self) -> SsdArrays:
+        # The step's state slots are idle between steps; checkpoints stream through them.
+        return SsdArrays(self.state.store, specs_for_offload_layout(self.state.layout), slot_class=self._checkpoint_slots)
+
+    def save_checkpoint(self, ckpt: Checkpointer, step: int, meta: dict) -> None:
+        """Compute params and the run's scalars, plus master/m/v streamed from SSD chunk by chunk."""
+        meta = {**meta, "updates_applied": self.state.updates_applied, "loss_scale": self.loss_scale.to_dict()}
+        ckpt.save(step, params=self.params, ssd=self._ssd_arrays(), meta=meta)
+
+    def restore_checkpoint(self, ckpt: Checkpointer, step: int) -> dict:
+        """Rebuilds the SSD shards from checkpoint ``step`` (so a kill during an optimizer step can
+        never poison a resume) and restores the compute params; returns the checkpoint's meta."""
+        restored = ckpt.restore(step, params_like=self.params, ssd=self._ssd_arrays())
+        self.params = restored.params
+        self.state.restored(int(restored.meta["updates_applied"]))
+        self.opt_state = ssd_adamw_state(self.state)
+        self.loss_scale = LossScaleState.from_dict(restored.meta["loss_scale"])
+        return restored.meta
+
     def export_params(self):
         """The weights to save or export: fp32 master weights read back from SSD leaf by leaf."""
         leaves = [self.state.read_state(leaf, "master") for leaf in self.state.leaves]
@@ -124,6 +166,8 @@ class OffloadEngine:
             "arena_locked": arena.locked,
             "arena_pinned": arena.pinned,
             "direct_io": self.state.store.direct_io,
+            # the fp32_grad_buffer ablation's full fp32 host gradient copy (0 without it)
+            "host_grad_buffer_bytes": self.state.grad_buffer.nbytes if self.state.grad_buffer is not None else 0,
             "ssd_read_bytes_step": last.bytes_read if last else 0,
             "ssd_write_bytes_step": last.bytes_written if last else 0,
             "ssd_gbps_step": last.ssd_gbps if last else 0.0,

@@ -17,6 +17,12 @@ state tensor per chunk), rounded so that a full chunk of every gradient dtype is
 A chunk never spans two layers; the arena needs ``stream_depth`` slots of each class::
 
     adam_state: 12 * min(C, largest layer) bytes      adam_grad: g * min(C, largest layer) bytes
+
+Two ablation switches (``offload.*``, see docs/architecture.md) change the slots, never the
+arithmetic: ``single_pool`` makes a chunk a whole layer of the largest tensor and sizes every
+step slot, state and gradient alike, for that tensor's state (one pool of uniform buffers, as
+ZeRO-Infinity's swap buffers are); ``fp32_grad_buffer`` reads gradients from a host fp32 buffer
+instead of the store, so no ``adam_grad`` slots are planned.
 """
 
 from __future__ import annotations
@@ -151,6 +157,8 @@ class OffloadLayout:
     treedef: Any
     chunk_elements: int
     stream_depth: int
+    single_pool: bool = False  # every step slot sized for the largest tensor's state (ablation)
+    grads_on_ssd: bool = True  # False: gradients live in a host fp32 buffer (ablation)
 
     @classmethod
     def plan(cls, params_spec, cfg: OffloadConfig, stacked: StackedSpec = None) -> "OffloadLayout":
@@ -178,8 +186,16 @@ class OffloadLayout:
             names = [f"{prefix}/L{layer}" if is_stacked else prefix for layer in range(layers)]
             leaves.append(LeafLayout(index, path, shape, dtype, is_stacked,
                                      tuple(n + "/state" for n in names), tuple(n + "/grad" for n in names)))
-        chunk = chunk_elements_for(cfg, [leaf.dtype.itemsize for leaf in leaves])
-        return cls(tuple(leaves), treedef, chunk, cfg.stream_depth)
+        itemsizes = [leaf.dtype.itemsize for leaf in leaves]
+        chunk = chunk_elements_for(cfg, itemsizes)
+        if cfg.single_pool:
+            # ZeRO-Infinity sizes its buffers for the largest tensor: a chunk is then always one
+            # whole layer of a leaf (rounded up to whole blocks, so any chunk size stays valid).
+            unit = cfg.block_bytes // min(itemsizes)
+            largest = max(leaf.layer_elements for leaf in leaves)
+            chunk = -(-largest // unit) * unit
+        return cls(tuple(leaves), treedef, chunk, cfg.stream_depth, single_pool=cfg.single_pool,
+                   grads_on_ssd=not cfg.fp32_grad_buffer)
 
     @property
     def num_parameters(self) -> int:
@@ -215,10 +231,18 @@ class OffloadLayout:
     def grad_slot_bytes(self) -> int:
         return max(min(self.chunk_elements, leaf.layer_elements) * leaf.dtype.itemsize for leaf in self.leaves)
 
+    @property
+    def slot_classes(self) -> list[str]:
+        """The slot class of each segment of a step's chunk (state, then gradient if on SSD)."""
+        return [STATE_SLOT_CLASS, GRAD_SLOT_CLASS] if self.grads_on_ssd else [STATE_SLOT_CLASS]
+
     def arena_requests(self) -> list[SlotRequest]:
-        """The arena slots a step needs: ``stream_depth`` of each class."""
-        return [SlotRequest(STATE_SLOT_CLASS, self.state_slot_bytes, self.stream_depth),
-                SlotRequest(GRAD_SLOT_CLASS, self.grad_slot_bytes, self.stream_depth)]
+        """The arena slots a step needs: ``stream_depth`` of each class in :attr:`slot_classes`
+        (with ``single_pool``, all of one size: the largest tensor's state)."""
+        sizes = {STATE_SLOT_CLASS: self.state_slot_bytes, GRAD_SLOT_CLASS: self.grad_slot_bytes}
+        if self.single_pool:
+            sizes = dict.fromkeys(sizes, max(sizes.values()))
+        return [SlotRequest(c, sizes[c], self.stream_depth) for c in self.slot_classes]
 
     def flatten(self, tree, what: str) -> list:
         """The leaves of ``tree`` (any pytree with the parameters' leaves in the same order,

@@ -23,6 +23,12 @@ model size. Construction order (the trainer's fast path)::
 
 (:meth:`OffloadedAdamState.create` does the first four lines for you.) Every public method
 raises exceptions naming the leaf, size or region at fault.
+
+With ``offload.fp32_grad_buffer`` (an ablation switch: ZeRO-Infinity's full fp32 host gradient
+copy) the gradients do not go to SSD: the owner allocates one float32 host buffer of 4 B/param
+for the whole run, the sink widens every gradient into it, and the step reads the gradient of
+each chunk from there (bit-identical results: the widening is exact and the kernel widens
+16-bit gradients to fp32 anyway).
 """
 
 from __future__ import annotations
@@ -40,9 +46,9 @@ import numpy as np
 
 from jaxascend.arena import ArenaError, ArenaPlan, HostArena, SlotRequest, format_bytes, round_to_alignment
 from jaxascend.config import OffloadConfig
+from jaxascend.kill_points import kill_point
 from jaxascend.fused_adam import AdamHyperParams, fused_adamw_update_numpy
 from jaxascend.offload_layout import (
-    GRAD_SLOT_CLASS,
     STATE_SLOT_CLASS,
     STATE_TENSORS,
     LeafLayout,
@@ -51,7 +57,13 @@ from jaxascend.offload_layout import (
 )
 from jaxascend.ssd_store import SsdStore
 from jaxascend.ssd_stream import Segment
-from jaxascend.store_sink import SinkTarget, StoreGradientSink, register_store_sink
+from jaxascend.store_sink import (
+    BufferTarget,
+    Fp32BufferGradientSink,
+    SinkTarget,
+    StoreGradientSink,
+    register_store_sink,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,23 +164,34 @@ class OffloadedAdamState:
         self.updates_applied = 0  # AdamW updates the SSD state has had since init (or restore)
         self.last_step: Optional[StepStats] = None
         self._check_arena()
+        grads_on_ssd = self.layout.grads_on_ssd
         for leaf in self.layout.leaves:
             for state_region, grad_region in zip(leaf.state_regions, leaf.grad_regions):
                 store.add_region(state_region, leaf.state_layer_bytes)
-                store.add_region(grad_region, leaf.grad_layer_bytes)
+                if grads_on_ssd:
+                    store.add_region(grad_region, leaf.grad_layer_bytes)
+        # The fp32_grad_buffer ablation: every gradient in one float32 host buffer for the whole
+        # run. Filled with zeros now, so its 4 B/param are resident from the start, as a pinned
+        # buffer would be.
+        self.grad_buffer: Optional[np.ndarray] = None
+        self._grad_offsets = np.cumsum([0] + [leaf.size for leaf in self.layout.leaves[:-1]]).tolist()
+        if not grads_on_ssd:
+            self.grad_buffer = np.empty(self.layout.num_parameters, np.float32)
+            self.grad_buffer.fill(0.0)
         self._chunks = self.layout.chunks()
         # Segments name Region records (not names), so a step does no lookups per chunk.
         regions = {r.name: r for r in store.regions()}
         self._step_segments = [
-            [Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes, read=True, write=True),
-             Segment(regions[c.leaf.grad_regions[c.layer]], c.grad_offset, c.grad_bytes, read=True, write=False)]
+            [Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes, read=True, write=True)] +
+            ([Segment(regions[c.leaf.grad_regions[c.layer]], c.grad_offset, c.grad_bytes, read=True, write=False)]
+             if grads_on_ssd else [])
             for c in self._chunks]
         self._init_segments = [[Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes,
                                         read=False, write=True)] for c in self._chunks]
         self._initialized = False
         self._broken: Optional[str] = None  # why the SSD state can no longer be trusted
         self._grads_written = False  # write_grads() ran since the last step
-        self._sink: Optional[StoreGradientSink] = None
+        self._sink: Optional[Union[StoreGradientSink, Fp32BufferGradientSink]] = None
         self._owned: tuple = ()  # (store, arena) when made by create()
         self._lock = threading.RLock()
         log.info("offloaded AdamW: %d leaves, %d parameters, %s of state on SSD, %d chunks of %d elements",
@@ -177,8 +200,8 @@ class OffloadedAdamState:
 
     def _check_arena(self) -> None:
         depth = self.layout.stream_depth
-        for shape_class, nbytes in ((STATE_SLOT_CLASS, self.layout.state_slot_bytes),
-                                    (GRAD_SLOT_CLASS, self.layout.grad_slot_bytes)):
+        for request in self.layout.arena_requests():
+            shape_class, nbytes = request.shape_class, request.nbytes
             slots = self.store.arena.slots(shape_class)
             fitting = [s for s in slots if s.capacity >= round_to_alignment(nbytes)]
             if len(fitting) < depth:
@@ -249,13 +272,17 @@ class OffloadedAdamState:
     @_serialized
     def write_grads(self, grads) -> None:
         """Copies a gradient pytree (jax or numpy arrays, converted to each leaf's compute dtype)
-        into the gradient regions; the generic path, where the backward pass is not sinked."""
+        into the gradient regions (or the fp32 host buffer); the generic path, where the
+        backward pass is not sinked."""
         self._check_open()
         leaves = self.layout.flatten(grads, "gradients")
         for leaf, g in zip(self.layout.leaves, leaves):
             g = np.asarray(g)
             if g.dtype != leaf.dtype:
                 g = g.astype(leaf.dtype)
+            if self.grad_buffer is not None:
+                np.copyto(self._grad_view(leaf), g.reshape(-1))  # widened exactly, no temporary
+                continue
             g = g.reshape(leaf.layers, leaf.layer_elements)
             for layer, region in enumerate(leaf.grad_regions):
                 self.store.write(region, np.ascontiguousarray(g[layer]), wait=False)
@@ -270,16 +297,27 @@ class OffloadedAdamState:
         self._grads_written = True
 
     @_serialized
-    def gradient_sink(self) -> StoreGradientSink:
-        """The store-backed gradient sink for this state (created and registered once): pass
-        ``sink.handle`` and :meth:`tensor_ids` to :func:`jaxascend.grad_sink.offload_on_backward`
-        (``layer=`` the index within a stacked leaf). Closed with this owner."""
+    def gradient_sink(self) -> Union[StoreGradientSink, Fp32BufferGradientSink]:
+        """The gradient sink for this state (created and registered once): pass ``sink.handle``
+        and :meth:`tensor_ids` to :func:`jaxascend.grad_sink.offload_on_backward` (``layer=``
+        the index within a stacked leaf). Store-backed, or the fp32 host buffer's with
+        ``offload.fp32_grad_buffer``. Closed with this owner."""
         self._check_open()
         if self._sink is None or self._sink.closed:
-            targets = [SinkTarget(leaf.index, leaf.grad_regions, leaf.grad_layer_bytes, leaf.dtype)
-                       for leaf in self.layout.leaves]
-            self._sink = register_store_sink(self.store, targets)
+            if self.grad_buffer is not None:
+                buffer_targets = [BufferTarget(leaf.index, offset, leaf.layers, leaf.layer_elements, leaf.dtype)
+                                  for leaf, offset in zip(self.layout.leaves, self._grad_offsets)]
+                self._sink = Fp32BufferGradientSink(self.grad_buffer, buffer_targets)
+            else:
+                targets = [SinkTarget(leaf.index, leaf.grad_regions, leaf.grad_layer_bytes, leaf.dtype)
+                           for leaf in self.layout.leaves]
+                self._sink = register_store_sink(self.store, targets)
         return self._sink
+
+    def _grad_view(self, leaf: LeafLayout) -> np.ndarray:
+        """The leaf's flat float32 gradient in the host buffer (fp32_grad_buffer only)."""
+        start = self._grad_offsets[leaf.index]
+        return self.grad_buffer[start:start + leaf.size]
 
     # ------------------------------------------------------------------ the streamed step
     @_serialized
@@ -320,14 +358,18 @@ class OffloadedAdamState:
         self.store.flush()  # every gradient write (sink or write_grads) is on disk; raises its error
         self._broken = "a step failed midway, so some chunks are updated and others are not; restore a checkpoint"
         host = None
-        with self.store.stream(self._step_segments, [STATE_SLOT_CLASS, GRAD_SLOT_CLASS]) as stream:
+        with self.store.stream(self._step_segments, self.layout.slot_classes) as stream:
             for chunk in stream:
+                kill_point("optimizer_chunk")
                 ref = self._chunks[chunk.index]
                 leaf, n = ref.leaf, ref.count
                 if ref.first_of_leaf:
                     host = np.empty(leaf.size, leaf.dtype)
                 state = chunk.arrays[0].view(np.float32)
-                grad = chunk.arrays[1].view(leaf.dtype)
+                if self.grad_buffer is None:
+                    grad = chunk.arrays[1].view(leaf.dtype)
+                else:
+                    grad = self._grad_view(leaf)[ref.flat_start:ref.flat_start + n]
                 fused_adamw_update_numpy(state[:n], state[n:2 * n], state[2 * n:], grad,
                                          host[ref.flat_start:ref.flat_start + n], scalars,
                                          threads=self.kernel_threads)
@@ -398,6 +440,8 @@ class OffloadedAdamState:
         """One leaf's gradient as stored (compute dtype, leaf shape)."""
         self._check_open()
         leaf = self.leaf(leaf)
+        if self.grad_buffer is not None:  # exact: the buffer holds widened compute-dtype values
+            return self._grad_view(leaf).astype(leaf.dtype).reshape(leaf.shape)
         layers = [self.store.read(region, dtype=leaf.dtype) for region in leaf.grad_regions]
         return np.concatenate(layers).reshape(leaf.shape)
 

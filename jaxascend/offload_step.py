@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxascend.grad_sink import PROBE_SIZE, offload_on_backward, sink_gradient
@@ -82,11 +83,12 @@ def _layer_key(path) -> str:
 
 def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
                       loss_fn) -> Any:
-    """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)``.
+    """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)`` (with ``step.lower``).
 
     ``loss_fn(model, tokens, layer_hook)`` returns the scalar loss of one batch. ``stats`` maps each
     leaf key to its probe's gradient (``[..., 2]``: sum of squares, non-finite count) of the
-    *scaled* gradient. ``loss`` is unscaled.
+    *scaled* gradient. ``loss`` is unscaled. On the CPU backend the layer stack's 16-bit leaves
+    enter the jitted function as uint16 views of the same buffers (see :func:`stacked_as_bits`).
     """
     routes = routing.by_key()
 
@@ -94,7 +96,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
         route = routes[key]
         return offload_on_backward(x, probe, sink=sink, tensor=route.tensor, layer=layer)
 
-    def scaled_loss(probes, params, tokens, loss_scale):
+    def scaled_loss(probes, params, tokens, loss_scale, bit_dtypes):
         def top(path, x):
             if _first_key(path) == routing.stack_key:
                 return x
@@ -102,10 +104,13 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
             return hook_leaf(key, x, probes[key])
 
         params = jax.tree_util.tree_map_with_path(top, params)
+        float_dtypes = dict(bit_dtypes)
 
         def layer_hook(layer_params, index):
             def one(path, x):
                 key = "layer:" + jax.tree_util.keystr(path)
+                if key in float_dtypes:  # this layer's slice, back from raw bits
+                    x = jax.lax.bitcast_convert_type(x, float_dtypes[key])
                 return hook_leaf(key, x, probes[key][index], layer=index)
 
             return jax.tree_util.tree_map_with_path(one, layer_params)
@@ -116,12 +121,75 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
 
     grad_of_probes = jax.value_and_grad(scaled_loss, has_aux=True)
 
-    @partial(jax.jit, static_argnums=())
-    def step(params, tokens, loss_scale):
-        (_, loss), stats = grad_of_probes(routing.probes(), params, tokens, loss_scale)
+    @partial(jax.jit, static_argnames="bit_dtypes")
+    def jitted(params, tokens, loss_scale, bit_dtypes=()):
+        (_, loss), stats = grad_of_probes(routing.probes(), params, tokens, loss_scale, bit_dtypes)
         return loss, stats
 
-    return step
+    return _OffloadStep(jitted, routing, use_bits=jax.default_backend() == "cpu")
+
+
+class _OffloadStep:
+    """The step :func:`make_offload_step` returns: calls (or lowers) the jitted function, on CPU
+    with the layer stack's 16-bit leaves as raw bits (:func:`stacked_as_bits`)."""
+
+    def __init__(self, jitted, routing: SinkRouting, use_bits: bool):
+        self._jitted = jitted
+        self._routing = routing
+        self._use_bits = use_bits
+
+    def _args(self, params):
+        if not self._use_bits:
+            return params, ()
+        return stacked_as_bits(params, self._routing)
+
+    def __call__(self, params, tokens, loss_scale):
+        params, bit_dtypes = self._args(params)
+        return self._jitted(params, tokens, loss_scale, bit_dtypes=bit_dtypes)
+
+    def lower(self, params, tokens, loss_scale):
+        params, bit_dtypes = self._args(params)
+        return self._jitted.lower(params, tokens, loss_scale, bit_dtypes=bit_dtypes)
+
+
+def stacked_as_bits(params, routing: SinkRouting) -> tuple[Any, tuple[tuple[str, str], ...]]:
+    """The layer stack's 16-bit float leaves as uint16 arrays sharing their buffers, and
+    ``((key, dtype name), ...)`` to turn each layer's slice back inside the scan.
+
+    Why: XLA's CPU backend computes in fp32 whatever it cannot do in bf16/fp16, and its
+    float-normalization pass treats the layer scan's ``dynamic-slice`` of a stacked bf16 weight
+    that way: it converts the *whole stack* to fp32 once per step (4 B/param of temporaries;
+    1.75 GB for a 0.5B model) just to slice one layer out of it. Sliced as integers, the stack
+    stays as it is and only the current layer is ever widened. The bitcast is done here, outside
+    XLA, where it is free for a CPU array (``np.asarray`` shares the buffer and ``device_put``
+    with ``may_alias`` keeps sharing it); inside XLA it would be a copy of the stack. The
+    parameters are not differentiated by the step (the probes are), so the integer detour
+    costs no gradient.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    if len(leaves) != len(routing.routes):
+        raise ValueError(f"offload step: params have {len(leaves)} leaves, the routing has {len(routing.routes)}")
+    out, bit_dtypes = [], []
+    for x, route in zip(leaves, routing.routes):
+        dtype = jnp.dtype(x.dtype)
+        if route.layers and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+            out.append(_uint16_view(x))
+            bit_dtypes.append((route.key, dtype.name))
+        else:
+            out.append(x)
+    return treedef.unflatten(out), tuple(bit_dtypes)
+
+
+def _uint16_view(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, jnp.uint16)
+    if isinstance(x, np.ndarray):
+        return x.view(np.uint16)
+    devices = x.devices() if isinstance(x, jax.Array) else ()
+    if len(devices) == 1 and next(iter(devices)).platform == "cpu":
+        device = next(iter(devices))
+        return jax.device_put(np.asarray(x).view(np.uint16), device, may_alias=True)
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)  # elsewhere: a copy, still correct
 
 
 def total_stats(stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:

@@ -47,6 +47,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jaxascend import _native
+from jaxascend.kill_points import kill_point
 from jaxascend.arena import SlotRequest
 from jaxascend.checkpoint_errors import CorruptCheckpointError, IncompatibleCheckpointError
 from jaxascend.config import OffloadConfig
@@ -302,6 +303,7 @@ def save_arrays(directory: Path, arrays: SsdArrays, compression: str = "none") -
             segments = [[Segment(p[1], p[4], p[5] - p[4], read=True, write=False)] for p in pieces]
             with store.stream(segments, arrays.slot_class, depth=depth) as stream:
                 for chunk in stream:
+                    kill_point("checkpoint_chunk")
                     ci, _, lo, hi, read_lo, _, flat = pieces[chunk.index]
                     _, box, fs, fe = grid[ci]
                     data = chunk.arrays[0][lo - read_lo:hi - read_lo]

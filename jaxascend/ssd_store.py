@@ -5,9 +5,10 @@ files under ``offload.dir``, read and written with ``O_DIRECT`` by a pool of ``i
 pread/pwrite workers (several requests in flight), a crc32c per ``block_bytes`` block verified
 on every read. The directory is locked while the store is open; closing flushes and unlocks;
 nothing is ever deleted. Where the filesystem refuses ``O_DIRECT`` (tmpfs) the store falls back
-to buffered I/O with ``posix_fadvise(DONTNEED)`` and logs one warning. Layout and rules are in
-``ffi/shard_store.h``; streaming (read-ahead + write-behind through arena slots) is
-:meth:`SsdStore.stream` (see :mod:`jaxascend.ssd_stream`)::
+to buffered I/O with ``posix_fadvise(DONTNEED)`` and logs one warning (``offload.drop_page_cache:
+false`` keeps the pages cached instead: ZeRO-Infinity's page-cache I/O, an ablation baseline).
+Layout and rules are in ``ffi/shard_store.h``; streaming (read-ahead + write-behind through
+arena slots) is :meth:`SsdStore.stream` (see :mod:`jaxascend.ssd_stream`)::
 
     plan = ArenaPlan().extend(SsdStore.arena_requests(cfg))
     with HostArena(plan, cfg) as arena, SsdStore(cfg, arena) as store:
@@ -114,6 +115,7 @@ class SsdStore:
         options.io_threads = cfg.io_threads
         options.direct_io = cfg.direct_io
         options.preallocate = cfg.preallocate
+        options.drop_page_cache = cfg.drop_page_cache
         self._native = _native.ShardStore.open(options, arena.native)
         self._regions: dict[str, Region] = {}
         if cfg.direct_io and not self._native.direct_io:

@@ -115,3 +115,70 @@ def register_store_sink(store: SsdStore, targets: Sequence[SinkTarget]) -> Store
     ``layer_bytes`` long, or when the dtype is not float32, float16 or bfloat16.
     """
     return StoreGradientSink(store, targets)
+
+
+@dataclass(frozen=True)
+class BufferTarget:
+    """Where tensor id ``tensor`` goes in a float32 host buffer: ``layers`` layers of
+    ``layer_elements`` each, from element ``offset``, arriving in ``dtype``."""
+
+    tensor: int
+    offset: int
+    layers: int
+    layer_elements: int
+    dtype: object
+
+
+class Fp32BufferGradientSink:
+    """A registered sink widening every gradient into one float32 host buffer (``ffi/fp32_grad_sink.cc``).
+
+    The ``offload.fp32_grad_buffer`` ablation: ZeRO-Infinity's full fp32 host gradient copy
+    (4 B/param), which the optimizer step then reads instead of the SSD store. Same interface
+    as :class:`StoreGradientSink` (``handle``, ``received``, ``reset``, ``close``).
+    """
+
+    def __init__(self, buffer: np.ndarray, targets: Sequence[BufferTarget]):
+        if buffer.dtype != np.float32 or buffer.ndim != 1 or not buffer.flags.c_contiguous:
+            raise ValueError(f"fp32 gradient buffer: expected a 1-D C-contiguous float32 array, got "
+                             f"{buffer.dtype} with shape {buffer.shape}")
+        self._native = _native.Fp32BufferSink(buffer)
+        self._tensors = []
+        for t in targets:
+            self._native.add_tensor(int(t.tensor), int(t.offset), int(t.layers), int(t.layer_elements),
+                                    _dtype_name(t.dtype))
+            self._tensors.append(int(t.tensor))
+        self._handle = _native.register_fp32_buffer_sink(self._native)
+
+    @property
+    def handle(self) -> int:
+        """The ``sink=`` argument of :func:`jaxascend.grad_sink.offload_on_backward`."""
+        if self._handle is None:
+            raise ValueError("fp32 buffer gradient sink is closed")
+        return self._handle
+
+    @property
+    def tensors(self) -> list[int]:
+        return list(self._tensors)
+
+    def received(self, tensor: int) -> list[int]:
+        """Per layer, how many times the sink received ``tensor`` since :meth:`reset`."""
+        return list(self._native.received(int(tensor)))
+
+    def reset(self) -> None:
+        self._native.reset()
+
+    def close(self) -> None:
+        """Unregisters the sink. Idempotent."""
+        if self._handle is not None:
+            unregister_sink(self._handle)
+            self._handle = None
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def __enter__(self) -> "Fp32BufferGradientSink":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

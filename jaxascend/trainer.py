@@ -17,6 +17,7 @@ import optax
 import yaml
 from flax import nnx
 
+from jaxascend.checkpoint import Checkpointer
 from jaxascend.config import Config, ConfigError, ModelConfig
 from jaxascend.hf_config import model_config_from_hf
 from jaxascend.hf_export import export_hf
@@ -109,19 +110,29 @@ def run(cfg: Config) -> TrainResult:
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     tokens_per_step = cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
 
-    with build_engine(cfg, model, model_cfg) as engine, MetricsLog(out_dir) as log, \
-            MemorySampler(getattr(engine, "shard_files", list), interval=0.2) as memory:
+    with build_engine(cfg, model, model_cfg) as engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
+            MetricsLog(out_dir) as log, MemorySampler(getattr(engine, "shard_files", list), interval=0.2) as memory:
         del model  # the engine holds what it needs (compute params; master weights on SSD)
+
+        # Restore: the newest complete checkpoint (train.resume: auto), a chosen one, or none.
+        start = ckpt.resume_step(cfg.train.resume) or 0
+        if start:
+            meta = engine.restore_checkpoint(ckpt, start)
+            stream = BatchStream(cfg.data, tokenizer, state=meta["data_state"])
+            losses = list(meta["losses"])
+        else:
+            losses = []
+
         # Loop.
-        losses: list[float] = []
         pending: list[dict[str, Any]] = []
         throughput = Throughput()
-        progress = Progress(cfg.train.steps, enabled=cfg.train.progress)
-        for step in range(1, cfg.train.steps + 1):
+        progress = Progress(cfg.train.steps, initial=start, enabled=cfg.train.progress)
+        last = cfg.train.stop_at_step or cfg.train.steps
+        for step in range(start + 1, last + 1):
             tokens = np.stack([next(stream) for _ in range(cfg.train.grad_accum)])
             pending.append(engine.step(tokens))
             throughput.add(tokens_per_step)
-            if step % cfg.train.log_every and step != cfg.train.steps:
+            if step % cfg.train.log_every and step != last and not ckpt.should_save(step, last):
                 progress.update(1)
                 continue
             fetched = jax.device_get(pending)  # SYNC: waits for the steps dispatched since the last log
@@ -130,13 +141,16 @@ def run(cfg: Config) -> TrainResult:
             record = _log_record(step, fetched[-1], schedule, throughput, stream, engine, memory)
             log.write(record)
             progress.update(1, record)
+            if ckpt.should_save(step, last):
+                engine.save_checkpoint(ckpt, step, {"data_state": stream.state(), "losses": losses})
         progress.close()
+        ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
         save_outputs(cfg, out_dir, engine.export_params(), model_cfg, vocab_size)  # fp32 master weights
         report = engine.report()
 
-    result = TrainResult(steps=cfg.train.steps, losses=losses, num_params=num_params,
+    result = TrainResult(steps=len(losses), losses=losses, num_params=num_params,
                          peak_rss_bytes=peak_rss_bytes(), peak_page_cache_bytes=memory.peak_page_cache,
-                         tokens_per_s=cfg.train.steps * tokens_per_step / throughput.elapsed(),
+                         tokens_per_s=(last - start) * tokens_per_step / throughput.elapsed(),
                          engine=engine.name, skipped_steps=int(report.get("skipped_steps", 0)),
                          arena_capacity_bytes=int(report.get("arena_capacity_bytes", 0)),
                          arena_high_water_bytes=int(report.get("arena_high_water_bytes", 0)),

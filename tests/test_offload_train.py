@@ -112,24 +112,20 @@ def test_clip_factor_matches_optax_clip_by_global_norm(tmp_path, corpus):
     tokens = np.random.default_rng(1).integers(0, 259, (1, 4, 33)).astype(np.int32)
     with engine:
         params0 = jax.tree.map(np.asarray, engine.params)
-        grads = jax.grad(lambda p: _loss(engine, p, tokens[0]))(engine.params)
         stats = engine.step(tokens)
+        # The gradients exactly as the backward pass wrote them to SSD (they stay there after
+        # the step), so the comparison isolates the clipping and the update.
+        grads = engine.state.layout.treedef.unflatten([engine.state.read_grad(leaf) for leaf in engine.state.leaves])
         master = [engine.state.read_state(leaf, "master") for leaf in engine.state.leaves]
-    np.testing.assert_allclose(stats["grad_norm"], float(optax.tree.norm(grads)), rtol=1e-4)
+    assert stats["grad_norm"] > 0.01  # clipping is active
+    np.testing.assert_allclose(stats["grad_norm"], float(optax.tree.norm(grads)), rtol=1e-5)
     lr = cfg.optimizer.learning_rate  # step 0 of a schedule without warmup
     tx = optax.chain(optax.clip_by_global_norm(0.01), optax.adamw(lr, b1=cfg.optimizer.b1, b2=cfg.optimizer.b2,
                                                                    eps=cfg.optimizer.eps, weight_decay=0.0))
     updates, _ = tx.update(grads, tx.init(params0), params0)
     expected = jax.tree.leaves(optax.apply_updates(params0, updates))
     # The kernel multiplies by one combined factor where optax computes (g / norm) * max_norm, and
-    # the norm is summed in another order: elements whose clipped gradient is near eps see that
-    # in the last bits of their update. 1e-6 is 0.03% of this step's update size (lr = 3e-3).
+    # the norm is summed in another order: last-bit differences in the clipped gradient, which
+    # AdamW's normalisation keeps at the last bits of the update (lr = 3e-3).
     for got, want in zip(master, expected):
-        np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)
-
-
-def _loss(engine, params, tokens):
-    from jaxascend.losses import next_token_loss
-
-    model = nnx.merge(engine.graphdef, params, engine.rest)
-    return next_token_loss(model(tokens[:, :-1]), tokens)
+        np.testing.assert_allclose(got, np.asarray(want), rtol=1e-6, atol=1e-8)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The checks only a GPU exercises, in one run on a CUDA machine (no network needed there):
+# builds jaxascend against that machine's jax, then
+#   1. the arena's pinned registration (cudaHostRegister through dlopen'd libcudart) and a DMA
+#      round trip through it (scripts/gpu_check.sh);
+#   2. the pytest files whose code paths differ on a GPU: pinned arena, the gradient sink's
+#      device->host path inside a GPU backward pass, instant offload on the real models, the
+#      "offload" remat policy (device -> pinned_host activations);
+#   3. a short offloaded training run with the compute params on the GPU.
+# Output goes to ${OUT:-/tmp/gpu_verify}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu_verify}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+{ nvidia-smi -L; $py --version; $py -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$out/env.txt"
+echo "== build" | tee "$out/build.txt"
+$py -m pip install --no-build-isolation --no-deps -e . >>"$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
+tail -2 "$out/build.txt"
+echo "== pinned arena (C++)"
+bash scripts/gpu_check.sh 256 2>&1 | tee "$out/pinned_check.txt"
+echo "== pytest on the GPU backend"
+$py -m pytest -p no:cacheprovider -q -rs tests/test_arena.py tests/test_grad_sink.py tests/test_offload_step.py \
+    "tests/test_models.py::test_remat_policy_matches_no_remat" 2>&1 | tee "$out/pytest.txt" | tail -25
+echo "== offloaded training, compute params on the GPU"
+rm -rf /tmp/gpu_run
+$py -m jaxascend.train --config configs/tiny.yaml --set train.steps=20 --set train.log_every=5 \
+    --set train.out_dir=/tmp/gpu_run --set offload.enabled=true --set offload.dir=/tmp/gpu_run/offload \
+    --set model.dtype=bfloat16 --set train.progress=false 2>&1 | tee "$out/train.txt" | tail -20
+$py - <<'PY' 2>&1 | tee -a "$out/train.txt"
+import json
+rows = [json.loads(l) for l in open("/tmp/gpu_run/metrics.jsonl")]
+print("losses", [round(r["loss"], 4) for r in rows], "arena_pinned", rows[-1].get("arena_pinned"))
+PY
