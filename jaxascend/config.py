@@ -215,7 +215,7 @@ class OffloadConfig:
     """
 
     enabled: bool = False
-    dir: str = "offload"  # shard files live here (one run per directory; it is locked)
+    dir: Optional[str] = None  # shard files live here (locked while a run uses it); None: <train.out_dir>/offload
     arena_bytes: Optional[Any] = None  # e.g. "2GiB"; None: exactly what the arena plan needs
     host_memory_budget: Optional[Any] = None  # e.g. "16GiB"; the arena must fit in it
     chunk_bytes: Any = "64MiB"  # streaming granularity of the optimizer step
@@ -474,6 +474,8 @@ def config_from_dict(data: dict) -> Config:
 
 
 def _validate_cross_fields(cfg: Config) -> None:
+    if cfg.offload.dir is None:
+        cfg.offload.dir = os.path.join(cfg.train.out_dir, "offload")
     if not cfg.data.paths:
         raise ConfigError("data.paths: missing; give at least one .txt/.jsonl file or directory")
     for p in cfg.data.paths:

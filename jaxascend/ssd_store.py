@@ -101,6 +101,8 @@ class SsdStore:
         return [SlotRequest(STAGING_SHAPE_CLASS, cfg.staging_bytes, cfg.staging_slots)]
 
     def __init__(self, cfg: OffloadConfig, arena: HostArena):
+        if cfg.dir is None:  # load_config fills in <train.out_dir>/offload; a bare OffloadConfig may not
+            raise ValueError("offload.dir: not set; give the directory for the shard files")
         self.cfg = cfg
         self.arena = arena
         env_problem = _native.fault_environment_status()

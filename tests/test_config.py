@@ -25,6 +25,9 @@ def test_bundled_tiny_config_loads():
     assert isinstance(cfg, Config)
     assert cfg.data.paths == ["@stdlib"]
     assert cfg.model.arch == "llama"
+    assert cfg.offload.enabled and cfg.offload.dir == "runs/tiny/offload"  # under train.out_dir by default
+    baseline = load_config("configs/tiny-in-memory.yaml")
+    assert not baseline.offload.enabled and baseline.model.dtype == "float32"
 
 
 def test_overrides_are_typed(data_file, tmp_path):

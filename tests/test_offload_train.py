@@ -43,7 +43,7 @@ def _cfg(tmp_path, corpus, name, *extra):
 def test_offloaded_fp32_follows_in_memory_optax(tmp_path, corpus, clip):
     common = ["model.dtype=float32", "model.param_dtype=float32", "train.steps=8", f"optimizer.grad_clip_norm={clip}",
               "optimizer.weight_decay=0.1"]
-    ref = run(_cfg(tmp_path, corpus, "mem", *common))
+    ref = run(_cfg(tmp_path, corpus, "mem", *common, "offload.enabled=false"))
     off = run(_cfg(tmp_path, corpus, "off", *common, "offload.enabled=true"))
     assert ref.engine == "in-memory" and off.engine == "offload"
     # fp32 compute on both sides; the only differences are summation order (XLA vs the fused

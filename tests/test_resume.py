@@ -19,7 +19,7 @@ SMALL = [
     "checkpoint.async_save=false",
 ]
 ENGINES = {
-    "in-memory": ["model.dtype=float32"],
+    "in-memory": ["offload.enabled=false", "model.dtype=float32"],
     "offload": ["offload.enabled=true", "model.dtype=bfloat16"],
 }
 
