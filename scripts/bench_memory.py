@@ -92,6 +92,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--interval", type=float, default=0.1, help="sampling period, seconds")
     p.add_argument("--timeout", type=float, default=3600, help="per mode, seconds")
     p.add_argument("--finish", action="store_true", help="let each run finish (end checkpoint, exports)")
+    p.add_argument("--replot", action="store_true", help="only rewrite the .md and .png from an existing --out")
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="extra override for every mode, e.g. --set offload.chunk_bytes=16MiB")
     return p.parse_args()
@@ -228,34 +229,56 @@ def write_markdown(path: Path, table: dict) -> None:
     lines.append("")
     for k, v in table["ratios"].items():
         lines.append(f"- peak system memory, {k}: **{v:.3f}**")
+    lines += ["", "Machine: " + ", ".join(f"{k} {v}" for k, v in table.get("machine", {}).items()), ""]
+    if table.get("notes"):  # analysis added after the run (see the JSON's "notes")
+        lines += ["## Notes", ""] + [f"- {note}" for note in table["notes"]]
     path.write_text("\n".join(lines) + "\n")
 
 
+HEADLINE = ("in-memory", "zero-infinity", "jaxascend")
+
+
 def plot(path: Path, table: dict) -> None:
+    """Host memory over time: the three headline modes (left) and each switch alone (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 5.5))
-    for r in table["results"]:
-        t = [s[0] for s in r["samples"]]
-        total = [(s[1] + s[2]) / 2**30 for s in r["samples"]]
-        line, = ax.plot(t, total, label=f"{r['mode']} (peak {r['peak_system_bytes'] / 2**30:.1f} GiB)")
-        if r["peak_page_cache_bytes"]:
-            ax.plot(t, [s[1] / 2**30 for s in r["samples"]], color=line.get_color(), linestyle=":", linewidth=1)
-    ax.set_xlabel("seconds since process start")
-    ax.set_ylabel("host memory, GiB (RSS + page cache of offload files; dotted: RSS alone)")
-    ax.set_title(f"Host memory while training {table['num_params'] / 1e9:.2f}B parameters "
+    results = table["results"]
+    panels = [("in-memory optax vs ZeRO-Infinity-style vs jaxascend", [r for r in results if r["mode"] in HEADLINE]),
+              ("one ablation switch on (jaxascend for reference)",
+               [r for r in results if r["mode"] not in HEADLINE[:2]])]
+    panels = [(title, rs) for title, rs in panels if rs]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5.5), sharey=True, squeeze=False)
+    for ax, (title, rs) in zip(axes[0], panels):
+        for r in rs:
+            end = r["steps_done_s"]
+            samples = [s for s in r["samples"] if s[0] <= end]
+            t = [s[0] for s in samples]
+            line, = ax.plot(t, [(s[1] + s[2]) / 2**30 for s in samples],
+                            label=f"{r['mode']} (peak {r['peak_system_bytes'] / 2**30:.1f} GiB)")
+            if r["peak_page_cache_bytes"]:
+                ax.plot(t, [s[1] / 2**30 for s in samples], color=line.get_color(), linestyle=":", linewidth=1)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("seconds since process start")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    axes[0][0].set_ylabel("GiB: RSS + page cache of the offload files (dotted: RSS alone)")
+    fig.suptitle(f"Host memory while training {table['num_params'] / 1e9:.2f}B parameters "
                  f"(seq {table['seq_len']}, batch {table['batch']}, {table['steps']} steps)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     args = parse_args()
+    if args.replot:
+        out = Path(args.out)
+        table = json.loads(out.read_text())
+        write_markdown(out.with_suffix(".md"), table)
+        plot(out.with_suffix(".png"), table)
+        return
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
