@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxascend.checkpoint import Checkpointer
+from jaxascend.hf_names import tree_path_to_dotted
 from jaxascend.config import Config, ModelConfig
 from jaxascend.kill_points import kill_point
 from jaxascend.loss_scale import LossScaleState, update_loss_scale
@@ -153,9 +154,19 @@ class OffloadEngine:
         return restored.meta
 
     def export_params(self):
-        """The weights to save or export: fp32 master weights read back from SSD leaf by leaf."""
-        leaves = [self.state.read_state(leaf, "master") for leaf in self.state.leaves]
-        return self.state.layout.treedef.unflatten(leaves)
+        """The weights to save or export, as a reader ``read(path, layer)`` of the fp32 master
+        weights on SSD: an exporter pulls one tensor (one layer of a stack) at a time, so saving
+        never holds more than that in RAM."""
+        tree = nnx.to_pure_dict(self.params) if isinstance(self.params, nnx.State) else self.params
+        paths, _ = jax.tree_util.tree_flatten_with_path(tree)  # same leaf order as the layout
+        index = {tuple(tree_path_to_dotted(path).split(".")): i for i, (path, _) in enumerate(paths)}
+
+        def read(path: tuple[str, ...], layer):
+            if path not in index:
+                raise ValueError(f"offload: no parameter {'.'.join(path)!r} to export")
+            return self.state.read_state(self.state.leaves[index[path]], "master", layer=layer)
+
+        return read
 
     def report(self) -> dict[str, Any]:
         arena = self.state.store.arena

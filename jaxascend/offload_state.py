@@ -417,23 +417,28 @@ class OffloadedAdamState:
 
     # ------------------------------------------------------------------ reading back
     @_serialized
-    def read_state(self, leaf: LeafRef, which: str = "master") -> np.ndarray:
+    def read_state(self, leaf: LeafRef, which: str = "master", layer: Optional[int] = None) -> np.ndarray:
         """One leaf's fp32 ``master``, ``m`` or ``v`` read back from SSD (leaf shape; for
-        checkpoints and tests: one chunk of staging at a time)."""
+        checkpoints, exports and tests: one chunk of staging at a time). ``layer``: only that
+        layer of a stacked leaf (its layer shape), so a reader never holds a whole stack."""
         if which not in STATE_TENSORS:
             raise ValueError(f"offloaded AdamW: which must be one of {STATE_TENSORS}, got {which!r}")
         self._check_open()
         leaf = self.leaf(leaf)
+        if layer is not None and not (leaf.stacked and 0 <= layer < leaf.layers):
+            raise ValueError(f"offloaded AdamW: leaf {leaf.path!r} has no layer {layer} "
+                             f"({leaf.layers if leaf.stacked else 'not'} stacked)")
         k = STATE_TENSORS.index(which)
-        out = np.empty(leaf.size, np.float32)
+        first = 0 if layer is None else layer * leaf.layer_elements
+        out = np.empty(leaf.size if layer is None else leaf.layer_elements, np.float32)
         for ref in self._chunks:
-            if ref.leaf.index != leaf.index:
+            if ref.leaf.index != leaf.index or (layer is not None and ref.layer != layer):
                 continue
             n = ref.count
             raw = self.store.read(leaf.state_regions[ref.layer], offset=ref.state_offset, nbytes=ref.state_bytes,
                                   dtype=np.float32)
-            out[ref.flat_start:ref.flat_start + n] = raw[k * n:(k + 1) * n]
-        return out.reshape(leaf.shape)
+            out[ref.flat_start - first:ref.flat_start - first + n] = raw[k * n:(k + 1) * n]
+        return out.reshape(leaf.shape if layer is None else leaf.layer_shape)
 
     @_serialized
     def read_grad(self, leaf: LeafRef) -> np.ndarray:

@@ -145,7 +145,8 @@ def run(cfg: Config) -> TrainResult:
                 engine.save_checkpoint(ckpt, step, {"data_state": stream.state(), "losses": losses})
         progress.close()
         ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
-        save_outputs(cfg, out_dir, engine.export_params(), model_cfg, vocab_size)  # fp32 master weights
+        if cfg.export.save_params or cfg.export.enabled:
+            save_outputs(cfg, out_dir, engine.export_params(), model_cfg, vocab_size)  # fp32 master weights
         report = engine.report()
 
     result = TrainResult(steps=len(losses), losses=losses, num_params=num_params,
