@@ -27,7 +27,8 @@ from jaxascend.data import BatchStream
 from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, rss_bytes, summary_table
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.memory_probe import MemorySampler
-from jaxascend.models import build_model, count_params
+from jaxascend.models import count_params
+from jaxascend.models.lean_init import build_model_lean
 from jaxascend.offload_engine import OffloadEngine
 from jaxascend.optim import learning_rate_schedule
 from jaxascend.tokenizer import load_tokenizer
@@ -105,7 +106,7 @@ def run(cfg: Config) -> TrainResult:
     if cfg.model.path is not None:
         model = load_hf_model(cfg.model.path, model_cfg)  # tensor by tensor, cast to param_dtype
     else:
-        model = build_model(model_cfg, vocab_size, rngs=nnx.Rngs(cfg.train.seed))
+        model = build_model_lean(model_cfg, vocab_size, cfg.train.seed)  # one tensor at a time
     num_params = count_params(model)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     tokens_per_step = cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
