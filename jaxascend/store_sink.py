@@ -52,27 +52,20 @@ class SinkTarget:
     dtype: object  # the gradient dtype the backward pass produces (the compute dtype)
 
 
-class StoreGradientSink:
-    """A registered store sink: its ``handle`` goes to :func:`offload_on_backward`.
+class _RegisteredSink:
+    """What every sink registered in the native handle table shares: the handle that
+    ``offload_on_backward(sink=...)`` takes, per-layer receipt counters, and unregistering."""
 
-    Unregister with :meth:`close` (or leave the ``with`` block) only after the last step that
-    uses the handle has finished (``jax.block_until_ready``): the step calls the sink late.
-    """
+    _kind = "gradient sink"
 
-    def __init__(self, store: SsdStore, targets: Sequence[SinkTarget]):
-        self._native = _native.StoreSink(store.handle)
-        self._tensors = []
-        for t in targets:
-            region_ids = [store.region(name).id for name in t.regions]
-            self._native.add_tensor(int(t.tensor), region_ids, int(t.layer_bytes), _dtype_name(t.dtype))
-            self._tensors.append(int(t.tensor))
-        self._handle = _native.register_store_sink(self._native)
+    def _register(self, native, handle: int, tensors: list[int]) -> None:
+        self._native, self._handle, self._tensors = native, handle, tensors
 
     @property
     def handle(self) -> int:
         """The ``sink=`` argument of :func:`jaxascend.grad_sink.offload_on_backward`."""
         if self._handle is None:
-            raise ValueError("store gradient sink is closed")
+            raise ValueError(f"{self._kind} is closed")
         return self._handle
 
     @property
@@ -97,7 +90,7 @@ class StoreGradientSink:
     def closed(self) -> bool:
         return self._handle is None
 
-    def __enter__(self) -> "StoreGradientSink":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -105,7 +98,26 @@ class StoreGradientSink:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"handle={self._handle}"
-        return f"StoreGradientSink({state}, tensors={len(self._tensors)})"
+        return f"{type(self).__name__}({state}, tensors={len(self._tensors)})"
+
+
+class StoreGradientSink(_RegisteredSink):
+    """A registered store sink: its ``handle`` goes to :func:`offload_on_backward`.
+
+    Unregister with :meth:`close` (or leave the ``with`` block) only after the last step that
+    uses the handle has finished (``jax.block_until_ready``): the step calls the sink late.
+    """
+
+    _kind = "store gradient sink"
+
+    def __init__(self, store: SsdStore, targets: Sequence[SinkTarget]):
+        self._native = _native.StoreSink(store.handle)
+        self._tensors = []
+        for t in targets:
+            region_ids = [store.region(name).id for name in t.regions]
+            self._native.add_tensor(int(t.tensor), region_ids, int(t.layer_bytes), _dtype_name(t.dtype))
+            self._tensors.append(int(t.tensor))
+        self._register(self._native, _native.register_store_sink(self._native), self._tensors)
 
 
 def register_store_sink(store: SsdStore, targets: Sequence[SinkTarget]) -> StoreGradientSink:
@@ -129,13 +141,15 @@ class BufferTarget:
     dtype: object
 
 
-class Fp32BufferGradientSink:
+class Fp32BufferGradientSink(_RegisteredSink):
     """A registered sink widening every gradient into one float32 host buffer (``ffi/fp32_grad_sink.cc``).
 
     The ``offload.fp32_grad_buffer`` ablation: ZeRO-Infinity's full fp32 host gradient copy
     (4 B/param), which the optimizer step then reads instead of the SSD store. Same interface
     as :class:`StoreGradientSink` (``handle``, ``received``, ``reset``, ``close``).
     """
+
+    _kind = "fp32 buffer gradient sink"
 
     def __init__(self, buffer: np.ndarray, targets: Sequence[BufferTarget]):
         if buffer.dtype != np.float32 or buffer.ndim != 1 or not buffer.flags.c_contiguous:
@@ -147,38 +161,4 @@ class Fp32BufferGradientSink:
             self._native.add_tensor(int(t.tensor), int(t.offset), int(t.layers), int(t.layer_elements),
                                     _dtype_name(t.dtype))
             self._tensors.append(int(t.tensor))
-        self._handle = _native.register_fp32_buffer_sink(self._native)
-
-    @property
-    def handle(self) -> int:
-        """The ``sink=`` argument of :func:`jaxascend.grad_sink.offload_on_backward`."""
-        if self._handle is None:
-            raise ValueError("fp32 buffer gradient sink is closed")
-        return self._handle
-
-    @property
-    def tensors(self) -> list[int]:
-        return list(self._tensors)
-
-    def received(self, tensor: int) -> list[int]:
-        """Per layer, how many times the sink received ``tensor`` since :meth:`reset`."""
-        return list(self._native.received(int(tensor)))
-
-    def reset(self) -> None:
-        self._native.reset()
-
-    def close(self) -> None:
-        """Unregisters the sink. Idempotent."""
-        if self._handle is not None:
-            unregister_sink(self._handle)
-            self._handle = None
-
-    @property
-    def closed(self) -> bool:
-        return self._handle is None
-
-    def __enter__(self) -> "Fp32BufferGradientSink":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        self._register(self._native, _native.register_fp32_buffer_sink(self._native), self._tensors)
