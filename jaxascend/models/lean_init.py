@@ -5,7 +5,7 @@ and float32 intermediates for whole stacked tensors at once (about 3x the model'
 0.5B parameters). :func:`build_model_lean` makes the abstract model, allocates each parameter
 once in its final dtype and fills it layer by layer from a seeded numpy generator (normal(init_std)
 for matrices and embeddings, ones for norm scales, zeros for biases), so peak host memory is the
-model plus one layer's float32 scratch.
+model plus one tensor.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def build_model_lean(cfg: ModelConfig, vocab_size: int, seed: int) -> nnx.Module
         node = values
         for key in m.path[:-1]:
             node = node.setdefault(key, {})
-        node[m.path[-1]] = jax.device_put(out, may_alias=True)  # aliased on CPU, not copied
+        # A copy (one tensor at a time), not an alias of the numpy buffer: jitted steps donate
+        # their parameters, and XLA cannot reuse memory it does not own.
+        node[m.path[-1]] = jax.device_put(out, may_alias=False)
         del out
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
