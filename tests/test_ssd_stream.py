@@ -89,10 +89,20 @@ def test_next_chunk_is_read_and_previous_written_while_the_consumer_works(env):
     seen = []
 
     def hold(chunk):
-        time.sleep(0.05)  # "compute": far longer than moving 80 KiB
-        st = store.stats()
+        # "Compute" while holding chunk k: wait (up to 5 s, for a loaded machine) until the read of
+        # chunk k+1 and the write of chunk k-1 have completed. A pipeline that never issues them
+        # keeps the counters short, and the asserts below fail.
         k = chunk.index
-        seen.append((k, st["bytes_read"] - base["bytes_read"], st["bytes_written"] - base["bytes_written"]))
+        want_read = sum(bytes_per_chunk_read[:k + 2])
+        want_written = sum(bytes_per_chunk_written[:k]) if k >= 1 else 0
+        deadline = time.monotonic() + 5.0
+        while True:
+            st = store.stats()
+            read, written = st["bytes_read"] - base["bytes_read"], st["bytes_written"] - base["bytes_written"]
+            if (read >= want_read and written >= want_written) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        seen.append((k, read, written))
 
     run_update(store, chunks, on_chunk=hold)
     for k, read, written in seen[:-1]:
