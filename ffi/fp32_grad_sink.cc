@@ -37,23 +37,6 @@ namespace {
 
 using Fp32Buffer = nb::ndarray<float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
-bool ParseDtype(const std::string& name, ffi::DataType* type) {
-  if (name == "float32") *type = ffi::F32;
-  else if (name == "float16") *type = ffi::F16;
-  else if (name == "bfloat16") *type = ffi::BF16;
-  else return false;
-  return true;
-}
-
-const char* DtypeName(ffi::DataType type) {
-  switch (type) {
-    case ffi::F32: return "float32";
-    case ffi::F16: return "float16";
-    case ffi::BF16: return "bfloat16";
-    default: return "another dtype";
-  }
-}
-
 size_t ItemSize(ffi::DataType type) { return type == ffi::F32 ? 4 : 2; }
 
 // Widens `n` elements of `type` at `src` into `dst` (exact for every supported dtype).
@@ -79,7 +62,7 @@ class Fp32BufferSink : public GradientSink {
                  const std::string& dtype_name) {
     const std::string what = "Fp32BufferSink.add_tensor(" + std::to_string(tensor) + ")";
     ffi::DataType dtype;
-    if (!ParseDtype(dtype_name, &dtype)) {
+    if (!ParseGradDtype(dtype_name, &dtype)) {
       throw nb::value_error((what + ": dtype '" + dtype_name + "' is not float32, float16 or bfloat16").c_str());
     }
     if (offset < 0 || layers < 1 || layer_elements < 1) {
@@ -116,8 +99,8 @@ class Fp32BufferSink : public GradientSink {
              " (" + std::to_string(t->layers) + " layers)";
     }
     if (dtype != t->dtype) {
-      return "grad_sink: tensor " + std::to_string(tensor) + " takes " + DtypeName(t->dtype) + " gradients, got " +
-             DtypeName(dtype);
+      return "grad_sink: tensor " + std::to_string(tensor) + " takes " + GradDtypeName(t->dtype) + " gradients, got " +
+             GradDtypeName(dtype);
     }
     const size_t expected = static_cast<size_t>(t->layer_elements) * ItemSize(dtype);
     if (bytes != expected) {

@@ -179,10 +179,9 @@ void BindGradSink(nb::module_& m) {
           throw nb::value_error(("grad_sink: no open gradient sink with handle " + std::to_string(handle)).c_str());
         }
         ffi::DataType type;
-        if (dtype == "float32") type = ffi::DataType::F32;
-        else if (dtype == "float16") type = ffi::DataType::F16;
-        else if (dtype == "bfloat16") type = ffi::DataType::BF16;
-        else throw nb::value_error(("grad_sink: unsupported gradient dtype " + dtype).c_str());
+        if (!ParseGradDtype(dtype, &type)) {
+          throw nb::value_error(("grad_sink: unsupported gradient dtype " + dtype).c_str());
+        }
         GradStats s;
         const int64_t itemsize = type == ffi::DataType::F32 ? 4 : 2;
         GradStatsOf(type, g.data(), static_cast<int64_t>(g.size()) / itemsize, &s);

@@ -25,6 +25,24 @@ class GradientSink {
                               const void* data, size_t bytes) = 0;
 };
 
+// Gradient dtypes by the names Python passes ("float32", "float16", "bfloat16").
+inline bool ParseGradDtype(const std::string& name, xla::ffi::DataType* type) {
+  if (name == "float32") *type = xla::ffi::DataType::F32;
+  else if (name == "float16") *type = xla::ffi::DataType::F16;
+  else if (name == "bfloat16") *type = xla::ffi::DataType::BF16;
+  else return false;
+  return true;
+}
+
+inline const char* GradDtypeName(xla::ffi::DataType type) {
+  switch (type) {
+    case xla::ffi::DataType::F32: return "float32";
+    case xla::ffi::DataType::F16: return "float16";
+    case xla::ffi::DataType::BF16: return "bfloat16";
+    default: return "another dtype";
+  }
+}
+
 // Process-wide table of live sinks; handles are never reused.
 int64_t RegisterSink(std::shared_ptr<GradientSink> sink);
 bool UnregisterSink(int64_t handle);

@@ -35,23 +35,6 @@ namespace nb = nanobind;
 namespace jaxascend {
 namespace {
 
-bool ParseGradDtype(const std::string& name, ffi::DataType* type) {
-  if (name == "float32") *type = ffi::F32;
-  else if (name == "float16") *type = ffi::F16;
-  else if (name == "bfloat16") *type = ffi::BF16;
-  else return false;
-  return true;
-}
-
-const char* GradDtypeName(ffi::DataType type) {
-  switch (type) {
-    case ffi::F32: return "float32";
-    case ffi::F16: return "float16";
-    case ffi::BF16: return "bfloat16";
-    default: return "another dtype";
-  }
-}
-
 class StoreSink : public GradientSink {
  public:
   explicit StoreSink(int64_t store_handle) : store_handle_(store_handle) {
