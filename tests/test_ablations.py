@@ -28,6 +28,7 @@ from jaxascend.offload_state import OffloadedAdamState
 from jaxascend.offload_step import total_stats
 from jaxascend.post_backward_check import make_full_gradient_step, post_backward_stats
 from jaxascend.trainer import run
+from _corpus import write_word_corpus
 
 TINY = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
@@ -52,12 +53,7 @@ ALL_ON = sum(SWITCHES.values(), [])
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    for i in range(4):
-        (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, size=400)) + "\n")
-    return d
+    return write_word_corpus(tmp_path_factory.mktemp("corpus"), docs=4, words_per_doc=400)
 
 
 def train(base, corpus, name, *extra):

@@ -12,6 +12,7 @@ from jaxascend.config import load_config
 from jaxascend.models import build_model
 from jaxascend.offload_engine import OffloadEngine
 from jaxascend.trainer import run
+from _corpus import write_word_corpus
 
 SMALL = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
@@ -23,13 +24,7 @@ SMALL = [
 
 @pytest.fixture
 def corpus(tmp_path):
-    d = tmp_path / "corpus"
-    d.mkdir()
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    for i in range(4):
-        (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, size=400)) + "\n")
-    return d
+    return write_word_corpus(tmp_path / "corpus", docs=4, words_per_doc=400)
 
 
 def _cfg(tmp_path, corpus, name, *extra):

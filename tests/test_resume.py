@@ -10,6 +10,7 @@ import pytest
 
 from jaxascend.config import load_config
 from jaxascend.trainer import run
+from _corpus import write_word_corpus
 
 SMALL = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
@@ -26,12 +27,7 @@ ENGINES = {
 
 @pytest.fixture
 def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    for i in range(4):
-        (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, size=300)) + "\n")
-    return d
+    return write_word_corpus(tmp_path_factory.mktemp("corpus"), docs=4, words_per_doc=300)
 
 
 def _overrides(out, corpus, engine):

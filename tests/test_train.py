@@ -10,6 +10,7 @@ import pytest
 
 from jaxascend.config import load_config
 from jaxascend.trainer import run
+from _corpus import write_word_corpus
 
 SMALL = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
@@ -20,13 +21,7 @@ SMALL = [
 
 @pytest.fixture
 def corpus(tmp_path):
-    d = tmp_path / "corpus"
-    d.mkdir()
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-    for i in range(6):
-        text = " ".join(rng.choice(words, size=400)) + "\n"
-        (d / f"doc{i}.txt").write_text(text)
+    d = write_word_corpus(tmp_path / "corpus", docs=6, words_per_doc=400)
     (d / "more.jsonl").write_text("\n".join(json.dumps({"text": f"record {i} " * 30}) for i in range(20)))
     return d
 
