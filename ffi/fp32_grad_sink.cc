@@ -94,19 +94,9 @@ class Fp32BufferSink : public GradientSink {
                       size_t bytes) override {
     std::shared_ptr<Target> t = FindTarget(tensor);
     if (!t) return "grad_sink: the fp32 buffer sink has no tensor " + std::to_string(tensor);
-    if (layer < 0 || layer >= t->layers) {
-      return "grad_sink: layer " + std::to_string(layer) + " is out of range for tensor " + std::to_string(tensor) +
-             " (" + std::to_string(t->layers) + " layers)";
-    }
-    if (dtype != t->dtype) {
-      return "grad_sink: tensor " + std::to_string(tensor) + " takes " + GradDtypeName(t->dtype) + " gradients, got " +
-             GradDtypeName(dtype);
-    }
-    const size_t expected = static_cast<size_t>(t->layer_elements) * ItemSize(dtype);
-    if (bytes != expected) {
-      return "grad_sink: tensor " + std::to_string(tensor) + " expects " + std::to_string(expected) +
-             " bytes per layer, got " + std::to_string(bytes);
-    }
+    std::string bad = CheckGradientLayer(tensor, layer, t->layers, "takes", t->dtype, dtype,
+                                         static_cast<size_t>(t->layer_elements) * ItemSize(t->dtype), bytes);
+    if (!bad.empty()) return bad;
     // Layers of different (tensor, layer) pairs never overlap, so no lock is held while copying.
     WidenToFloat(dtype, data, base_ + t->offset + layer * t->layer_elements, t->layer_elements);
     t->received[layer].fetch_add(1, std::memory_order_relaxed);

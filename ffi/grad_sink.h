@@ -43,6 +43,25 @@ inline const char* GradDtypeName(xla::ffi::DataType type) {
   }
 }
 
+// The checks a sink makes before it takes one layer of a tensor: the layer index, the dtype it
+// `verb`s ("stores", "takes") and the byte size. Returns "" when all hold, else the message.
+inline std::string CheckGradientLayer(int64_t tensor, int64_t layer, int64_t layers, const char* verb,
+                                      xla::ffi::DataType want_dtype, xla::ffi::DataType dtype,
+                                      size_t want_bytes, size_t bytes) {
+  const std::string name = "grad_sink: tensor " + std::to_string(tensor);
+  if (layer < 0 || layer >= layers) {
+    return "grad_sink: layer " + std::to_string(layer) + " is out of range for tensor " + std::to_string(tensor) +
+           " (" + std::to_string(layers) + " layers)";
+  }
+  if (dtype != want_dtype) {
+    return name + " " + verb + " " + GradDtypeName(want_dtype) + " gradients, got " + GradDtypeName(dtype);
+  }
+  if (bytes != want_bytes) {
+    return name + " expects " + std::to_string(want_bytes) + " bytes per layer, got " + std::to_string(bytes);
+  }
+  return "";
+}
+
 // Process-wide table of live sinks; handles are never reused.
 int64_t RegisterSink(std::shared_ptr<GradientSink> sink);
 bool UnregisterSink(int64_t handle);

@@ -85,19 +85,9 @@ class StoreSink : public GradientSink {
                       size_t bytes) override {
     std::shared_ptr<Target> t = FindTarget(tensor);
     if (!t) return "grad_sink: the SSD store sink has no tensor " + std::to_string(tensor);
-    const int64_t layers = static_cast<int64_t>(t->regions.size());
-    if (layer < 0 || layer >= layers) {
-      return "grad_sink: layer " + std::to_string(layer) + " is out of range for tensor " + std::to_string(tensor) +
-             " (" + std::to_string(layers) + " layers)";
-    }
-    if (dtype != t->dtype) {
-      return "grad_sink: tensor " + std::to_string(tensor) + " stores " + GradDtypeName(t->dtype) +
-             " gradients, got " + GradDtypeName(dtype);
-    }
-    if (static_cast<int64_t>(bytes) != t->layer_bytes) {
-      return "grad_sink: tensor " + std::to_string(tensor) + " expects " + std::to_string(t->layer_bytes) +
-             " bytes per layer, got " + std::to_string(bytes);
-    }
+    std::string bad = CheckGradientLayer(tensor, layer, static_cast<int64_t>(t->regions.size()), "stores", t->dtype,
+                                         dtype, static_cast<size_t>(t->layer_bytes), bytes);
+    if (!bad.empty()) return bad;
     std::shared_ptr<ShardStore> store = Store();
     if (!store) return "grad_sink: " + ClosedMessage();
     // Copies into a staging slot before returning; the disk write completes in the background.
