@@ -1,4 +1,4 @@
-"""The training loop: build, loop, report.
+"""The training loop: build, restore, loop, checkpoint, report.
 
 ``run(cfg)`` reads top to bottom. Host<->device synchronisation happens only where marked
 ``# SYNC``; everything else is dispatched asynchronously by JAX.
@@ -24,7 +24,7 @@ from jaxascend.hf_export import export_hf
 from jaxascend.hf_load import load_hf_model
 from jaxascend.params_file import save_params
 from jaxascend.data import BatchStream
-from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, rss_bytes, summary_table
+from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.memory_probe import MemorySampler
 from jaxascend.models import count_params
@@ -182,7 +182,7 @@ def _log_record(step: int, stats: dict[str, Any], schedule: optax.Schedule, thro
         "page_cache_bytes": sample.page_cache,
         "peak_page_cache_bytes": memory.peak_page_cache,
         "data_state": stream.state(),
-        **{k: v for k, v in report.items()},
+        **report,
         **{k: v for k, v in stats.items() if k not in ("loss", "grad_norm")},
     }
 
