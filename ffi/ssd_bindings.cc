@@ -1,6 +1,6 @@
 // Python bindings of the arena, the shard store and the streaming pass (jaxascend._native).
 //
-// The Python owner classes (jaxascend/arena.py, jaxascend/ssd_store.py) are the public API;
+// The Python owner classes (jaxascend/ssd/arena.py, jaxascend/ssd/store.py) are the public API;
 // these bindings are thin. Every native Status becomes a Python exception here:
 //   kInvalidArgument, kClosed          -> ValueError
 //   kIoError                           -> StoreError(OSError) with .errno
@@ -18,13 +18,13 @@
 
 #include <tuple>
 
-#include "arena.h"
-#include "crc32c.h"
-#include "cuda_host.h"
-#include "fault_injection.h"
+#include "ssd_arena.h"
+#include "ssd_crc32c.h"
+#include "ssd_cuda_host.h"
+#include "ssd_fault_injection.h"
 #include "registry.h"
-#include "shard_store.h"
-#include "stream_pass.h"
+#include "ssd_shard_store.h"
+#include "ssd_stream_pass.h"
 
 namespace nb = nanobind;
 
@@ -111,19 +111,19 @@ using SegmentTuple = std::tuple<int32_t, int64_t, int64_t, bool, bool>;  // regi
 
 void BindErrors(nb::module_& m) {
   g_store_error = PyErr_NewExceptionWithDoc(
-      "jaxascend.ssd_store.StoreError",
+      "jaxascend.ssd.store.StoreError",
       "An SSD engine I/O error (OSError): .errno is set, and the message names the file, offset and operation.",
       PyExc_OSError, nullptr);
   g_checksum_error = PyErr_NewExceptionWithDoc(
-      "jaxascend.ssd_store.ChecksumError",
+      "jaxascend.ssd.store.ChecksumError",
       "A block read back from a shard file does not match its crc32c; the message names the file and offset.",
       g_store_error, nullptr);
   g_locked_error = PyErr_NewExceptionWithDoc(
-      "jaxascend.ssd_store.StoreLockedError",
+      "jaxascend.ssd.store.StoreLockedError",
       "The offload directory is locked by another store; the message names the directory and the holder's pid.",
       g_store_error, nullptr);
   g_arena_error = PyErr_NewExceptionWithDoc(
-      "jaxascend.arena.ArenaError",
+      "jaxascend.ssd.arena.ArenaError",
       "The arena cannot satisfy a plan or a slot request; the message names the bytes needed and available.",
       PyExc_RuntimeError, nullptr);
   m.attr("StoreError") = nb::handle(g_store_error);
@@ -149,7 +149,7 @@ void BindUtilities(nb::module_& m) {
   m.def("crc32c_hardware_available", &Crc32cHardwareAvailable);
   m.def(
       "arm_fault", [](const std::string& spec) { Check(FaultInjector::Global().ArmFromSpec(spec)); },
-      nb::arg("spec"), "Arms faults from a spec like 'write:3:ENOSPC,read:2:EIO' (see fault_injection.h).");
+      nb::arg("spec"), "Arms faults from a spec like 'write:3:ENOSPC,read:2:EIO' (see ssd_fault_injection.h).");
   m.def("clear_faults", [] { FaultInjector::Global().Clear(); }, "Disarms every injected fault.");
   m.def("fault_environment_status", [] {
     const Status& s = FaultInjector::Global().environment_status();
@@ -170,7 +170,7 @@ void BindUtilities(nb::module_& m) {
 }
 
 void BindArena(nb::module_& m) {
-  nb::class_<Arena>(m, "Arena", "The pinned host arena (see arena.h); use jaxascend.arena.HostArena.")
+  nb::class_<Arena>(m, "Arena", "The pinned host arena (see ssd_arena.h); use jaxascend.ssd.arena.HostArena.")
       .def_static(
           "create",
           [](int64_t capacity, const std::vector<std::tuple<std::string, int64_t, int64_t>>& plan, bool lock_memory,
@@ -232,7 +232,7 @@ void BindStore(nb::module_& m) {
       .def_rw("preallocate", &StoreOptions::preallocate)
       .def_rw("drop_page_cache", &StoreOptions::drop_page_cache);
 
-  nb::class_<ShardStore>(m, "ShardStore", "The SSD shard store (see shard_store.h); use jaxascend.ssd_store.SsdStore.")
+  nb::class_<ShardStore>(m, "ShardStore", "The SSD shard store (see ssd_shard_store.h); use jaxascend.ssd.store.SsdStore.")
       .def_static("open",
                   [](const StoreOptions& options, std::shared_ptr<Arena> arena) {
                     std::shared_ptr<ShardStore> store;
@@ -329,7 +329,7 @@ void BindStore(nb::module_& m) {
            nb::arg("chunks"), nb::arg("slot_classes"), nb::arg("depth"),
            "chunks: [[(region, offset, nbytes, read, write), ...], ...]; one slot class per segment position.");
 
-  nb::class_<StreamPass>(m, "StreamPass", "A pipelined pass (see stream_pass.h); use SsdStore.stream().")
+  nb::class_<StreamPass>(m, "StreamPass", "A pipelined pass (see ssd_stream_pass.h); use SsdStore.stream().")
       .def("next",
            [](StreamPass& p) {
              Status st;

@@ -1,7 +1,10 @@
 """jaxascend: full-parameter fine-tuning of LLMs in JAX/Flax with optimizer state on SSD.
 
 Importing the package registers the native XLA FFI targets (``jaxascend._native``) for the CPU
-platform. The public pieces, from the bottom up:
+platform. The subpackages, from the bottom up (``docs/architecture.md`` states the order):
+``ssd`` (arena, shard store, streams), ``models``, ``data``, ``hf`` (Hugging Face in and out),
+``optim`` (optax AdamW, schedules, loss scaling, fused kernels), ``checkpoint`` (Orbax) and
+``offload`` (the offloaded engine). The most used pieces are re-exported here:
 
 * :class:`HostArena` / :class:`ArenaPlan` -- one pinned, preallocated host allocation;
 * :class:`SsdStore` -- checksummed ``O_DIRECT`` shard files, streamed through the arena;
@@ -12,12 +15,11 @@ platform. The public pieces, from the bottom up:
 """
 
 from jaxascend import native as _native_registration  # noqa: F401  (registers FFI targets)
-from jaxascend.arena import ArenaError, ArenaPlan, HostArena
 from jaxascend.config import Config, ConfigError, load_config
-from jaxascend.fused_adam import AdamHyperParams, fused_adamw_update, fused_adamw_update_numpy
-from jaxascend.grad_sink import offload_on_backward
-from jaxascend.grad_stats import grad_stats, tree_grad_stats
-from jaxascend.ssd_store import ChecksumError, SsdStore, StoreError, StoreLockedError
+from jaxascend.offload import offload_on_backward
+from jaxascend.optim import (AdamHyperParams, fused_adamw_update, fused_adamw_update_numpy, grad_stats,
+                             tree_grad_stats)
+from jaxascend.ssd import ArenaError, ArenaPlan, ChecksumError, HostArena, SsdStore, StoreError, StoreLockedError
 
 __version__ = "0.1.0"
 

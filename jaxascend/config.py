@@ -269,7 +269,7 @@ class OffloadConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Orbax checkpoints of the whole training state (see :mod:`jaxascend.checkpoint`)."""
+    """Orbax checkpoints of the whole training state (see :mod:`jaxascend.checkpoint.manager`)."""
 
     dir: Optional[str] = None  # None: <train.out_dir>/checkpoints
     every_steps: int = 0  # 0: only at the end

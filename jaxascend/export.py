@@ -16,9 +16,7 @@ import warnings
 from typing import Optional, Sequence
 
 from jaxascend.config import ConfigError, parse_bytes
-from jaxascend.hf_export import DEFAULT_SHARD_BYTES, export_hf
-from jaxascend.params_file import PARAMS_FILE, ParamsFile
-from jaxascend.safetensors_io import DTYPE_NAMES
+from jaxascend.hf import DEFAULT_SHARD_BYTES, DTYPE_NAMES, PARAMS_FILE, ParamsFile, export_hf
 
 
 def _parser() -> argparse.ArgumentParser:

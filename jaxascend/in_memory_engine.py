@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxascend.checkpoint import Checkpointer
 from jaxascend.config import Config
-from jaxascend.losses import next_token_loss
+from jaxascend.models import next_token_loss
 from jaxascend.optim import adamw_in_memory
 
 

@@ -19,19 +19,14 @@ from flax import nnx
 
 from jaxascend.checkpoint import Checkpointer
 from jaxascend.config import Config, ConfigError, ModelConfig
-from jaxascend.hf_config import model_config_from_hf
-from jaxascend.hf_export import export_hf
-from jaxascend.hf_load import load_hf_model
-from jaxascend.params_file import save_params
-from jaxascend.data import BatchStream
-from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, summary_table
+from jaxascend.data import BatchStream, load_tokenizer
+from jaxascend.hf import build_model_lean, export_hf, load_hf_model, model_config_from_hf, save_params
 from jaxascend.in_memory_engine import InMemoryEngine
-from jaxascend.memory_probe import MemorySampler
+from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.models import count_params
-from jaxascend.models.lean_init import build_model_lean
-from jaxascend.offload_engine import OffloadEngine
+from jaxascend.offload import OffloadEngine
 from jaxascend.optim import learning_rate_schedule
-from jaxascend.tokenizer import load_tokenizer
+from jaxascend.ssd import MemorySampler
 
 
 @dataclasses.dataclass

@@ -30,14 +30,11 @@ from types import SimpleNamespace
 import numpy as np
 
 from jaxascend import _native
-from jaxascend.arena import ArenaPlan, HostArena
-from jaxascend.checkpoint import Checkpointer
+from jaxascend.checkpoint import (CHECKPOINT_SHAPE_CLASS, Checkpointer, SsdArrays, checkpoint_arena_requests,
+                                  specs_for_offload_layout)
 from jaxascend.config import CheckpointConfig, OffloadConfig, parse_bytes
 from jaxascend.metrics import rss_bytes
-from jaxascend.ssd_checkpoint import (CHECKPOINT_SHAPE_CLASS, SsdArrays, checkpoint_arena_requests,
-                                      specs_for_offload_layout)
-from jaxascend.ssd_store import SsdStore
-from jaxascend.ssd_stream import Segment
+from jaxascend.ssd import ArenaPlan, HostArena, Segment, SsdStore
 
 
 def peak_rss_since_reset() -> int:
@@ -55,7 +52,7 @@ def reset_peak_rss() -> None:
 
 
 def make_layout(state_bytes: int, leaves: int, chunk_elements: int, layers: int):
-    """A layout like jaxascend.offload_layout's: ``leaves`` stacked leaves [layers, rows, cols]."""
+    """A layout like jaxascend.offload.layout's: ``leaves`` stacked leaves [layers, rows, cols]."""
     params = state_bytes // 12
     per_layer = max(1, params // (leaves * layers))
     cols = 1024

@@ -16,8 +16,7 @@ import tempfile
 import time
 
 from jaxascend.config import DataConfig
-from jaxascend.data import BatchStream, build_document_index
-from jaxascend.tokenizer import load_tokenizer, write_hf_tokenizer
+from jaxascend.data import BatchStream, build_document_index, load_tokenizer, write_hf_tokenizer
 
 
 def _make_tokenizer(kind: str, tmp: str, cfg: DataConfig):

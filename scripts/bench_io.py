@@ -31,10 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxascend.arena import ArenaPlan, HostArena
 from jaxascend.config import OffloadConfig, parse_bytes
-from jaxascend.ssd_store import SsdStore
-from jaxascend.ssd_stream import Segment
+from jaxascend.ssd import ArenaPlan, HostArena, Segment, SsdStore
 
 REGIONS = ("master", "m", "v", "grad")
 

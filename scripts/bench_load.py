@@ -25,8 +25,8 @@ _CHILD = r"""
 import json, sys, time
 import jax, jax.numpy as jnp
 from jaxascend.config import ModelConfig
-from jaxascend.hf_config import model_config_from_hf
-from jaxascend.hf_load import load_hf_params
+from jaxascend.hf.config_map import model_config_from_hf
+from jaxascend.hf.load import load_hf_params
 jnp.zeros(1).block_until_ready()
 
 def peak():
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         folder = args.checkpoint
         make_seconds = None
         if folder is None:
-            from jaxascend.hf_presets import make_hf_checkpoint
+            from jaxascend.hf import make_hf_checkpoint
 
             start = time.perf_counter()
             folder = str(make_hf_checkpoint(args.arch, args.size, f"{tmp}/ckpt", dtype="bfloat16"))

@@ -7,7 +7,7 @@ each ablation switch alone, and jaxascend.
 Each mode is a separate process (``python -m jaxascend.train --config configs/tiny.yaml
 --set ...``: the bundled @stdlib data, byte tokenizer), run one after another. While it runs,
 this script samples the child's RSS and the page cache held by its offload shard files
-(``mincore``, :func:`jaxascend.memory_probe.page_cache_bytes`) every ``--interval`` seconds.
+(``mincore``, :func:`jaxascend.ssd.memory_probe.page_cache_bytes`) every ``--interval`` seconds.
 System memory = RSS + that page cache: buffered I/O hides its cost in the page cache, outside
 RSS. The child is stopped once the last step's metrics line is written (unless ``--finish``):
 the end-of-run checkpoint and weight export are not part of a training step's memory
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import psutil
 
-from jaxascend.memory_probe import page_cache_bytes
+from jaxascend.ssd import page_cache_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 

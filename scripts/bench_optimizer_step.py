@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_io import raw_direct  # noqa: E402  (the same raw O_DIRECT measurement as bench_io.py)
 
 from jaxascend.config import OffloadConfig, parse_bytes  # noqa: E402
-from jaxascend.fused_adam import AdamHyperParams  # noqa: E402
-from jaxascend.offload_state import OffloadedAdamState  # noqa: E402
+from jaxascend.offload import OffloadedAdamState  # noqa: E402
+from jaxascend.optim import AdamHyperParams  # noqa: E402
 
 
 def parse_count(text: str) -> int:

@@ -24,8 +24,7 @@ import optax
 from flax import nnx
 
 from jaxascend.config import OffloadConfig
-from jaxascend.offload_state import OffloadedAdamState
-from jaxascend.optim import ssd_adamw
+from jaxascend.offload import OffloadedAdamState, ssd_adamw
 
 
 class MLP(nnx.Module):

@@ -17,6 +17,6 @@ if [[ -z "${JAXASCEND_CUDART:-}" ]] && ! ldconfig -p 2>/dev/null | grep -q 'libc
 fi
 exe="${TMPDIR:-/tmp}/jaxascend_pinned_check.$$"
 trap 'rm -f "$exe"' EXIT
-g++ -std=c++17 -O2 -Wall -Iffi ffi/tools/pinned_check.cc ffi/arena.cc ffi/cuda_host.cc ffi/fault_injection.cc \
+g++ -std=c++17 -O2 -Wall -Iffi ffi/tools/pinned_check.cc ffi/ssd_arena.cc ffi/ssd_cuda_host.cc ffi/ssd_fault_injection.cc \
     -ldl -pthread -o "$exe"
 "$exe" "${1:-256}"

@@ -21,8 +21,8 @@ tail -2 "$out/build.txt"
 echo "== pinned arena (C++)"
 bash scripts/gpu_check.sh 256 2>&1 | tee "$out/pinned_check.txt"
 echo "== pytest on the GPU backend"
-$py -m pytest -p no:cacheprovider -q -rs tests/test_arena.py tests/test_grad_sink.py tests/test_offload_step.py \
-    "tests/test_models.py::test_remat_policy_matches_no_remat" 2>&1 | tee "$out/pytest.txt" | tail -25
+$py -m pytest -p no:cacheprovider -q -rs tests/ssd/test_arena.py tests/offload/test_grad_sink.py tests/offload/test_step.py \
+    "tests/models/test_models.py::test_remat_policy_matches_no_remat" 2>&1 | tee "$out/pytest.txt" | tail -25
 echo "== offloaded training, compute params on the GPU"
 rm -rf /tmp/gpu_run
 $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=20 --set train.log_every=5 \

@@ -18,10 +18,7 @@ import time
 from pathlib import Path
 
 from jaxascend.config import parse_bytes
-from jaxascend.hf_config import model_config_from_hf
-from jaxascend.hf_export import DEFAULT_SHARD_BYTES
-from jaxascend.hf_names import param_plan
-from jaxascend.hf_presets import PRESETS, make_hf_checkpoint
+from jaxascend.hf import DEFAULT_SHARD_BYTES, PRESETS, make_hf_checkpoint, model_config_from_hf, param_plan
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                  "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}

@@ -10,7 +10,7 @@ import pytest
 
 from jaxascend.config import load_config
 from jaxascend.trainer import run
-from _corpus import write_word_corpus
+from tests._corpus import write_word_corpus
 
 SMALL = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",

@@ -10,7 +10,7 @@ import pytest
 
 from jaxascend.config import load_config
 from jaxascend.trainer import run
-from _corpus import write_word_corpus
+from tests._corpus import write_word_corpus
 
 SMALL = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
@@ -85,8 +85,7 @@ def test_cli_bad_input_is_one_line(override, message):
 
 
 def test_fine_tune_hf_checkpoint_and_export(tmp_path, corpus):
-    from jaxascend.hf_load import load_hf_params
-    from jaxascend.hf_presets import make_hf_checkpoint
+    from jaxascend.hf import load_hf_params, make_hf_checkpoint
 
     src = tmp_path / "hf-in"
     make_hf_checkpoint("qwen2", "tiny", src, dtype="float32", seed=0)

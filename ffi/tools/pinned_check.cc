@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "arena.h"
-#include "cuda_host.h"
+#include "ssd_arena.h"
+#include "ssd_cuda_host.h"
 
 using namespace jaxascend;
 

@@ -1,4 +1,5 @@
-"""Decoder-only causal LMs in Flax NNX: the Llama family (llama, qwen2, mistral) and GPT-2.
+"""Decoder-only causal LMs in Flax NNX: the Llama family (llama, qwen2, mistral) and GPT-2, and
+their next-token loss.
 
     model = build_model(cfg.model, vocab_size=259, rngs=nnx.Rngs(0))
     logits = model(input_ids)            # int32 [B, T] -> float32 [B, T, V]
@@ -6,6 +7,7 @@
 
 Layers are stacked along a leading axis and run under ``lax.scan`` with the remat policy
 ``cfg.remat``; each model module documents its parameter tree against Hugging Face names.
+Imports only :mod:`jaxascend.config`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from flax import nnx
 
 from jaxascend.config import ModelConfig
 from jaxascend.models.gpt2 import GPT2LMHeadModel
-from jaxascend.models.layers import OFFLOADED_ACTIVATIONS, REMAT_POLICIES, layer_forward, scan_layers
+from jaxascend.models.layers import DTYPES, OFFLOADED_ACTIVATIONS, REMAT_POLICIES, layer_forward, scan_layers
 from jaxascend.models.llama import LLAMA_ARCHS, LlamaForCausalLM
+from jaxascend.models.losses import next_token_loss
 
 ARCHS = LLAMA_ARCHS + ("gpt2",)
 
@@ -37,6 +40,6 @@ def count_params(model: nnx.Module) -> int:
 
 
 __all__ = [
-    "ARCHS", "GPT2LMHeadModel", "LlamaForCausalLM", "OFFLOADED_ACTIVATIONS", "REMAT_POLICIES",
-    "build_model", "count_params", "layer_forward", "scan_layers",
+    "ARCHS", "DTYPES", "GPT2LMHeadModel", "LlamaForCausalLM", "OFFLOADED_ACTIVATIONS", "REMAT_POLICIES",
+    "build_model", "count_params", "layer_forward", "next_token_loss", "scan_layers",
 ]

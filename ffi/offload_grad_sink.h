@@ -1,0 +1,70 @@
+// Gradient sinks: where a gradient goes the moment the backward pass computes it.
+//
+// The FFI target jaxascend_grad_sink (offload_grad_sink.cc) is called inside a jitted backward pass
+// with one layer's gradient of one tensor; it computes the overflow/norm statistics and hands
+// the bytes to a sink found by an integer handle. The SSD store implements a sink that stages
+// the bytes in the arena and queues their write; MemorySink copies into host arrays (tests,
+// and the "full host gradient buffer" ablation).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxascend {
+
+class GradientSink {
+ public:
+  virtual ~GradientSink() = default;
+  // Takes `bytes` bytes of gradient `tensor` (a sink-defined id) for layer `layer` (0 for
+  // tensors outside the layer stack). Returns an empty string on success, else an error message.
+  virtual std::string Consume(int64_t tensor, int64_t layer, xla::ffi::DataType dtype,
+                              const void* data, size_t bytes) = 0;
+};
+
+// Gradient dtypes by the names Python passes ("float32", "float16", "bfloat16").
+inline bool ParseGradDtype(const std::string& name, xla::ffi::DataType* type) {
+  if (name == "float32") *type = xla::ffi::DataType::F32;
+  else if (name == "float16") *type = xla::ffi::DataType::F16;
+  else if (name == "bfloat16") *type = xla::ffi::DataType::BF16;
+  else return false;
+  return true;
+}
+
+inline const char* GradDtypeName(xla::ffi::DataType type) {
+  switch (type) {
+    case xla::ffi::DataType::F32: return "float32";
+    case xla::ffi::DataType::F16: return "float16";
+    case xla::ffi::DataType::BF16: return "bfloat16";
+    default: return "another dtype";
+  }
+}
+
+// The checks a sink makes before it takes one layer of a tensor: the layer index, the dtype it
+// `verb`s ("stores", "takes") and the byte size. Returns "" when all hold, else the message.
+inline std::string CheckGradientLayer(int64_t tensor, int64_t layer, int64_t layers, const char* verb,
+                                      xla::ffi::DataType want_dtype, xla::ffi::DataType dtype,
+                                      size_t want_bytes, size_t bytes) {
+  const std::string name = "grad_sink: tensor " + std::to_string(tensor);
+  if (layer < 0 || layer >= layers) {
+    return "grad_sink: layer " + std::to_string(layer) + " is out of range for tensor " + std::to_string(tensor) +
+           " (" + std::to_string(layers) + " layers)";
+  }
+  if (dtype != want_dtype) {
+    return name + " " + verb + " " + GradDtypeName(want_dtype) + " gradients, got " + GradDtypeName(dtype);
+  }
+  if (bytes != want_bytes) {
+    return name + " expects " + std::to_string(want_bytes) + " bytes per layer, got " + std::to_string(bytes);
+  }
+  return "";
+}
+
+// Process-wide table of live sinks; handles are never reused.
+int64_t RegisterSink(std::shared_ptr<GradientSink> sink);
+bool UnregisterSink(int64_t handle);
+std::shared_ptr<GradientSink> FindSink(int64_t handle);
+
+}  // namespace jaxascend

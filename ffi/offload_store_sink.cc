@@ -1,0 +1,171 @@
+// The SSD gradient sink: each layer's gradient goes from the backward pass straight into its
+// region of the shard store.
+//
+// jaxascend_grad_sink (offload_grad_sink.cc) calls Consume(tensor, layer, dtype, data, bytes) once per
+// tensor and layer while the jitted backward pass runs. `data` is only valid during that call,
+// so Consume copies it into the store's arena staging slots and queues the write
+// (ShardStore::WriteFromHost without waiting): the backward pass goes on while the disk
+// writes, and it only stalls when every staging slot is still in flight. A write that fails
+// after Consume returned is reported by the next Consume or by the store's Flush(), which the
+// optimizer step calls before it reads any gradient region.
+//
+// Routing: tensor id -> one store region per layer, each exactly one layer's bytes, so every
+// write starts at offset 0 and ends at the region's end (the store's alignment rule holds for
+// any layer size). The sink also counts what it received per (tensor, layer), so the step can
+// refuse to run on a gradient that never arrived (a stale one from the previous step).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "offload_grad_sink.h"
+#include "registry.h"
+#include "ssd_shard_store.h"
+
+namespace ffi = xla::ffi;
+namespace nb = nanobind;
+
+namespace jaxascend {
+namespace {
+
+class StoreSink : public GradientSink {
+ public:
+  explicit StoreSink(int64_t store_handle) : store_handle_(store_handle) {
+    std::shared_ptr<ShardStore> store = FindStore(store_handle);
+    if (!store) {
+      throw nb::value_error(("StoreSink: no open shard store with handle " + std::to_string(store_handle)).c_str());
+    }
+    store_ = store;
+  }
+
+  // Routes tensor id `tensor` to `regions` (one per layer, each `layer_bytes` long).
+  void AddTensor(int64_t tensor, const std::vector<int32_t>& regions, int64_t layer_bytes,
+                 const std::string& dtype_name) {
+    const std::string what = "StoreSink.add_tensor(" + std::to_string(tensor) + ")";
+    ffi::DataType dtype;
+    if (!ParseGradDtype(dtype_name, &dtype)) {
+      throw nb::value_error((what + ": dtype '" + dtype_name + "' is not float32, float16 or bfloat16").c_str());
+    }
+    if (regions.empty()) throw nb::value_error((what + ": at least one region (layer) is needed").c_str());
+    std::shared_ptr<ShardStore> store = Store();
+    if (!store) throw nb::value_error((what + ": " + ClosedMessage()).c_str());
+    for (size_t layer = 0; layer < regions.size(); ++layer) {
+      const StoreRegion* r = store->region(regions[layer]);
+      if (!r) {
+        throw nb::value_error((what + ": layer " + std::to_string(layer) + " names unknown region id " +
+                               std::to_string(regions[layer]))
+                                  .c_str());
+      }
+      if (r->nbytes != layer_bytes) {
+        throw nb::value_error((what + ": region '" + r->name + "' holds " + std::to_string(r->nbytes) +
+                               " bytes, but one layer of the gradient is " + std::to_string(layer_bytes))
+                                  .c_str());
+      }
+    }
+    auto target = std::make_shared<Target>();
+    target->regions = regions;
+    target->layer_bytes = layer_bytes;
+    target->dtype = dtype;
+    target->received.reset(new std::atomic<int64_t>[regions.size()]);
+    for (size_t i = 0; i < regions.size(); ++i) target->received[i].store(0);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!targets_.emplace(tensor, std::move(target)).second) {
+      throw nb::value_error((what + ": tensor " + std::to_string(tensor) + " is already routed").c_str());
+    }
+  }
+
+  std::string Consume(int64_t tensor, int64_t layer, ffi::DataType dtype, const void* data,
+                      size_t bytes) override {
+    std::shared_ptr<Target> t = FindTarget(tensor);
+    if (!t) return "grad_sink: the SSD store sink has no tensor " + std::to_string(tensor);
+    std::string bad = CheckGradientLayer(tensor, layer, static_cast<int64_t>(t->regions.size()), "stores", t->dtype,
+                                         dtype, static_cast<size_t>(t->layer_bytes), bytes);
+    if (!bad.empty()) return bad;
+    std::shared_ptr<ShardStore> store = Store();
+    if (!store) return "grad_sink: " + ClosedMessage();
+    // Copies into a staging slot before returning; the disk write completes in the background.
+    const Status s = store->WriteFromHost(t->regions[layer], 0, data, t->layer_bytes, /*wait=*/false);
+    if (!s.ok()) {
+      return "grad_sink: writing layer " + std::to_string(layer) + " of tensor " + std::to_string(tensor) +
+             " to the SSD store: " + s.message();
+    }
+    t->received[layer].fetch_add(1, std::memory_order_relaxed);
+    return "";
+  }
+
+  // How many times each layer of `tensor` was consumed since the last Reset().
+  std::vector<int64_t> Received(int64_t tensor) {
+    std::shared_ptr<Target> t = FindTarget(tensor);
+    if (!t) throw nb::value_error(("StoreSink.received: no tensor " + std::to_string(tensor)).c_str());
+    std::vector<int64_t> out(t->regions.size());
+    for (size_t i = 0; i < out.size(); ++i) out[i] = t->received[i].load();
+    return out;
+  }
+
+  void Reset() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, t] : targets_) {
+      for (size_t i = 0; i < t->regions.size(); ++i) t->received[i].store(0);
+    }
+  }
+
+  int64_t store_handle() const { return store_handle_; }
+
+ private:
+  struct Target {
+    std::vector<int32_t> regions;
+    int64_t layer_bytes = 0;
+    ffi::DataType dtype = ffi::F32;
+    std::unique_ptr<std::atomic<int64_t>[]> received;
+  };
+
+  std::shared_ptr<Target> FindTarget(int64_t tensor) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = targets_.find(tensor);
+    return it == targets_.end() ? nullptr : it->second;
+  }
+
+  // The store is held weakly: closing it ends the sink's writes with a clear error instead of
+  // keeping a closed store alive.
+  std::shared_ptr<ShardStore> Store() const {
+    std::shared_ptr<ShardStore> s = store_.lock();
+    return s && !s->closed() ? s : nullptr;
+  }
+
+  std::string ClosedMessage() const {
+    return "the shard store with handle " + std::to_string(store_handle_) + " is closed";
+  }
+
+  int64_t store_handle_;
+  std::weak_ptr<ShardStore> store_;
+  std::mutex mu_;  // guards targets_ (AddTensor may run while a backward pass consumes)
+  std::map<int64_t, std::shared_ptr<Target>> targets_;
+};
+
+void BindStoreSink(nb::module_& m) {
+  nb::class_<StoreSink>(m, "StoreSink", "Gradient sink that writes each layer into its SSD store region.")
+      .def(nb::new_([](int64_t store_handle) { return std::make_shared<StoreSink>(store_handle); }),
+           nb::arg("store_handle"))
+      .def("add_tensor", &StoreSink::AddTensor, nb::arg("tensor"), nb::arg("regions"), nb::arg("layer_bytes"),
+           nb::arg("dtype"), "Routes tensor id `tensor` to one region id per layer, each layer_bytes long.")
+      .def("received", &StoreSink::Received, nb::arg("tensor"),
+           "Per layer, how many times the sink consumed it since reset().")
+      .def("reset", &StoreSink::Reset, "Zeroes the receipt counters.")
+      .def_prop_ro("store_handle", &StoreSink::store_handle);
+  m.def(
+      "register_store_sink", [](std::shared_ptr<StoreSink> sink) { return RegisterSink(sink); }, nb::arg("sink"),
+      "Makes a StoreSink reachable from jaxascend_grad_sink; returns its handle.");
+}
+
+}  // namespace
+
+JAXASCEND_REGISTER_BINDINGS(BindStoreSink);
+
+}  // namespace jaxascend

@@ -1,0 +1,341 @@
+// The two entry points of the fused AdamW kernel (optim_adam.h):
+//   - the XLA FFI target "jaxascend_adamw" (CPU), for jax arrays inside jit;
+//   - jaxascend._native.adamw_update, in place on numpy arrays (arena views when streaming),
+//     with the GIL released;
+// plus adamw_bandwidth_probe, the memory-bandwidth yardstick of scripts/bench_adam.py.
+// Both entries check their arguments here and run the same RunFusedAdamW.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "optim_adam.h"
+#include "optim_compute_pool.h"
+#include "registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace nb = nanobind;
+
+namespace jaxascend {
+namespace {
+
+std::string CountMismatch(const char* name, int64_t count, int64_t n) {
+  return std::string("adamw: ") + name + " has " + std::to_string(count) +
+         " elements but master has " + std::to_string(n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// XLA FFI entry.
+
+const char* FfiTypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::F32: return "float32";
+    case ffi::F16: return "float16";
+    case ffi::BF16: return "bfloat16";
+    case ffi::F64: return "float64";
+    case ffi::S32: return "int32";
+    case ffi::S64: return "int64";
+    case ffi::U16: return "uint16";
+    default: return "another dtype";
+  }
+}
+
+bool FfiElem(ffi::DataType t, AdamElem* e) {
+  switch (t) {
+    case ffi::F32: *e = AdamElem::kF32; return true;
+    case ffi::F16: *e = AdamElem::kF16; return true;
+    case ffi::BF16: *e = AdamElem::kBF16; return true;
+    default: return false;
+  }
+}
+
+// master/m/v and their aliased outputs: float32 with n elements.
+std::string CheckFfiState(const char* name, ffi::DataType type, int64_t count, int64_t n) {
+  if (type != ffi::F32) {
+    return std::string("adamw: ") + name + " must be float32, got " + FfiTypeName(type);
+  }
+  return count == n ? "" : CountMismatch(name, count, n);
+}
+
+ffi::Error AdamWDispatch(ffi::AnyBuffer master, ffi::AnyBuffer m, ffi::AnyBuffer v,
+                         ffi::AnyBuffer grad, ffi::AnyBuffer scalars,
+                         ffi::Result<ffi::AnyBuffer> master_out, ffi::Result<ffi::AnyBuffer> m_out,
+                         ffi::Result<ffi::AnyBuffer> v_out,
+                         ffi::Result<ffi::AnyBuffer> params_out, int64_t threads) {
+  const int64_t n = static_cast<int64_t>(master.element_count());
+  const struct {
+    const char* name;
+    ffi::DataType type;
+    int64_t count;
+  } state[] = {
+      {"master", master.element_type(), n},
+      {"m", m.element_type(), static_cast<int64_t>(m.element_count())},
+      {"v", v.element_type(), static_cast<int64_t>(v.element_count())},
+      {"master_out", master_out->element_type(), static_cast<int64_t>(master_out->element_count())},
+      {"m_out", m_out->element_type(), static_cast<int64_t>(m_out->element_count())},
+      {"v_out", v_out->element_type(), static_cast<int64_t>(v_out->element_count())},
+  };
+  for (const auto& s : state) {
+    std::string error = CheckFfiState(s.name, s.type, s.count, n);
+    if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  }
+  AdamElem grad_type, param_type;
+  if (!FfiElem(grad.element_type(), &grad_type)) {
+    return ffi::Error::InvalidArgument(std::string("adamw: grad dtype ") +
+                                       FfiTypeName(grad.element_type()) +
+                                       " is not supported (float16, bfloat16, float32)");
+  }
+  if (!FfiElem(params_out->element_type(), &param_type)) {
+    return ffi::Error::InvalidArgument(std::string("adamw: params dtype ") +
+                                       FfiTypeName(params_out->element_type()) +
+                                       " is not supported (float16, bfloat16, float32)");
+  }
+  if (static_cast<int64_t>(grad.element_count()) != n) {
+    return ffi::Error::InvalidArgument(CountMismatch("grad", grad.element_count(), n));
+  }
+  if (static_cast<int64_t>(params_out->element_count()) != n) {
+    return ffi::Error::InvalidArgument(CountMismatch("params", params_out->element_count(), n));
+  }
+  if (scalars.element_type() != ffi::F32 ||
+      static_cast<int64_t>(scalars.element_count()) != kAdamScalarCount) {
+    return ffi::Error::InvalidArgument(
+        std::string("adamw: scalars must be float32[") + std::to_string(kAdamScalarCount) +
+        "], got " + FfiTypeName(scalars.element_type()) + " with " +
+        std::to_string(scalars.element_count()) + " elements");
+  }
+  const AdamBuffers b{static_cast<const float*>(master.untyped_data()),
+                      static_cast<const float*>(m.untyped_data()),
+                      static_cast<const float*>(v.untyped_data()),
+                      grad.untyped_data(),
+                      static_cast<float*>(master_out->untyped_data()),
+                      static_cast<float*>(m_out->untyped_data()),
+                      static_cast<float*>(v_out->untyped_data()),
+                      params_out->untyped_data(),
+                      n,
+                      grad_type,
+                      param_type};
+  const AdamScalars s = AdamScalarsFromArray(static_cast<const float*>(scalars.untyped_data()));
+  if (threads < 1 || threads > kAdamMaxThreads) {
+    return ffi::Error::InvalidArgument("adamw: threads=" + std::to_string(threads) +
+                                       " must be in [1, " + std::to_string(kAdamMaxThreads) + "]");
+  }
+  std::string error = RunFusedAdamW(b, s, static_cast<int>(threads), AdamIsa::kAuto);
+  if (!error.empty()) return ffi::Error::InvalidArgument(error);
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// nanobind entry (numpy arrays, in place).
+
+using HostArray = nb::ndarray<nb::device::cpu>;              // writable
+using HostArrayRO = nb::ndarray<nb::ro, nb::device::cpu>;    // may be read-only
+
+bool ParseElem(const std::string& name, AdamElem* e) {
+  if (name == "float32") *e = AdamElem::kF32;
+  else if (name == "float16") *e = AdamElem::kF16;
+  else if (name == "bfloat16") *e = AdamElem::kBF16;
+  else return false;
+  return true;
+}
+
+template <typename Array>
+bool IsCContiguous(const Array& a) {
+  if (a.size() == 0) return true;  // strides of an empty array are arbitrary
+  int64_t expected = 1;
+  for (size_t d = a.ndim(); d-- > 0;) {
+    if (a.shape(d) != 1 && a.stride(d) != expected) return false;
+    expected *= static_cast<int64_t>(a.shape(d));
+  }
+  return true;
+}
+
+struct ArrayView {
+  const char* name;
+  const void* data;
+  int64_t count;
+  size_t itemsize;
+};
+
+// Throws ValueError naming the argument when `a` is not a C-contiguous array of `itemsize`-byte
+// elements (and, when float32_required, of dtype float32).
+template <typename Array>
+ArrayView CheckArray(const char* name, const Array& a, size_t itemsize, bool float32_required) {
+  if (!IsCContiguous(a)) throw nb::value_error((std::string("adamw: ") + name +
+                                                " must be C-contiguous").c_str());
+  const nb::dlpack::dtype dt = a.dtype();
+  const size_t bytes = dt.bits / 8;
+  if (bytes != itemsize || (float32_required && dt != nb::dtype<float>())) {
+    throw nb::value_error((std::string("adamw: ") + name + " must hold " +
+                           (float32_required ? "float32" : std::to_string(itemsize) + "-byte") +
+                           " elements, got a " + std::to_string(bytes) + "-byte dtype")
+                              .c_str());
+  }
+  return {name, a.data(), static_cast<int64_t>(a.size()), itemsize};
+}
+
+void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO grad,
+                      HostArray params_out, HostArrayRO scalars, const std::string& grad_dtype,
+                      const std::string& param_dtype, int threads, const std::string& isa_name) {
+  AdamElem grad_type, param_type;
+  if (!ParseElem(grad_dtype, &grad_type)) {
+    throw nb::value_error(("adamw: grad_dtype '" + grad_dtype +
+                           "' is not supported (float16, bfloat16, float32)").c_str());
+  }
+  if (!ParseElem(param_dtype, &param_type)) {
+    throw nb::value_error(("adamw: param_dtype '" + param_dtype +
+                           "' is not supported (float16, bfloat16, float32)").c_str());
+  }
+  AdamIsa isa;
+  if (!ParseAdamIsa(isa_name, &isa)) {
+    throw nb::value_error(("adamw: isa '" + isa_name +
+                           "' is not one of auto, scalar, avx2, avx512").c_str());
+  }
+  const size_t grad_size = grad_type == AdamElem::kF32 ? 4 : 2;
+  const size_t param_size = param_type == AdamElem::kF32 ? 4 : 2;
+  const ArrayView views[] = {
+      CheckArray("master", master, 4, true),
+      CheckArray("m", m, 4, true),
+      CheckArray("v", v, 4, true),
+      CheckArray("grad", grad, grad_size, grad_type == AdamElem::kF32),
+      CheckArray("params_out", params_out, param_size, param_type == AdamElem::kF32),
+  };
+  const int64_t n = views[0].count;
+  for (const ArrayView& a : views) {
+    if (a.count != n) throw nb::value_error(CountMismatch(a.name, a.count, n).c_str());
+  }
+  // In place means each buffer is read and written by itself only; two arguments sharing
+  // memory would read values another stream has already overwritten.
+  for (size_t i = 0; i < 5; ++i) {
+    for (size_t j = i + 1; j < 5; ++j) {
+      const auto* a = static_cast<const char*>(views[i].data);
+      const auto* b = static_cast<const char*>(views[j].data);
+      if (n > 0 && a < b + n * views[j].itemsize && b < a + n * views[i].itemsize) {
+        throw nb::value_error((std::string("adamw: ") + views[i].name + " and " + views[j].name +
+                               " overlap in memory")
+                                  .c_str());
+      }
+    }
+  }
+  const ArrayView sv = CheckArray("scalars", scalars, 4, true);
+  if (sv.count != kAdamScalarCount) {
+    throw nb::value_error(("adamw: scalars must be float32[" + std::to_string(kAdamScalarCount) +
+                           "], got " + std::to_string(sv.count) + " elements")
+                              .c_str());
+  }
+  auto* master_data = static_cast<float*>(master.data());
+  auto* m_data = static_cast<float*>(m.data());
+  auto* v_data = static_cast<float*>(v.data());
+  const AdamBuffers b{master_data, m_data, v_data, grad.data(), master_data, m_data, v_data,
+                      params_out.data(), n, grad_type, param_type};
+  const AdamScalars s = AdamScalarsFromArray(static_cast<const float*>(sv.data));
+  std::string error;
+  {
+    nb::gil_scoped_release release;
+    error = RunFusedAdamW(b, s, threads, isa);
+  }
+  if (!error.empty()) throw nb::value_error(error.c_str());
+}
+
+// The memory traffic of the kernel with no arithmetic to speak of: reads and writes master,
+// m and v in place (times `scale`, a run-time 1.0 the compiler cannot fold away) and copies
+// the 2-byte gradient into the 2-byte params: 28 bytes per element, the same streams and the
+// same threads as the kernel. Compiled per ISA by the compiler (target_clones where available).
+#if defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+void BandwidthRange(float* master, float* m, float* v, const uint16_t* grad, uint16_t* params,
+                    float scale, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    master[i] *= scale;
+    m[i] *= scale;
+    v[i] *= scale;
+    params[i] = grad[i];
+  }
+}
+
+void BandwidthProbe(HostArray master, HostArray m, HostArray v, HostArrayRO grad,
+                    HostArray params_out, float scale, int threads) {
+  const ArrayView views[] = {
+      CheckArray("master", master, 4, true), CheckArray("m", m, 4, true),
+      CheckArray("v", v, 4, true), CheckArray("grad", grad, 2, false),
+      CheckArray("params_out", params_out, 2, false)};
+  const int64_t n = views[0].count;
+  for (const ArrayView& a : views) {
+    if (a.count != n) throw nb::value_error(CountMismatch(a.name, a.count, n).c_str());
+  }
+  if (threads < 1 || threads > kComputePoolMaxThreads) {
+    throw nb::value_error(("adamw_bandwidth_probe: threads=" + std::to_string(threads) +
+                           " must be in [1, " + std::to_string(kComputePoolMaxThreads) + "]")
+                              .c_str());
+  }
+  auto* master_data = static_cast<float*>(master.data());
+  auto* m_data = static_cast<float*>(m.data());
+  auto* v_data = static_cast<float*>(v.data());
+  auto* grad_data = static_cast<const uint16_t*>(grad.data());
+  auto* params_data = static_cast<uint16_t*>(params_out.data());
+  nb::gil_scoped_release release;
+  ParallelFor(n, threads, 64, 1 << 15, [&](int64_t begin, int64_t end) {
+    BandwidthRange(master_data, m_data, v_data, grad_data, params_data, scale, begin, end);
+  });
+}
+
+std::vector<std::string> SupportedIsas() {
+  std::vector<std::string> out;
+  for (AdamIsa isa : {AdamIsa::kScalar, AdamIsa::kAvx2, AdamIsa::kAvx512}) {
+    if (AdamIsaSupported(isa)) out.push_back(AdamIsaName(isa));
+  }
+  return out;
+}
+
+std::string DefaultIsa() {
+  AdamIsa resolved;
+  std::string error = ResolveAdamIsa(AdamIsa::kAuto, &resolved);
+  if (!error.empty()) throw nb::value_error(error.c_str());
+  return AdamIsaName(resolved);
+}
+
+void BindAdamW(nb::module_& m) {
+  m.def("adamw_update", &AdamWUpdateNumpy, nb::arg("master"), nb::arg("m"), nb::arg("v"),
+        nb::arg("grad"), nb::arg("params_out"), nb::arg("scalars"), nb::kw_only(),
+        nb::arg("grad_dtype"), nb::arg("param_dtype"), nb::arg("threads") = 1,
+        nb::arg("isa") = "auto",
+        "Fused AdamW in place on C-contiguous numpy arrays (see jaxascend.optim.fused_adam). grad and "
+        "params_out hold grad_dtype/param_dtype ('float32', 'float16', 'bfloat16'; 16-bit types "
+        "may be passed as uint16 views). Releases the GIL.");
+  m.def("adamw_supported_isas", &SupportedIsas,
+        "Kernel variants this CPU can run, e.g. ['scalar', 'avx2', 'avx512'].");
+  m.def("adamw_default_isa", &DefaultIsa,
+        "The variant isa='auto' runs: JAXASCEND_ADAM_ISA if set, else the best supported.");
+  m.def("adamw_bandwidth_probe", &BandwidthProbe, nb::arg("master"), nb::arg("m"), nb::arg("v"),
+        nb::arg("grad"), nb::arg("params_out"), nb::arg("scale") = 1.0f, nb::arg("threads") = 1,
+        "Streams the kernel's 28 bytes per element (fp32 master/m/v in place, 2-byte grad -> "
+        "2-byte params) with no Adam arithmetic: the memory-bandwidth limit for benchmarks.");
+  m.def("compute_pool_workers", &ComputePoolWorkers,
+        "Worker threads started so far by the compute pool (created once, reused by calls).");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kAdamW, AdamWDispatch,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // master: f32[n]
+                                  .Arg<ffi::AnyBuffer>()  // m: f32[n]
+                                  .Arg<ffi::AnyBuffer>()  // v: f32[n]
+                                  .Arg<ffi::AnyBuffer>()  // grad: f16/bf16/f32[n]
+                                  .Arg<ffi::AnyBuffer>()  // scalars: f32[10], see optim_adam.h
+                                  .Ret<ffi::AnyBuffer>()  // new master (aliases master)
+                                  .Ret<ffi::AnyBuffer>()  // new m (aliases m)
+                                  .Ret<ffi::AnyBuffer>()  // new v (aliases v)
+                                  .Ret<ffi::AnyBuffer>()  // new params: f16/bf16/f32[n]
+                                  .Attr<int64_t>("threads"));  // compute-pool threads
+
+JAXASCEND_REGISTER_FFI("jaxascend_adamw", kAdamW);
+JAXASCEND_REGISTER_BINDINGS(BindAdamW);
+
+}  // namespace jaxascend

@@ -1,0 +1,209 @@
+// The pipelined streaming pass; see ssd_stream_pass.h.
+#include "ssd_stream_pass.h"
+
+#include <algorithm>
+#include <tuple>
+
+namespace jaxascend {
+namespace {
+
+// A pass reads chunk k+1 before chunk k is written back, so a written byte must belong to
+// one chunk only; otherwise a read-ahead would see stale data.
+Status CheckNoWrittenOverlap(const ShardStore& store, const std::vector<std::vector<StreamSegment>>& chunks) {
+  struct Span {
+    int32_t region;
+    int64_t begin, end;
+    bool write;
+    size_t chunk, segment;
+  };
+  std::vector<Span> spans;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    for (size_t i = 0; i < chunks[c].size(); ++i) {
+      const StreamSegment& s = chunks[c][i];
+      spans.push_back({s.region, s.offset, s.offset + s.nbytes, s.write, c, i});
+    }
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return std::tie(a.region, a.begin) < std::tie(b.region, b.begin); });
+  // Sweep each region keeping the span that reaches furthest; any later span starting before
+  // its end overlaps it.
+  for (size_t i = 1, far = 0; i < spans.size(); ++i) {
+    if (spans[i].region != spans[far].region) {
+      far = i;
+      continue;
+    }
+    const Span& a = spans[far];
+    const Span& b = spans[i];
+    if (b.begin < a.end && (a.write || b.write)) {
+      const StoreRegion* r = store.region(a.region);
+      return Status::InvalidArgument(
+          "stream: chunk " + std::to_string(a.chunk) + " segment " + std::to_string(a.segment) + " and chunk " +
+          std::to_string(b.chunk) + " segment " + std::to_string(b.segment) + " overlap in region '" +
+          (r ? r->name : std::string("?")) + "' at bytes [" + std::to_string(b.begin) + ", " +
+          std::to_string(std::min(a.end, b.end)) + ") and one of them is written back");
+    }
+    if (b.end > a.end) far = i;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status StreamPass::Create(std::shared_ptr<ShardStore> store, std::vector<std::vector<StreamSegment>> chunks,
+                          std::vector<std::string> slot_classes, int depth, std::unique_ptr<StreamPass>* out) {
+  if (!store) return Status::InvalidArgument("stream: no store");
+  if (store->closed()) return Status::Closed("stream: the shard store in " + store->options().dir + " is closed");
+  if (depth < 2 || depth > 64) {
+    return Status::InvalidArgument("stream: depth must be in [2, 64], got " + std::to_string(depth));
+  }
+  if (slot_classes.empty()) return Status::InvalidArgument("stream: at least one slot class (segment) is needed");
+  const size_t n_seg = slot_classes.size();
+  std::vector<int64_t> slot_bytes(n_seg, 0);
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    if (chunks[c].size() != n_seg) {
+      return Status::InvalidArgument("stream: chunk " + std::to_string(c) + " has " + std::to_string(chunks[c].size()) +
+                                     " segments, expected " + std::to_string(n_seg) + " (one per slot class)");
+    }
+    for (size_t i = 0; i < n_seg; ++i) {
+      const StreamSegment& s = chunks[c][i];
+      if (!s.read && !s.write) {
+        return Status::InvalidArgument("stream: chunk " + std::to_string(c) + " segment " + std::to_string(i) +
+                                       " is neither read nor written");
+      }
+      JAXASCEND_RETURN_IF_ERROR(store->CheckRange(s.region, s.offset, s.nbytes, "stream"));
+      slot_bytes[i] = std::max(slot_bytes[i], RoundUpToAlignment(s.nbytes));
+    }
+  }
+  JAXASCEND_RETURN_IF_ERROR(CheckNoWrittenOverlap(*store, chunks));
+
+  std::unique_ptr<StreamPass> pass(new StreamPass());
+  pass->store_ = std::move(store);
+  pass->chunks_ = std::move(chunks);
+  pass->slot_classes_ = std::move(slot_classes);
+  pass->depth_ = depth;
+  Arena& arena = *pass->store_->arena();
+  for (int d = 0; d < depth; ++d) {
+    auto stage = std::make_unique<Stage>();
+    pass->stages_.push_back(std::move(stage));
+    for (size_t i = 0; i < n_seg && !pass->chunks_.empty(); ++i) {
+      int32_t id = -1;
+      const Status s = arena.Acquire(pass->slot_classes_[i], slot_bytes[i], &id);
+      if (!s.ok()) {
+        pass->ReleaseSlots();
+        const auto uses = std::count(pass->slot_classes_.begin(), pass->slot_classes_.end(), pass->slot_classes_[i]);
+        return Status::ArenaExhausted(s.message() + " (a stream of depth " + std::to_string(depth) + " needs " +
+                                      std::to_string(depth * uses) + " slots of class '" + pass->slot_classes_[i] +
+                                      "': " + std::to_string(uses) + " per stage)");
+      }
+      pass->stages_.back()->slots.push_back(id);
+    }
+  }
+  *out = std::move(pass);
+  return Status::Ok();
+}
+
+StreamPass::~StreamPass() { Abort(); }
+
+const ArenaSlot& StreamPass::current_slot(int segment) const {
+  const Stage& st = *stages_[current_ % depth_];
+  return store_->arena()->slots()[st.slots[segment]];
+}
+
+Status StreamPass::Fail(const Status& s) {
+  if (error_.ok()) error_ = s;
+  return error_;
+}
+
+Status StreamPass::IssueReads(int64_t chunk) {
+  Stage& st = StageOf(chunk);
+  // The stage last held chunk - depth; its write-back must land before the slots are refilled.
+  JAXASCEND_RETURN_IF_ERROR(st.writes.Wait());
+  const Arena& arena = *store_->arena();
+  for (size_t i = 0; i < chunks_[chunk].size(); ++i) {
+    const StreamSegment& s = chunks_[chunk][i];
+    if (!s.read) continue;
+    const ArenaSlot& slot = arena.slots()[st.slots[i]];
+    JAXASCEND_RETURN_IF_ERROR(store_->SubmitRead(s.region, s.offset, s.nbytes, slot.data, slot.capacity, &st.reads));
+  }
+  return Status::Ok();
+}
+
+Status StreamPass::SubmitWriteBack(int64_t chunk) {
+  Stage& st = StageOf(chunk);
+  const Arena& arena = *store_->arena();
+  for (size_t i = 0; i < chunks_[chunk].size(); ++i) {
+    const StreamSegment& s = chunks_[chunk][i];
+    if (!s.write) continue;
+    const ArenaSlot& slot = arena.slots()[st.slots[i]];
+    JAXASCEND_RETURN_IF_ERROR(store_->SubmitWrite(s.region, s.offset, s.nbytes, slot.data, slot.capacity, &st.writes));
+  }
+  return Status::Ok();
+}
+
+Status StreamPass::Next(bool* has_chunk) {
+  *has_chunk = false;
+  if (finished_) return Status::Closed("stream: the pass is finished");
+  if (!error_.ok()) return error_;
+  const int64_t n = num_chunks();
+  if (current_ >= 0 && current_ < n && !current_written_) {
+    current_written_ = true;
+    Status s = SubmitWriteBack(current_);
+    if (!s.ok()) return Fail(s);
+  }
+  if (current_ >= n) return Status::Ok();
+  const int64_t k = ++current_;
+  current_written_ = false;
+  if (k >= n) return Status::Ok();
+  const int64_t ahead = std::min(n - 1, k + depth_ - 2);
+  while (next_to_issue_ <= ahead) {
+    Status s = IssueReads(next_to_issue_++);
+    if (!s.ok()) return Fail(s);
+  }
+  Status s = StageOf(k).reads.Wait();
+  if (!s.ok()) return Fail(s);
+  *has_chunk = true;
+  return Status::Ok();
+}
+
+Status StreamPass::WaitAll() {
+  Status first;
+  for (auto& st : stages_) {
+    for (IoTicket* t : {&st->reads, &st->writes}) {
+      const Status s = t->Wait();
+      if (first.ok() && !s.ok()) first = s;
+    }
+  }
+  return first;
+}
+
+void StreamPass::ReleaseSlots() {
+  Arena& arena = *store_->arena();
+  for (auto& st : stages_) {
+    // A slot of this pass is always acquired; Release only fails on a bookkeeping bug.
+    for (int32_t id : st->slots) arena.Release(id);
+    st->slots.clear();
+  }
+}
+
+Status StreamPass::Finish() {
+  if (finished_) return error_;
+  if (error_.ok() && current_ >= 0 && current_ < num_chunks() && !current_written_) {
+    current_written_ = true;  // the consumer stopped early: keep what it did to this chunk
+    Status s = SubmitWriteBack(current_);
+    if (!s.ok()) Fail(s);
+  }
+  const Status waited = WaitAll();
+  if (!waited.ok()) Fail(waited);
+  ReleaseSlots();
+  finished_ = true;
+  return error_;
+}
+
+void StreamPass::Abort() {
+  if (finished_) return;
+  WaitAll();  // requests in flight still target the slots; their outcome no longer matters
+  ReleaseSlots();
+  finished_ = true;
+}
+
+}  // namespace jaxascend

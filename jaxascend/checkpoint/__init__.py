@@ -1,0 +1,22 @@
+"""Checkpoints: an Orbax ``CheckpointManager`` directory per run, the SSD state streamed into it.
+
+* :class:`Checkpointer` -- saves and restores params, optax state, the SSD-resident fp32
+  master/m/v, the data position and the loss-scale state; refuses incompatible or corrupt steps;
+* :class:`SsdArrays` / :class:`ArraySpec` -- SSD regions streamed chunk by chunk through arena
+  slots into plain zarr arrays (readable by stock Orbax and tensorstore), with a crc32c per chunk;
+* the errors: :class:`CheckpointError` and its subclasses.
+
+Imports :mod:`jaxascend.config` and :mod:`jaxascend.ssd`; knows nothing of the engines.
+"""
+
+from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                                         IncompatibleCheckpointError)
+from jaxascend.checkpoint.manager import Checkpointer, Restored, check_compatible, default_directory
+from jaxascend.checkpoint.ssd_arrays import (CHECKPOINT_SHAPE_CLASS, ArraySpec, Span, SsdArrays,
+                                             checkpoint_arena_requests, specs_for_offload_layout)
+
+__all__ = [
+    "CHECKPOINT_SHAPE_CLASS", "ArraySpec", "CheckpointError", "CheckpointNotFoundError", "Checkpointer",
+    "CorruptCheckpointError", "IncompatibleCheckpointError", "Restored", "Span", "SsdArrays",
+    "check_compatible", "checkpoint_arena_requests", "default_directory", "specs_for_offload_layout",
+]

@@ -1,0 +1,414 @@
+"""Checkpoints of a training run: an Orbax ``CheckpointManager`` directory, crash-safe and readable
+without jaxascend.
+
+One checkpoint is one step directory, written under a temporary name and renamed when every item
+is complete (Orbax's atomic finalisation), so a process killed while saving leaves only a
+``<step>.orbax-checkpoint-tmp-*`` directory, which is never listed, picked or restored (and is
+removed the next time the directory is opened, with ``checkpoint.cleanup_partial``)::
+
+    <checkpoint.dir>/<step>/
+      _CHECKPOINT_METADATA   Orbax's step metadata
+      params/                compute params: StandardSave (OCDBT + zarr), written asynchronously
+      opt_state/             optional pytree of small arrays, e.g. an optax state (StandardSave)
+      offloaded/             SSD-resident fp32 master/m/v, streamed through the arena (see
+                             jaxascend.checkpoint.ssd_arrays): one zarr array per tensor and leaf
+      rng/                   optional {"key": uint32 key data} (StandardSave)
+      meta/metadata          JSON: step, the run config, and the caller's meta (data stream
+                             state, loss scale, ...)
+
+The trainer's use (``state`` an :class:`~jaxascend.offload.state.OffloadedAdamState`)::
+
+    ckpt = Checkpointer(cfg.checkpoint, run_config=cfg)           # context manager
+    ssd = SsdArrays(state.store, specs_for_offload_layout(state.layout),
+                    slot_class=STATE_SLOT_CLASS)                 # the step's slots are idle meanwhile
+    step0 = ckpt.resume_step(cfg.train.resume)                   # None: fresh start
+    if step0 is not None:
+        r = ckpt.restore(step0, params_like=params, opt_state_like=opt_state, ssd=ssd)
+        params, opt_state = r.params, r.opt_state
+        state.restored(r.meta["updates_applied"])                # the shards were rebuilt
+        stream = BatchStream(cfg.data, tokenizer, state=r.meta["data_state"])
+    ...
+    if ckpt.should_save(step, cfg.train.steps):                  # after the step's SSD writes
+        ckpt.save(step, params=params, opt_state=opt_state, ssd=ssd,
+                  meta={"data_state": stream.state(), "updates_applied": state.updates_applied})
+    ckpt.close()                                                 # waits for pending saves
+
+Reading a checkpoint without jaxascend (arrays come back with their saved shapes and dtypes)::
+
+    import orbax.checkpoint as ocp
+    params = ocp.StandardCheckpointer().restore("run/checkpoints/100/params")
+    opt = ocp.StandardCheckpointer().restore("run/checkpoints/100/offloaded")
+    opt["master"]["layers"]["mlp"]["w"]                         # fp32 master weights of a leaf
+    import tensorstore as ts                                    # or one array, chunk by chunk
+    m = ts.open({"driver": "zarr", "kvstore": {"driver": "file",
+                 "path": "run/checkpoints/100/offloaded/m.layers.mlp.w"}}).result()
+
+A checkpoint made with another model shape, dtype or vocabulary is refused
+(:class:`IncompatibleCheckpointError` naming the field and both values); a damaged file is
+reported with its path (:class:`CorruptCheckpointError`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxascend import _native
+from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
+                                         IncompatibleCheckpointError, )
+from jaxascend.checkpoint.ssd_arrays import SsdArrays, SsdArraysRestore, SsdArraysSave, validate_arrays
+from jaxascend.config import CheckpointConfig, Config
+
+log = logging.getLogger(__name__)
+
+PARAMS, OPT_STATE, OFFLOADED, RNG, META = "params", "opt_state", "offloaded", "rng", "meta"
+META_FILE = "metadata"  # the file Orbax's JsonSave writes in the item directory
+FORMAT = "jaxascend-checkpoint/1"
+TMP_MARKER = ".orbax-checkpoint-tmp"
+
+# Config fields that decide the shapes and dtypes of what a checkpoint holds. Anything else
+# (learning rate, steps, data paths, checkpoint and offload tuning) may change on resume.
+COMPATIBILITY_FIELDS = (
+    "model.arch", "model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_hidden_layers",
+    "model.num_attention_heads", "model.num_key_value_heads", "model.head_dim", "model.tie_word_embeddings",
+    "model.attention_bias", "model.dtype", "model.param_dtype", "offload.enabled",
+)
+
+
+@dataclasses.dataclass
+class Restored:
+    """What :meth:`Checkpointer.restore` hands back (the SSD arrays went straight to the store)."""
+
+    step: int
+    params: Any
+    opt_state: Any  # None when not requested
+    rng: Optional[np.ndarray]  # the uint32 key data given to save(), None if none was saved
+    meta: dict  # save(meta=...): e.g. {"data_state": ..., "loss_scale": ...}
+    config: dict  # the run config the checkpoint was made with
+
+
+def default_directory(run_config: Union[Config, dict]) -> Path:
+    """``checkpoint.dir``, or ``<train.out_dir>/checkpoints`` when unset."""
+    cfg = _as_dict(run_config)
+    return Path(cfg["checkpoint"].get("dir") or Path(cfg["train"]["out_dir"]) / "checkpoints")
+
+
+def check_compatible(saved: dict, current: dict, where: Union[str, Path]) -> None:
+    """Raises :class:`IncompatibleCheckpointError` naming every field of
+    :data:`COMPATIBILITY_FIELDS` whose value differs (fields missing on either side are skipped)."""
+    diffs = []
+    for name in COMPATIBILITY_FIELDS:
+        section, field = name.split(".")
+        a, b = saved.get(section, {}), current.get(section, {})
+        if field in a and field in b and a[field] != b[field]:
+            diffs.append(f"{name}: checkpoint has {a[field]!r}, this run has {b[field]!r}")
+    if diffs:
+        raise IncompatibleCheckpointError(f"checkpoint {where} was made with an incompatible config: "
+                                          + "; ".join(diffs))
+
+
+class Checkpointer:
+    """Owner of one checkpoint directory (wraps an Orbax ``CheckpointManager``).
+
+    ``run_config`` (a :class:`Config` or its dict) is saved with every checkpoint and compared
+    with the saved one on restore; ``directory`` overrides ``cfg.dir``.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, run_config: Union[Config, dict, None] = None,
+                 directory: Union[str, Path, None] = None):
+        self.cfg = cfg
+        self.run_config = _as_dict(run_config) if run_config is not None else {}
+        if directory is None:
+            if cfg.dir is None and not self.run_config:
+                raise ValueError("Checkpointer: checkpoint.dir is unset; give run_config or directory")
+            directory = cfg.dir or default_directory(self.run_config)
+        self.directory = Path(directory).absolute()
+        self.existed = self.directory.is_dir()
+        partial = sorted(self.directory.glob(f"*{TMP_MARKER}*")) if self.existed else []
+        if partial:
+            action = "removing" if cfg.cleanup_partial else "ignoring"
+            log.warning("checkpoint: %s %d half-written save(s) in %s: %s", action, len(partial), self.directory,
+                        ", ".join(p.name for p in partial))
+        if cfg.cleanup_partial:  # here rather than Orbax's cleanup_tmp_directories, which runs in the background
+            for path in partial:
+                shutil.rmtree(path)
+        options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_last, create=True,
+                                               enable_async_checkpointing=cfg.async_save)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    # ------------------------------------------------------------------ which steps
+    def all_steps(self) -> list[int]:
+        """Steps of every complete checkpoint in the directory, ascending (waits for a pending save)."""
+        self.wait()
+        self._manager.reload()  # read the directory: only finalised step directories count
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> Optional[int]:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def step_directory(self, step: int) -> Path:
+        return self.directory / str(int(step))
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        """True every ``checkpoint.every_steps`` steps and at ``last_step``."""
+        every = self.cfg.every_steps
+        return step == last_step or (every > 0 and step % every == 0)
+
+    def resume_step(self, resume: Union[str, int]) -> Optional[int]:
+        """The step ``train.resume`` asks for: ``"none"`` -> None; ``"auto"`` -> the newest
+        complete checkpoint (None if there is none); a number -> that step, or
+        :class:`CheckpointNotFoundError` naming the directory and the steps it holds."""
+        if resume == "none":
+            return None
+        steps = self.all_steps()
+        if resume == "auto":
+            return steps[-1] if steps else None
+        step = int(resume)
+        if not self.existed:
+            raise CheckpointNotFoundError(f"train.resume={step}: checkpoint directory {self.directory} does not exist")
+        if step not in steps:
+            raise CheckpointNotFoundError(f"train.resume={step}: no complete checkpoint for step {step} in "
+                                          f"{self.directory} (available steps: {steps or 'none'})")
+        newer = [s for s in steps if s > step]
+        if newer:
+            log.warning("checkpoint: resuming from step %d while %s holds later steps %s; saving one of those "
+                        "steps again will fail", step, self.directory, newer)
+        return step
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, *, params: Any, opt_state: Any = None, ssd: Optional[SsdArrays] = None,
+             rng: Optional[Any] = None, meta: Optional[dict] = None) -> None:
+        """Saves one checkpoint for ``step``.
+
+        Waits for the previous save first. The SSD arrays (``ssd``: :class:`SsdArrays` or
+        ``(store, arena, specs)``) are streamed before this returns, so the store may be
+        modified right after; params, opt_state, rng and meta are copied to the host and, with
+        ``checkpoint.async_save``, written in the background (:meth:`wait` to block).
+        ``meta`` must be JSON-serialisable (numpy scalars are converted).
+        """
+        step = int(step)
+        self.wait()
+        if step in self.all_steps():
+            raise CheckpointError(f"checkpoint for step {step} already exists in {self.directory}; "
+                                  f"remove {self.step_directory(step)} or resume from it")
+        items = {PARAMS: ocp.args.StandardSave(params)}
+        if opt_state is not None:
+            items[OPT_STATE] = ocp.args.StandardSave(opt_state)
+        if ssd is not None:
+            ssd = SsdArrays.of(ssd)
+            validate_arrays(ssd)  # before Orbax starts: a bad spec must not leave a half-written step
+            items[OFFLOADED] = SsdArraysSave(ssd, self.cfg.compression)
+        if rng is not None:
+            items[RNG] = ocp.args.StandardSave({"key": np.asarray(jax.device_get(rng))})
+        # Orbax stores no checksums of array data (a garbled OCDBT file restores silently), so the
+        # crc32c of every saved array leaf goes into the meta item and is checked on restore.
+        checksums = {item: tree_checksums(arg.item) for item, arg in items.items()
+                     if isinstance(arg, ocp.args.StandardSave)}
+        record = {"format": FORMAT, "step": step, "items": sorted(items),
+                  "config": _jsonable(self.run_config, "config"), "meta": _jsonable(meta or {}, "meta"),
+                  "checksums": checksums}
+        record["crc32c"] = _record_crc(record)  # a garbled byte may still parse as JSON
+        items[META] = ocp.args.JsonSave(record)
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def wait(self) -> None:
+        """Blocks until every pending (asynchronous) save is complete; raises its error if it failed."""
+        self._manager.wait_until_finished()
+
+    # ------------------------------------------------------------------ restore
+    def read_meta(self, step: int) -> dict:
+        """The ``meta`` item of ``step`` (format, step, items, config, meta)."""
+        path = self.step_directory(step) / META / META_FILE
+        try:
+            record = json.loads(path.read_text())
+            if not isinstance(record, dict) or record.get("format") != FORMAT:
+                raise ValueError(f"format is {record.get('format') if isinstance(record, dict) else None!r}, "
+                                 f"expected {FORMAT!r}")
+            missing = [key for key in ("step", "items", "config", "meta", "crc32c") if key not in record]
+            if missing:
+                raise ValueError(f"it lacks {missing}")
+            saved_crc = record.pop("crc32c")
+            if saved_crc != _record_crc(record):
+                raise ValueError(f"its contents have crc32c {_record_crc(record):#010x}, it recorded {saved_crc:#010x}")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"checkpoint file {path} is missing") from None
+        except (ValueError, KeyError, TypeError) as err:
+            raise CorruptCheckpointError(f"checkpoint file {path} is corrupt ({err})") from None
+        return record
+
+    def restore(self, step: int, *, params_like: Any = None, opt_state_like: Any = None,
+                ssd: Optional[SsdArrays] = None) -> Restored:
+        """Restores ``step``: params (as ``params_like``: arrays or ``jax.ShapeDtypeStruct`` with
+        shardings; numpy arrays when None), the optax state likewise when ``opt_state_like`` is
+        given, and the SSD arrays straight into ``ssd``'s store regions (chunk by chunk, checksums
+        checked). Refuses incompatible checkpoints before touching anything."""
+        step = int(step)
+        if step not in self.all_steps():
+            raise CheckpointNotFoundError(f"no complete checkpoint for step {step} in {self.directory} "
+                                          f"(available steps: {self.all_steps() or 'none'})")
+        step_dir = self.step_directory(step)
+        record = self.read_meta(step)
+        check_compatible(record["config"], self.run_config, step_dir)
+        saved_items = set(record["items"])
+        wanted = {PARAMS: True, OPT_STATE: opt_state_like is not None, OFFLOADED: ssd is not None}
+        for item, requested in wanted.items():
+            if requested and item not in saved_items:
+                raise IncompatibleCheckpointError(f"checkpoint {step_dir} has no {item!r} item (it holds "
+                                                  f"{sorted(saved_items)}); this run needs one")
+        if OFFLOADED in saved_items and ssd is None:
+            raise IncompatibleCheckpointError(f"checkpoint {step_dir} holds SSD-resident optimizer state "
+                                              f"({OFFLOADED!r}); pass ssd= to restore it")
+        if params_like is not None:
+            _check_tree_matches(step_dir / PARAMS, params_like, PARAMS)
+        if opt_state_like is not None:
+            _check_tree_matches(step_dir / OPT_STATE, opt_state_like, OPT_STATE)
+        items = {PARAMS: _standard_restore(params_like)}
+        if opt_state_like is not None:
+            items[OPT_STATE] = _standard_restore(opt_state_like)
+        if RNG in saved_items:
+            items[RNG] = ocp.args.StandardRestore()
+        if ssd is not None:
+            ssd = SsdArrays.of(ssd)
+            validate_arrays(ssd)  # a bad spec is the caller's error, not a corrupt checkpoint
+            items[OFFLOADED] = SsdArraysRestore(ssd)
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except CheckpointError:
+            raise
+        except Exception as err:  # Orbax/tensorstore: the innermost error names the file
+            raise CorruptCheckpointError(f"checkpoint {step_dir} cannot be read: {_root_cause(err)}") from err
+        for item in (PARAMS, OPT_STATE, RNG):
+            if item in items:
+                _verify_checksums(out[item], record.get("checksums", {}).get(item), step_dir / item)
+        rng = out[RNG]["key"] if RNG in items else None
+        return Restored(step=step, params=out[PARAMS], opt_state=out[OPT_STATE] if OPT_STATE in items else None,
+                        rng=rng, meta=record["meta"], config=record["config"])
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Waits for pending saves and closes the manager. Idempotent."""
+        if self._manager is not None:
+            try:
+                self._manager.wait_until_finished()
+            finally:
+                self._manager.close()
+                self._manager = None
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({str(self.directory)!r}, steps={self.all_steps() if self._manager else 'closed'})"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _as_dict(run_config: Union[Config, dict]) -> dict:
+    return run_config.to_dict() if isinstance(run_config, Config) else dict(run_config)
+
+
+def _jsonable(value: Any, where: str) -> Any:
+    """``value`` with numpy/JAX scalars and small arrays turned into Python numbers/lists."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, (str, bool, int, float)) or value is None:
+        return value
+    if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+        return np.asarray(value).tolist()
+    raise TypeError(f"checkpoint {where}: {type(value).__name__} is not JSON-serialisable; "
+                    f"save arrays as params/opt_state/rng")
+
+
+def _record_crc(record: dict) -> int:
+    return _native.crc32c(np.frombuffer(json.dumps(record, sort_keys=True).encode(), np.uint8))
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost error of a chain (tensorstore's, which names the file), on one line."""
+    while err.__cause__ is not None or err.__context__ is not None:
+        err = err.__cause__ or err.__context__
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:600]}"
+
+
+def _leaf_bytes(x: Any) -> Optional[np.ndarray]:
+    """The C-order bytes of an array leaf (zero-copy for host arrays), None for other leaves."""
+    if not isinstance(x, (np.ndarray, np.generic, jax.Array)):
+        return None
+    return np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
+
+
+def tree_checksums(tree: Any) -> dict:
+    """``{leaf name: crc32c of its bytes}`` for every array leaf of ``tree``."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        data = _leaf_bytes(x)
+        if data is not None:
+            out[_leaf_name(path)] = _native.crc32c(data)
+    return out
+
+
+def _verify_checksums(tree: Any, expected: Optional[dict], item_dir: Path) -> None:
+    if expected is None:
+        return
+    for name, crc in tree_checksums(tree).items():
+        if name in expected and crc != expected[name]:
+            raise CorruptCheckpointError(
+                f"checkpoint item {item_dir} is corrupt: leaf {name!r} restored with crc32c {crc:#010x}, "
+                f"saved with {expected[name]:#010x} (its data files are under {item_dir})")
+
+
+def _standard_restore(like: Any) -> ocp.args.StandardRestore:
+    if like is None:
+        return ocp.args.StandardRestore()
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else x, like)
+    return ocp.args.StandardRestore(abstract)
+
+
+def _leaf_name(path) -> str:
+    """Orbax's name of a leaf: its keys joined with '.'."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return ".".join(parts)
+
+
+def _check_tree_matches(item_dir: Path, like: Any, what: str) -> None:
+    """Refuses a restore whose leaves, shapes or dtypes differ from the saved item."""
+    try:
+        saved_tree = ocp.StandardCheckpointHandler().metadata(item_dir).tree
+    except Exception as err:  # a garbled/truncated _METADATA or OCDBT manifest: the cause names it
+        raise CorruptCheckpointError(f"checkpoint item {item_dir} cannot be read: {_root_cause(err)}") from err
+    saved = {_leaf_name(p): (tuple(m.shape), np.dtype(m.dtype))
+             for p, m in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
+    current = {_leaf_name(p): (tuple(np.shape(x)), np.dtype(x.dtype))
+               for p, x in jax.tree_util.tree_flatten_with_path(like)[0]}
+    missing, extra = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if missing or extra:
+        raise IncompatibleCheckpointError(f"checkpoint {item_dir} holds other {what} leaves than this run: not in "
+                                          f"the checkpoint: {missing[:5] or 'none'}; only in the checkpoint: "
+                                          f"{extra[:5] or 'none'}")
+    for name, (shape, dtype) in current.items():
+        if saved[name] != (shape, dtype):
+            s_shape, s_dtype = saved[name]
+            raise IncompatibleCheckpointError(f"checkpoint {item_dir}: {what} leaf {name!r} is {s_dtype}{s_shape} "
+                                              f"in the checkpoint, {dtype}{shape} in this run")

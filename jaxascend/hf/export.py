@@ -1,0 +1,194 @@
+"""Export to a Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads unchanged.
+
+    export_hf(params, model_cfg, "runs/x/hf", tokenizer_src="/models/Qwen2.5-0.5B",
+              dtype="bfloat16", shard_bytes=2 * 10**9)
+
+``params`` is an ``nnx.Module``, an ``nnx.State``, a nested dict of arrays, or any
+:data:`ParamReader`: a callable ``read(path, layer) -> array`` returning one of our parameters
+(``path`` a tuple like ``("layers", "mlp", "up_proj", "kernel")``) or, for a stacked layer
+parameter, its slice for ``layer``. Tensors are requested, converted (cast to ``dtype``,
+transposed to HF's layout) and written one at a time, so a reader that streams fp32 master
+weights from SSD exports a model of any size with one layer's tensor in memory.
+
+The folder gets ``config.json``, ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors``
+shards of at most ``shard_bytes`` with ``model.safetensors.index.json``), and the tokenizer files
+found in ``tokenizer_src``. It is written as a hidden sibling and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxascend.config import ModelConfig
+from jaxascend.hf.config_map import CONFIG_FILE, hf_config_dict
+from jaxascend.hf.errors import (DTypeMismatchError, HFCheckpointError, MissingTensorError, ShapeMismatchError,
+                                 format_shape)
+from jaxascend.hf.names import HF_PREFIX, ParamMapping, param_plan, tree_path_to_dotted
+from jaxascend.hf.safetensors_io import DTYPE_NAMES, DTYPES, FLOAT_DTYPES, TensorSpec, write_sharded
+
+ParamReader = Callable[[tuple[str, ...], Optional[int]], Any]
+ParamSource = Union[nnx.Module, nnx.State, dict, ParamReader]
+
+_FLOAT_NUMPY = tuple(DTYPES[name] for name in FLOAT_DTYPES)
+DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' historical max_shard_size="5GB"
+
+# Files copied from tokenizer_src when present (tokenizers, vocabularies, chat templates,
+# generation defaults).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "tiktoken.model",
+    "chat_template.jinja", "chat_template.json", "generation_config.json",
+)
+
+
+def reader_from_params(params: ParamSource) -> ParamReader:
+    """A :data:`ParamReader` over in-memory parameters (module, state or nested dict of arrays)."""
+    if callable(params) and not isinstance(params, (nnx.Module, nnx.State, dict)):
+        return params
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params, nnx.Param)
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    flat = {tuple(tree_path_to_dotted(path).split(".")): leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+    def read(path: tuple[str, ...], layer: Optional[int]):
+        if path not in flat:
+            raise MissingTensorError(f"parameters: no {'.'.join(path)!r} to export "
+                                     f"(have {len(flat)} parameters, e.g. {'.'.join(next(iter(flat)))!r})")
+        value = flat[path]
+        return value if layer is None else value[layer]
+
+    return read
+
+
+def _vocab_size(model_cfg: ModelConfig, vocab_size: Optional[int], read: ParamReader) -> int:
+    if vocab_size:
+        return vocab_size
+    if model_cfg.vocab_size:
+        return model_cfg.vocab_size
+    table = ("wte" if model_cfg.arch == "gpt2" else "embed_tokens", "embedding")
+    return int(np.shape(read(table, None))[0])
+
+
+def _ordered(plan: list[ParamMapping], num_layers: int) -> list[tuple[ParamMapping, Optional[int]]]:
+    """HF tensors in the order transformers writes them: embeddings, layer by layer, the rest."""
+    front = [(m, None) for m in plan if not m.stacked and m.path[0] in ("embed_tokens", "wte", "wpe")]
+    layers = [(m, i) for i in range(num_layers) for m in plan if m.stacked]
+    back = [(m, None) for m in plan if not m.stacked and (m, None) not in front]
+    return front + layers + back
+
+
+def export_hf(params: ParamSource, model_cfg: ModelConfig, out_dir: str | os.PathLike, *,
+              tokenizer_src: Optional[str | os.PathLike] = None, dtype: str = "bfloat16",
+              shard_bytes: int = DEFAULT_SHARD_BYTES, vocab_size: Optional[int] = None,
+              token_ids: Optional[dict[str, Optional[int]]] = None) -> Path:
+    """Writes the model as a Hugging Face folder ``out_dir`` (which must not exist or be empty).
+
+    ``dtype`` (``bfloat16``/``float16``/``float32``) is the stored dtype; values are cast with
+    round-to-nearest-even from whatever the reader returns (pass fp32 masters when they exist).
+    ``tokenizer_src`` is a folder whose tokenizer files are copied (None: a warning, no files;
+    the byte tokenizer has none). ``token_ids`` (``bos_token_id``, ``eos_token_id``,
+    ``pad_token_id``) default to those of ``tokenizer_src``'s ``config.json`` or tokenizer.
+    Returns the folder.
+    """
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"export dtype: {dtype!r} is not supported (allowed: {', '.join(DTYPE_NAMES)})")
+    if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+        raise ValueError(f"export shard_bytes: must be an integer >= 1, got {shard_bytes!r}")
+    out_dir = Path(os.path.expanduser(str(out_dir)))
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise HFCheckpointError(f"{out_dir}: export folder already exists and is not empty; "
+                                "choose a new folder or remove it")
+    read = reader_from_params(params)
+    vocab = _vocab_size(model_cfg, vocab_size, read)
+    plan = param_plan(model_cfg, vocab)
+    prefix = HF_PREFIX[model_cfg.arch]
+    hf_dtype = DTYPE_NAMES[dtype]
+    order = _ordered(plan, model_cfg.num_hidden_layers)
+    specs = [TensorSpec(m.hf_name(layer, prefix), hf_dtype, m.hf_shape) for m, layer in order]
+    source = {spec.name: item for spec, item in zip(specs, order)}
+
+    def produce(spec: TensorSpec) -> np.ndarray:
+        m, layer = source[spec.name]
+        value = read(m.path, layer)
+        where = m.dotted + ("" if layer is None else f"[{layer}]")
+        if tuple(np.shape(value)) != m.layer_shape:
+            raise ShapeMismatchError(f"parameters: {where} has shape {format_shape(np.shape(value))}; "
+                                     f"{spec.name!r} needs {format_shape(m.layer_shape)} (our layout)")
+        value = np.asarray(value)
+        if value.dtype not in _FLOAT_NUMPY:
+            raise DTypeMismatchError(f"parameters: {where} has dtype {value.dtype}; expected floats")
+        out = np.empty(spec.shape, DTYPES[hf_dtype])
+        np.copyto(out, value.T if m.transpose else value, casting="unsafe")
+        return out
+
+    if token_ids is None:
+        token_ids = _token_ids(tokenizer_src)
+    config = hf_config_dict(model_cfg, dtype=dtype, vocab_size=vocab, token_ids=token_ids)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    os.chmod(staging, 0o755)  # mkdtemp makes it private; the export is an ordinary folder
+    try:
+        write_sharded(staging, specs, produce, shard_bytes, metadata={"format": "pt"})
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        _copy_tokenizer(tokenizer_src, staging)
+        if out_dir.exists():
+            out_dir.rmdir()  # checked empty above
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _copy_tokenizer(tokenizer_src: Optional[str | os.PathLike], dest: Path) -> None:
+    if tokenizer_src is None:
+        warnings.warn("export_hf: no tokenizer folder given (the byte tokenizer has no Hugging Face "
+                      "files); the export has weights and config.json only", stacklevel=3)
+        return
+    src = Path(os.path.expanduser(str(tokenizer_src)))
+    if not src.is_dir():
+        raise HFCheckpointError(f"{src}: tokenizer folder does not exist")
+    found = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    if not found:
+        raise HFCheckpointError(f"{src}: no tokenizer files (expected one of: {', '.join(TOKENIZER_FILES[:6])})")
+    for name in found:
+        shutil.copyfile(src / name, dest / name)
+
+
+def _token_ids(tokenizer_src: Optional[str | os.PathLike]) -> dict[str, Optional[int]]:
+    """bos/eos/pad ids from the source model's config.json, else from its tokenizer files."""
+    if tokenizer_src is None:
+        return {}
+    src = Path(os.path.expanduser(str(tokenizer_src)))
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    config_path = src / CONFIG_FILE
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError):
+            config = {}
+        if isinstance(config, dict) and any(k in config for k in keys):
+            return {k: config.get(k) for k in keys}
+    if not src.is_dir():
+        return {}
+    from jaxascend.data import HFTokenizer  # imports transformers: only when needed
+
+    try:
+        tok = HFTokenizer(src)
+    except ValueError:
+        return {}
+    return {"bos_token_id": tok.bos_id if tok.bos_id is not None else tok.eos_id,
+            "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}

@@ -1,0 +1,192 @@
+"""Lean import of Hugging Face safetensors weights into our models.
+
+    model_cfg = model_config_from_hf(folder, base=cfg.model)   # shape from config.json
+    model = load_hf_model(folder, model_cfg)                   # ready nnx.Module
+    params = load_hf_params(folder, model_cfg)                 # or just its nnx.State
+
+Memory: each parameter of ours gets one buffer, allocated once in the target dtype (stacked
+layer parameters ``[L, ...]`` included), and every HF tensor is read with ``pread`` straight
+into its slice when no conversion is needed, or into one reusable scratch buffer (sized for
+the largest tensor that needs a cast or transpose) and converted from there. On the CPU backend
+the finished buffer becomes the jax array without a copy (64-byte aligned buffers are aliased by
+``device_put``). So the peak is the model in its parameter dtype plus one tensor.
+
+Before any data is read the checkpoint is checked against the model: missing tensors,
+unexpected tensors, shape mismatches and non-float dtypes raise errors naming the tensor, the
+file and both shapes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxascend.config import ModelConfig
+from jaxascend.hf.config_map import model_config_from_hf
+from jaxascend.hf.errors import (DTypeMismatchError, MissingTensorError, ShapeMismatchError,
+                                 UnexpectedTensorError, format_shape)
+from jaxascend.hf.names import HF_PREFIX, ParamMapping, abstract_params, is_ignored_hf_tensor, param_plan
+from jaxascend.hf.safetensors_io import FLOAT_DTYPES, CheckpointFiles, TensorEntry
+from jaxascend.models import DTYPES
+
+_ALIGN = 64  # XLA's CPU client aliases (does not copy) host buffers aligned to this
+
+
+def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """``np.empty(shape, dtype)`` whose data starts on a 64-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+_TILE = 256  # transpose tile: 256 x 256 x 4 B = 256 KiB, cache-sized on each side
+
+
+def transpose_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src.T`` for 2-D arrays of one dtype, tile by tile: a plain strided copy walks
+    one side with a stride of a whole row and runs ~3x slower on large matrices. Elements are
+    moved as same-size unsigned integers (bit-exact; custom dtypes like bfloat16 would take
+    numpy's slow per-element path)."""
+    as_uint = np.dtype(f"u{src.dtype.itemsize}")
+    d, s = dst.view(as_uint), src.view(as_uint)
+    rows, cols = s.shape
+    for i in range(0, rows, _TILE):
+        for j in range(0, cols, _TILE):
+            d[j:j + _TILE, i:i + _TILE] = s[i:i + _TILE, j:j + _TILE].T
+
+
+def _resolve(folder: str, model_cfg: Optional[ModelConfig]) -> ModelConfig:
+    if model_cfg is None:
+        return model_config_from_hf(folder)
+    if not model_cfg.vocab_size:
+        raise ValueError("model.vocab_size: 0; build the config with model_config_from_hf(folder, base)")
+    return model_cfg
+
+
+def _detect_prefix(entries: dict[str, TensorEntry], arch: str) -> str:
+    """``model.``/``transformer.`` as in ``*ForCausalLM`` checkpoints, or ``""`` for checkpoints
+    saved from the base model (the original ``gpt2`` files have no prefix)."""
+    prefix = HF_PREFIX[arch]
+    return prefix if any(name.startswith(prefix) for name in entries) else ""
+
+
+def check_checkpoint(ckpt: CheckpointFiles, plan: list[ParamMapping], cfg: ModelConfig) -> str:
+    """Checks every tensor of ``ckpt`` against ``plan``; returns the HF name prefix in use.
+
+    Raises MissingTensorError, UnexpectedTensorError, ShapeMismatchError or DTypeMismatchError
+    (all ValueError) naming the first offending tensor, its file and both shapes.
+    """
+    prefix = _detect_prefix(ckpt.entries, cfg.arch)
+    expected: dict[str, ParamMapping] = {}
+    for m in plan:
+        for layer in range(cfg.num_hidden_layers) if m.stacked else (None,):
+            expected[m.hf_name(layer, prefix)] = m
+    missing = [name for name in expected if name not in ckpt.entries]
+    if missing:
+        more = f" ({len(missing)} tensors missing, also {missing[1]!r})" if len(missing) > 1 else ""
+        raise MissingTensorError(
+            f"{ckpt.folder}: tensor {missing[0]!r} (expected shape "
+            f"{format_shape(expected[missing[0]].hf_shape)}) is missing{more}")
+    unexpected = [name for name in ckpt.entries if name not in expected
+                  and not is_ignored_hf_tensor(name, cfg.arch)
+                  # a tied model's checkpoint may still carry the head: a copy of the embedding
+                  and not (cfg.tie_word_embeddings and name == "lm_head.weight")]
+    if unexpected:
+        entry = ckpt.entries[unexpected[0]]
+        more = f" ({len(unexpected)} unexpected tensors)" if len(unexpected) > 1 else ""
+        raise UnexpectedTensorError(
+            f"{entry.file}: unexpected tensor {entry.name!r} {format_shape(entry.shape)}: a "
+            f"{cfg.arch} model with this config.json has no such parameter{more}")
+    for name, m in expected.items():
+        entry = ckpt.entries[name]
+        if entry.shape != m.hf_shape:
+            raise ShapeMismatchError(
+                f"{entry.file}: tensor {name!r} has shape {format_shape(entry.shape)} but "
+                f"config.json implies {format_shape(m.hf_shape)}")
+        if entry.dtype not in FLOAT_DTYPES:
+            raise DTypeMismatchError(
+                f"{entry.file}: tensor {name!r} {format_shape(entry.shape)} has dtype {entry.dtype}; "
+                f"weights must be one of {', '.join(FLOAT_DTYPES)}")
+    return prefix
+
+
+def iter_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] = None, *,
+                   dtype: Optional[str] = None) -> Iterator[tuple[ParamMapping, np.ndarray]]:
+    """Yields ``(mapping, array)`` for each of our parameters, in tree order, read from the
+    checkpoint in ``folder`` and cast to ``dtype`` (default: ``model_cfg.param_dtype``).
+
+    Each array is a fresh 64-byte-aligned numpy buffer in our layout (stacked layers, ``[in, out]``
+    kernels) that the caller owns; only the scratch buffer is kept between parameters. This is the
+    building block for loaders that place parameters elsewhere (e.g. fp32 masters on SSD).
+    """
+    folder = os.path.expanduser(str(folder))
+    cfg = _resolve(folder, model_cfg)
+    target = np.dtype(DTYPES[dtype or cfg.param_dtype])
+    plan = param_plan(cfg)
+    with CheckpointFiles(folder) as ckpt:
+        prefix = check_checkpoint(ckpt, plan, cfg)
+
+        def sources(m: ParamMapping):
+            return [(layer, ckpt.entries[m.hf_name(layer, prefix)])
+                    for layer in (range(cfg.num_hidden_layers) if m.stacked else (None,))]
+
+        def direct(m: ParamMapping, entry: TensorEntry) -> bool:
+            return not m.transpose and entry.numpy_dtype == target
+
+        # One scratch buffer, for the largest tensor that must be cast or transposed.
+        scratch_bytes = max([entry.nbytes for m in plan for _, entry in sources(m)
+                             if not direct(m, entry)], default=0)
+        scratch = np.empty(scratch_bytes, np.uint8)
+        for m in plan:
+            out = aligned_empty(m.shape, target)
+            for layer, entry in sources(m):
+                dst = out if layer is None else out[layer]
+                if direct(m, entry):
+                    ckpt.read_into(entry, dst)
+                    continue
+                raw = scratch[:entry.nbytes].view(entry.numpy_dtype).reshape(entry.shape)
+                ckpt.read_into(entry, raw)
+                if m.transpose and raw.dtype == target:
+                    transpose_into(dst, raw)
+                else:
+                    np.copyto(dst, raw.T if m.transpose else raw, casting="unsafe")
+            yield m, out
+            del out
+
+
+def load_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] = None, *,
+                   device: Optional[jax.Device] = None) -> nnx.State:
+    """The ``nnx.State`` (all ``nnx.Param``) of ``model_cfg``'s model, read from ``folder``.
+
+    ``model_cfg`` defaults to :func:`model_config_from_hf(folder)`; pass
+    ``model_config_from_hf(folder, base=cfg.model)`` to keep the run's dtype/remat settings.
+    Arrays are in ``model_cfg.param_dtype`` on ``device`` (default: the default device).
+    """
+    folder = os.path.expanduser(str(folder))
+    cfg = _resolve(folder, model_cfg)
+    _, state = abstract_params(cfg)
+    values: dict = {}
+    for m, array in iter_hf_params(folder, cfg):
+        node = values
+        for key in m.path[:-1]:
+            node = node.setdefault(key, {})
+        # On CPU an aligned buffer is aliased, not copied; elsewhere this is the host->device copy.
+        node[m.path[-1]] = jax.device_put(array, device, may_alias=True)
+        del array
+    nnx.replace_by_pure_dict(state, values)
+    return state
+
+
+def load_hf_model(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] = None, *,
+                  device: Optional[jax.Device] = None) -> nnx.Module:
+    """The model of ``model_cfg`` with the weights in ``folder``; see :func:`load_hf_params`."""
+    folder = os.path.expanduser(str(folder))
+    cfg = _resolve(folder, model_cfg)
+    graphdef, _ = abstract_params(cfg)
+    return nnx.merge(graphdef, load_hf_params(folder, cfg, device=device))

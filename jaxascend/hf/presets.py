@@ -1,0 +1,164 @@
+"""Real model shapes as Hugging Face ``config.json`` dicts, and randomly initialised HF folders.
+
+    make_hf_checkpoint("llama", "1B", "/tmp/llama-1b", dtype="bfloat16")
+
+writes a folder laid out exactly like ``meta-llama/Llama-3.2-1B`` (config.json, safetensors,
+a small BPE tokenizer) with random weights, one tensor at a time, so tests, benchmarks and users
+without network access have real folders to work on. The presets copy the architecture fields of
+the published configs; :data:`PUBLISHED_PARAMS` holds their published parameter counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from jaxascend.config import ModelConfig
+from jaxascend.hf.config_map import model_config_from_hf_dict
+from jaxascend.hf.export import DEFAULT_SHARD_BYTES, export_hf
+from jaxascend.hf.names import param_plan
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _qwen2(hidden, inter, layers, heads, kv, max_pos, tie, vocab=151936) -> dict:
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "max_position_embeddings": max_pos, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "sliding_window": max_pos, "use_sliding_window": False,
+            "max_window_layers": layers, "tie_word_embeddings": tie, "vocab_size": vocab,
+            "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151643}
+
+
+def _llama3(hidden, inter, layers, heads, kv, tie, factor, head_dim=None) -> dict:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+              "rope_theta": 500000.0, "rope_scaling": {**_LLAMA3_ROPE, "factor": factor},
+              "tie_word_embeddings": tie, "vocab_size": 128256, "hidden_act": "silu",
+              "attention_bias": False, "mlp_bias": False, "bos_token_id": 128000, "eos_token_id": 128001}
+    if head_dim is not None:
+        config["head_dim"] = head_dim
+    return config
+
+
+# arch -> size -> config.json architecture fields.
+PRESETS: dict[str, dict[str, dict]] = {
+    "qwen2": {
+        "tiny": {**_qwen2(64, 96, 2, 4, 2, 256, True, vocab=512), "rope_theta": 1000000.0},
+        "0.5B": _qwen2(896, 4864, 24, 14, 2, 32768, True),
+        "1.5B": _qwen2(1536, 8960, 28, 12, 2, 131072, True),
+        "3B": _qwen2(2048, 11008, 36, 16, 2, 32768, True),
+        "7B": _qwen2(3584, 18944, 28, 28, 4, 131072, False, vocab=152064),
+    },
+    "llama": {
+        # GQA, head_dim != hidden/heads, llama3 RoPE scaling, untied head: every llama path.
+        "tiny": {**_llama3(64, 96, 2, 4, 2, False, 8.0, head_dim=24), "vocab_size": 512,
+                 "max_position_embeddings": 256,
+                 "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 32}},
+        "1B": _llama3(2048, 8192, 16, 32, 8, True, 32.0, head_dim=64),
+        "3B": _llama3(3072, 8192, 28, 24, 8, True, 32.0, head_dim=128),
+        "8B": _llama3(4096, 14336, 32, 32, 8, False, 8.0),
+    },
+    "mistral": {
+        "tiny": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 64,
+                 "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 1, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+                 "rope_theta": 10000.0, "sliding_window": 5, "tie_word_embeddings": False,
+                 "vocab_size": 512, "hidden_act": "silu"},
+        "7B": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+               "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+               "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+               "vocab_size": 32000, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2},
+    },
+    "gpt2": {
+        "tiny": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_layer": 2,
+                 "n_head": 4, "n_inner": None, "n_positions": 128, "vocab_size": 512,
+                 "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new"},
+        "124M": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768, "n_layer": 12,
+                 "n_head": 12, "n_inner": None, "n_positions": 1024, "vocab_size": 50257,
+                 "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
+                 "bos_token_id": 50256, "eos_token_id": 50256},
+    },
+}
+
+# Parameter counts published for the real models (tied heads counted once).
+PUBLISHED_PARAMS = {
+    ("qwen2", "0.5B"): 494_032_768, ("qwen2", "1.5B"): 1_543_714_304,
+    ("qwen2", "3B"): 3_085_938_688, ("qwen2", "7B"): 7_615_616_512,
+    ("llama", "1B"): 1_235_814_400, ("llama", "3B"): 3_212_749_824, ("llama", "8B"): 8_030_261_248,
+    ("mistral", "7B"): 7_241_732_096, ("gpt2", "124M"): 124_439_808,
+}
+
+
+def preset_config(arch: str, size: str) -> dict:
+    """The config.json dict of preset ``size`` of ``arch``; ValueError listing the choices."""
+    if arch not in PRESETS:
+        raise ValueError(f"--arch: {arch!r} is not supported (allowed: {', '.join(PRESETS)})")
+    if size not in PRESETS[arch]:
+        raise ValueError(f"--size: {size!r} is not a preset for {arch} (allowed: {', '.join(PRESETS[arch])})")
+    return copy.deepcopy(PRESETS[arch][size])
+
+
+def random_reader(seed: int, init_std: float, random_norms: bool):
+    """A ParamReader of random weights: normal(init_std) matrices and embeddings, ones for norm
+    scales and zeros for biases (or, with ``random_norms``, 1 + 0.1 N(0,1) and 0.1 N(0,1), so a
+    misplaced scale or bias shows up in logits). Each tensor's values depend only on ``seed``,
+    its path and layer, never on the order tensors are requested in."""
+    def read(path: tuple[str, ...], layer: Optional[int], shape: tuple[int, ...]) -> np.ndarray:
+        key = zlib.crc32(".".join(path).encode())
+        rng = np.random.default_rng([seed, key] + ([] if layer is None else [layer + 1]))
+        leaf = path[-1]
+        if leaf in ("scale", "bias") and not random_norms:
+            return np.full(shape, 1.0 if leaf == "scale" else 0.0, np.float32)
+        noise = rng.standard_normal(shape, dtype=np.float32)
+        if leaf == "scale":
+            return 1.0 + np.float32(0.1) * noise
+        noise *= np.float32(0.1 if leaf == "bias" else init_std)
+        return noise
+
+    return read
+
+
+def _sample_texts() -> list[str]:
+    """A deterministic corpus for the tokenizer: a few standard-library modules."""
+    import json as json_module
+    import os as os_module
+    import textwrap
+
+    texts = []
+    for module in (os_module, json_module, textwrap):
+        with open(module.__file__, encoding="utf-8") as fh:
+            texts.append(fh.read())
+    return texts
+
+
+def make_hf_checkpoint(arch: str, size: str, out_dir: str | os.PathLike, *, dtype: str = "bfloat16",
+                       seed: int = 0, random_norms: bool = False,
+                       shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer_vocab: int = 512) -> Path:
+    """Writes a randomly initialised ``arch``/``size`` model as a Hugging Face folder ``out_dir``
+    (config.json, safetensors, tokenizer), one tensor at a time. Returns the folder."""
+    from jaxascend.data import write_hf_tokenizer
+
+    hf = preset_config(arch, size)
+    cfg: ModelConfig = model_config_from_hf_dict(hf, source=f"preset {arch}/{size}")
+    # Leave room for special tokens that a model-specific tokenizer class adds on load (Qwen2's
+    # adds <|endoftext|>): the tokenizer must never outgrow the embedding table.
+    tokenizer_vocab = min(tokenizer_vocab, cfg.vocab_size - 16)
+    source = random_reader(seed, cfg.init_std, random_norms)
+    shapes = {m.path: m.layer_shape for m in param_plan(cfg)}
+    token_ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer_dir = write_hf_tokenizer(Path(tmp) / "tokenizer", _sample_texts(), tokenizer_vocab,
+                                           model_max_length=cfg.max_position_embeddings)
+        return export_hf(lambda path, layer: source(path, layer, shapes[path]), cfg, out_dir,
+                         tokenizer_src=tokenizer_dir, dtype=dtype, shard_bytes=shard_bytes,
+                         token_ids=token_ids)

@@ -1,0 +1,37 @@
+"""The offloaded engine: gradients leave during the backward pass, AdamW runs streamed from SSD.
+
+* :class:`OffloadEngine` -- the trainer's offloaded engine: instant gradient offload, on-the-fly
+  overflow check and global norm, loss scaling, clipping in the kernel, the streamed AdamW step,
+  and the ablation paths (``offload.*`` switches);
+* :class:`OffloadedAdamState` / :class:`OffloadLayout` -- the SSD layout of fp32 master/m/v and
+  the per-layer gradient regions, init, the streamed fused step;
+* :func:`offload_on_backward` / :func:`make_offload_step` -- the forward/backward step whose
+  gradients go to a sink (:func:`register_store_sink`, :class:`MemorySink`) layer by layer;
+* :func:`ssd_adamw` -- AdamW on SSD as an optax ``GradientTransformation``;
+  :func:`ssd_adamw_step` -- the trainer's fast path without an update tree;
+* :func:`make_full_gradient_step` -- the ZeRO-Infinity-style post-backward overflow check (ablation).
+
+Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.hf` (parameter names),
+:mod:`jaxascend.ssd`, :mod:`jaxascend.optim` and :mod:`jaxascend.checkpoint`.
+"""
+
+from jaxascend.offload.engine import OffloadEngine
+from jaxascend.offload.grad_sink import (MemorySink, offload_on_backward, register_memory_sink, sink_gradient,
+                                         unregister_sink)
+from jaxascend.offload.layout import GRAD_SLOT_CLASS, STATE_SLOT_CLASS, OffloadLayout
+from jaxascend.offload.post_backward_check import (PostBackwardCheckedStep, make_full_gradient_step,
+                                                   post_backward_stats)
+from jaxascend.offload.ssd_adamw import SsdAdamWState, adamw_on_ssd, ssd_adamw, ssd_adamw_state, ssd_adamw_step
+from jaxascend.offload.state import OffloadedAdamState, StepStats
+from jaxascend.offload.step import (SinkRouting, make_accumulating_offload_step, make_offload_step,
+                                    stacked_as_bits, total_stats)
+from jaxascend.offload.store_sink import SinkTarget, StoreGradientSink, register_store_sink
+
+__all__ = [
+    "GRAD_SLOT_CLASS", "STATE_SLOT_CLASS", "MemorySink", "OffloadEngine", "OffloadLayout", "OffloadedAdamState",
+    "PostBackwardCheckedStep", "SinkRouting", "SinkTarget", "SsdAdamWState", "StepStats", "StoreGradientSink",
+    "adamw_on_ssd", "make_accumulating_offload_step", "make_full_gradient_step", "make_offload_step",
+    "offload_on_backward", "post_backward_stats", "register_memory_sink", "register_store_sink",
+    "sink_gradient", "ssd_adamw", "ssd_adamw_state", "ssd_adamw_step", "stacked_as_bits", "total_stats",
+    "unregister_sink",
+]

@@ -1,0 +1,258 @@
+"""Where each parameter's AdamW state and gradient live in the SSD store, and how a step walks it.
+
+One :class:`LeafLayout` per parameter leaf (a leaf may be a stack of layers ``[L, ...]``). For
+every (leaf, layer) there are two store regions:
+
+* ``state``: fp32 master, m and v, interleaved by chunk. Chunk j of a layer covers elements
+  ``[j*C, j*C + n)`` and is stored as ``master[n] | m[n] | v[n]`` at byte ``12*j*C``, so the step
+  reads all three in **one** request per chunk and writes them back in one;
+* ``grad``: the layer's gradient in the compute dtype, exactly one layer long. The backward pass
+  produces a layer's gradient in one piece; writing it at offset 0 of its own region meets the
+  store's rule (a write starts on a block boundary and is whole blocks or ends at the region's
+  end) whatever the layer size. Chunk j reads bytes ``[j*C*g, (j*C + n)*g)``.
+
+Regions are added leaf by leaf, layer by layer (state then grad), so a step reads the disk
+front to back. ``C`` (``chunk_elements``) comes from ``offload.chunk_bytes`` (bytes of one fp32
+state tensor per chunk), rounded so that a full chunk of every gradient dtype is whole blocks.
+A chunk never spans two layers; the arena needs ``stream_depth`` slots of each class::
+
+    adam_state: 12 * min(C, largest layer) bytes      adam_grad: g * min(C, largest layer) bytes
+
+Two ablation switches (``offload.*``, see docs/architecture.md) change the slots, never the
+arithmetic: ``single_pool`` makes a chunk a whole layer of the largest tensor and sizes every
+step slot, state and gradient alike, for that tensor's state (one pool of uniform buffers, as
+ZeRO-Infinity's swap buffers are); ``fp32_grad_buffer`` reads gradients from a host fp32 buffer
+instead of the store, so no ``adam_grad`` slots are planned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import jax
+import numpy as np
+
+from jaxascend.config import OffloadConfig
+from jaxascend.ssd import SlotRequest
+
+STATE_SLOT_CLASS = "adam_state"
+GRAD_SLOT_CLASS = "adam_grad"
+STATE_BYTES_PER_ELEMENT = 12  # fp32 master + m + v
+STATE_TENSORS = ("master", "m", "v")
+
+SUPPORTED_COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+
+# True/False for every leaf, a pytree of bools matching the parameters, or
+# f(path, shape) -> bool; a stacked leaf's axis 0 is its layer axis.
+StackedSpec = Union[None, bool, Any, Callable[[str, tuple], bool]]
+
+
+@dataclass(frozen=True)
+class LeafLayout:
+    """One parameter leaf's place in the store. ``index`` (its position in the flattened
+    parameter pytree) is also its tensor id for the gradient sink."""
+
+    index: int
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype  # compute dtype: of the emitted parameters and of the gradient regions
+    stacked: bool  # axis 0 is a layer axis: one region pair per layer
+    state_regions: tuple[str, ...]  # per layer: chunk-interleaved fp32 master | m | v
+    grad_regions: tuple[str, ...]  # per layer: the gradient, layer_elements * itemsize bytes
+
+    @property
+    def layers(self) -> int:
+        return len(self.state_regions)
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        return self.shape[1:] if self.stacked else self.shape
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def layer_elements(self) -> int:
+        return self.size // self.layers
+
+    @property
+    def grad_layer_bytes(self) -> int:
+        return self.layer_elements * self.dtype.itemsize
+
+    @property
+    def state_layer_bytes(self) -> int:
+        return self.layer_elements * STATE_BYTES_PER_ELEMENT
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Elements ``[start, start + count)`` of one layer of one leaf."""
+
+    leaf: LeafLayout
+    layer: int
+    start: int
+    count: int
+
+    @property
+    def state_offset(self) -> int:
+        return self.start * STATE_BYTES_PER_ELEMENT
+
+    @property
+    def state_bytes(self) -> int:
+        return self.count * STATE_BYTES_PER_ELEMENT
+
+    @property
+    def grad_offset(self) -> int:
+        return self.start * self.leaf.dtype.itemsize
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.count * self.leaf.dtype.itemsize
+
+    @property
+    def flat_start(self) -> int:
+        """Where the chunk begins in the leaf's flattened parameters."""
+        return self.layer * self.leaf.layer_elements + self.start
+
+    @property
+    def first_of_leaf(self) -> bool:
+        return self.layer == 0 and self.start == 0
+
+    @property
+    def last_of_leaf(self) -> bool:
+        return self.layer == self.leaf.layers - 1 and self.start + self.count == self.leaf.layer_elements
+
+
+def chunk_elements_for(cfg: OffloadConfig, itemsizes) -> int:
+    """Elements per chunk: ``chunk_bytes`` of fp32 state, rounded down (but at least one unit) to
+    a multiple of the elements of one block in the narrowest gradient dtype, so a full chunk is
+    whole blocks in every region."""
+    unit = cfg.block_bytes // min(itemsizes, default=4)
+    return max(unit, (cfg.chunk_bytes // 4) // unit * unit)
+
+
+def _is_stacked(stacked: StackedSpec, flags: list, index: int, path: str, shape: tuple) -> bool:
+    if stacked is None or isinstance(stacked, bool):
+        return bool(stacked)
+    if callable(stacked):
+        return bool(stacked(path, shape))
+    return bool(flags[index])
+
+
+def _compute_dtype(leaf, path: str) -> np.dtype:
+    dtype = np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
+    if dtype.name not in SUPPORTED_COMPUTE_DTYPES:
+        raise ValueError(f"offloaded AdamW: parameter {path!r} has dtype {dtype}; the compute dtype must be "
+                         f"one of {', '.join(SUPPORTED_COMPUTE_DTYPES)}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class OffloadLayout:
+    """The whole model's layout: leaves in flattening order, and the chunk plan of a step."""
+
+    leaves: tuple[LeafLayout, ...]
+    treedef: Any
+    chunk_elements: int
+    stream_depth: int
+    single_pool: bool = False  # every step slot sized for the largest tensor's state (ablation)
+    grads_on_ssd: bool = True  # False: gradients live in a host fp32 buffer (ablation)
+
+    @classmethod
+    def plan(cls, params_spec, cfg: OffloadConfig, stacked: StackedSpec = None) -> "OffloadLayout":
+        """Lays out ``params_spec`` (a pytree of arrays or ``jax.ShapeDtypeStruct`` in the compute
+        dtype). ``stacked`` says which leaves are layer stacks (see :data:`StackedSpec`)."""
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params_spec)
+        flags = []
+        if not (stacked is None or isinstance(stacked, bool) or callable(stacked)):
+            flags = jax.tree.leaves(stacked)
+            if len(flags) != len(path_leaves):
+                raise ValueError(f"offloaded AdamW: `stacked` has {len(flags)} leaves but the parameters have "
+                                 f"{len(path_leaves)}; give a pytree of bools with the parameters' structure")
+        leaves = []
+        for index, (key_path, leaf) in enumerate(path_leaves):
+            path = jax.tree_util.keystr(key_path, simple=True, separator="/") or "param"
+            shape = tuple(int(d) for d in np.shape(leaf))
+            dtype = _compute_dtype(leaf, path)
+            if int(np.prod(shape, dtype=np.int64)) == 0:
+                raise ValueError(f"offloaded AdamW: parameter {path!r} has shape {shape} with no elements")
+            is_stacked = _is_stacked(stacked, flags, index, path, shape)
+            if is_stacked and len(shape) < 1:
+                raise ValueError(f"offloaded AdamW: parameter {path!r} is marked stacked but is a scalar")
+            layers = shape[0] if is_stacked else 1
+            prefix = f"adam/{index}/{path}"
+            names = [f"{prefix}/L{layer}" if is_stacked else prefix for layer in range(layers)]
+            leaves.append(LeafLayout(index, path, shape, dtype, is_stacked,
+                                     tuple(n + "/state" for n in names), tuple(n + "/grad" for n in names)))
+        itemsizes = [leaf.dtype.itemsize for leaf in leaves]
+        chunk = chunk_elements_for(cfg, itemsizes)
+        if cfg.single_pool:
+            # ZeRO-Infinity sizes its buffers for the largest tensor: a chunk is then always one
+            # whole layer of a leaf (rounded up to whole blocks, so any chunk size stays valid).
+            unit = cfg.block_bytes // min(itemsizes)
+            largest = max(leaf.layer_elements for leaf in leaves)
+            chunk = -(-largest // unit) * unit
+        return cls(tuple(leaves), treedef, chunk, cfg.stream_depth, single_pool=cfg.single_pool,
+                   grads_on_ssd=not cfg.fp32_grad_buffer)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(leaf.size for leaf in self.leaves)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of fp32 master + m + v on SSD."""
+        return STATE_BYTES_PER_ELEMENT * self.num_parameters
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in self.leaves)
+
+    def chunks(self) -> list[ChunkRef]:
+        """Every chunk of a step, in disk order."""
+        out = []
+        for leaf in self.leaves:
+            for layer in range(leaf.layers):
+                for start in range(0, leaf.layer_elements, self.chunk_elements):
+                    out.append(ChunkRef(leaf, layer, start, min(self.chunk_elements, leaf.layer_elements - start)))
+        return out
+
+    @property
+    def largest_chunk(self) -> int:
+        return min(self.chunk_elements, max(leaf.layer_elements for leaf in self.leaves))
+
+    @property
+    def state_slot_bytes(self) -> int:
+        return STATE_BYTES_PER_ELEMENT * self.largest_chunk
+
+    @property
+    def grad_slot_bytes(self) -> int:
+        return max(min(self.chunk_elements, leaf.layer_elements) * leaf.dtype.itemsize for leaf in self.leaves)
+
+    @property
+    def slot_classes(self) -> list[str]:
+        """The slot class of each segment of a step's chunk (state, then gradient if on SSD)."""
+        return [STATE_SLOT_CLASS, GRAD_SLOT_CLASS] if self.grads_on_ssd else [STATE_SLOT_CLASS]
+
+    def arena_requests(self) -> list[SlotRequest]:
+        """The arena slots a step needs: ``stream_depth`` of each class in :attr:`slot_classes`
+        (with ``single_pool``, all of one size: the largest tensor's state)."""
+        sizes = {STATE_SLOT_CLASS: self.state_slot_bytes, GRAD_SLOT_CLASS: self.grad_slot_bytes}
+        if self.single_pool:
+            sizes = dict.fromkeys(sizes, max(sizes.values()))
+        return [SlotRequest(c, sizes[c], self.stream_depth) for c in self.slot_classes]
+
+    def flatten(self, tree, what: str) -> list:
+        """The leaves of ``tree`` (any pytree with the parameters' leaves in the same order,
+        e.g. a dict where the spec was an ``nnx.State``), checked against the layout's shapes."""
+        leaves = jax.tree.leaves(tree)
+        if len(leaves) != len(self.leaves):
+            raise ValueError(f"offloaded AdamW: {what} has {len(leaves)} leaves but the optimizer state was laid "
+                             f"out for {len(self.leaves)}")
+        for leaf, x in zip(self.leaves, leaves):
+            if tuple(np.shape(x)) != leaf.shape:
+                raise ValueError(f"offloaded AdamW: {what} leaf {leaf.index} ({leaf.path!r}) has shape "
+                                 f"{tuple(np.shape(x))}, expected {leaf.shape}")
+        return leaves

@@ -1,0 +1,25 @@
+"""Optimizer arithmetic: optax AdamW, schedules, loss scaling and the fused host kernels.
+
+* :func:`adamw_in_memory` -- the in-memory baseline (``clip_by_global_norm`` + ``optax.adamw``);
+* :func:`learning_rate_schedule` -- warmup, then constant, cosine or linear decay;
+* :class:`AdamWSettings` / :class:`AdamHyperParams` -- AdamW's hyperparameters for the fused kernel;
+* :func:`fused_adamw_update` (FFI target) / :func:`fused_adamw_update_numpy` (in place) -- the
+  fused AdamW kernel (scalar, AVX2 and AVX-512 variants, chosen at run time);
+* :func:`grad_stats` / :func:`tree_grad_stats` -- fused overflow check + sum of squares;
+* :class:`LossScaleState` / :func:`update_loss_scale` -- dynamic loss scaling for fp16.
+
+No disk, no arena: the SSD-resident AdamW that runs these kernels is :mod:`jaxascend.offload`.
+"""
+
+from jaxascend.optim.adamw import AdamWSettings, adamw_in_memory
+from jaxascend.optim.fused_adam import (AdamHyperParams, adamw_reference, default_isa, fused_adamw_update,
+                                        fused_adamw_update_numpy, supported_isas)
+from jaxascend.optim.grad_stats import grad_stats, grad_stats_reference, tree_grad_stats
+from jaxascend.optim.loss_scale import LossScaleState, update_loss_scale, uses_loss_scaling
+from jaxascend.optim.schedules import learning_rate_schedule
+
+__all__ = [
+    "AdamHyperParams", "AdamWSettings", "LossScaleState", "adamw_in_memory", "adamw_reference", "default_isa",
+    "fused_adamw_update", "fused_adamw_update_numpy", "grad_stats", "grad_stats_reference",
+    "learning_rate_schedule", "supported_isas", "tree_grad_stats", "update_loss_scale", "uses_loss_scaling",
+]
