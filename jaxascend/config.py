@@ -27,8 +27,20 @@ class ConfigError(ValueError):
 DType = Literal["bfloat16", "float16", "float32"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "offload"]
 HiddenAct = Literal["silu", "gelu_new", "gelu_pytorch_tanh", "gelu"]
-ROPE_TYPES = (None, "default", "llama3")
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_TYPES = (None, "default", "linear", "dynamic", "yarn", "longrope", "llama3")
+# rope_type -> keys transformers' modeling_rope_utils requires (numbers > 0 unless listed below).
+_ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+# Optional keys that must be a number > 0 when present and not null.
+_ROPE_OPTIONAL = {
+    "yarn": ("attention_factor", "beta_fast", "beta_slow"),
+    "longrope": ("factor", "attention_factor"),
+}
 
 _BYTE_UNITS = {
     "": 1, "b": 1,
@@ -68,7 +80,7 @@ class ModelConfig:
     """Architecture and numerics of the model. Field names follow Hugging Face's config.json."""
 
     path: Optional[str] = None  # Hugging Face folder (config.json + safetensors); overrides the shape fields
-    arch: Literal["llama", "qwen2", "mistral", "gpt2"] = "llama"
+    arch: Literal["llama", "qwen2", "mistral", "gpt2", "qwen3", "phi3"] = "llama"
     vocab_size: int = 0  # 0: take it from the tokenizer
     hidden_size: int = 256
     intermediate_size: int = 688
@@ -84,6 +96,8 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     sliding_window: Optional[int] = None  # Mistral: a query sees at most this many keys (itself included)
+    # Phi-3 family: RoPE rotates the first int(head_dim * partial_rotary_factor) dims of each head.
+    partial_rotary_factor: float = 1.0
     hidden_act: Optional[HiddenAct] = None  # None: the architecture's own (silu; gpt2: gelu_new)
     dtype: DType = "bfloat16"  # compute dtype of forward/backward
     param_dtype: DType = "float32"  # dtype the in-memory optimizer keeps parameters in
@@ -101,6 +115,7 @@ class ModelConfig:
         _check_range("model.layer_norm_epsilon", self.layer_norm_epsilon, lo=0, lo_open=True)
         _check_range("model.sliding_window", self.sliding_window, lo=1)
         self.rope_scaling = validate_rope_scaling(self.rope_scaling)
+        self._check_rotary_fields()
         _check_range("model.init_std", self.init_std, lo=0, lo_open=True)
         if self.path is None:
             if self.head_dim is None and self.hidden_size % self.num_attention_heads:
@@ -112,13 +127,36 @@ class ModelConfig:
                     f"model.num_key_value_heads: {self.num_key_value_heads} must divide "
                     f"model.num_attention_heads={self.num_attention_heads}")
 
+    def _check_rotary_fields(self) -> None:
+        """partial_rotary_factor, and longrope's factor lists against the rotary width they
+        scale (half of it: one factor per frequency), as transformers' Phi3Config checks."""
+        _check_range("model.partial_rotary_factor", self.partial_rotary_factor, lo=0, hi=1, lo_open=True)
+        if self.arch == "gpt2":  # learned position embeddings; the model refuses rope_scaling
+            return
+        head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        dim = int(head_dim * self.partial_rotary_factor)
+        if dim < 2 or dim % 2:
+            raise ConfigError(f"model.partial_rotary_factor: head_dim {head_dim} x "
+                              f"{self.partial_rotary_factor} = {dim} rotary dims; RoPE needs an even number >= 2")
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope_scaling[key]) != dim // 2:
+                    raise ConfigError(f"model.rope_scaling.{key}: needs {dim // 2} numbers (rotary "
+                                      f"dims {dim} / 2), got {len(self.rope_scaling[key])}")
+
 
 def validate_rope_scaling(rope_scaling: Optional[dict], name: str = "model.rope_scaling") -> Optional[dict]:
     """Checks a Hugging Face ``rope_scaling`` mapping and returns it with ``rope_type`` filled in.
 
-    Accepted: ``None``; ``{rope_type: default}``; ``{rope_type: llama3, factor, low_freq_factor,
-    high_freq_factor, original_max_position_embeddings}`` (Llama 3.1/3.2). Older configs spell
-    ``rope_type`` as ``type``. Other keys are kept and ignored.
+    Accepted, with the keys transformers' ``modeling_rope_utils`` requires: ``None``;
+    ``{rope_type: default}``; ``linear`` and ``dynamic`` (``factor``); ``yarn`` (``factor``,
+    ``original_max_position_embeddings``; optional ``attention_factor``, ``beta_fast``,
+    ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``truncate``); ``longrope`` (``short_factor``,
+    ``long_factor``, ``original_max_position_embeddings``; optional ``factor``,
+    ``attention_factor``); ``llama3`` (``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``). Older configs spell ``rope_type`` as ``type``. Other
+    keys are kept and ignored, as transformers does. The length of longrope's factor lists
+    depends on the head dimension and is checked by :class:`ModelConfig`.
     """
     if rope_scaling is None:
         return None
@@ -126,13 +164,35 @@ def validate_rope_scaling(rope_scaling: Optional[dict], name: str = "model.rope_
         raise ConfigError(f"{name}: expected a mapping or null, got {rope_scaling!r}")
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if rope_type not in ROPE_TYPES:
-        raise ConfigError(
-            f"{name}.rope_type: {rope_type!r} is not supported (allowed: null, 'default', 'llama3')")
-    if rope_type == "llama3":
-        for key in _LLAMA3_ROPE_KEYS:
+        allowed = ", ".join("null" if t is None else repr(t) for t in ROPE_TYPES)
+        raise ConfigError(f"{name}.rope_type: {rope_type!r} is not supported (allowed: {allowed})")
+
+    def positive(value) -> bool:
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
+
+    for key in _ROPE_REQUIRED.get(rope_type, ()):
+        value = rope_scaling.get(key)
+        if key.endswith("_factor") and rope_type == "longrope":
+            if not isinstance(value, (list, tuple)) or not value or not all(map(positive, value)):
+                raise ConfigError(f"{name}.{key}: rope_type 'longrope' needs a non-empty list of "
+                                  f"numbers > 0, got {value!r}")
+        elif not positive(value):
+            raise ConfigError(f"{name}.{key}: rope_type {rope_type!r} needs a number > 0, got {value!r}")
+    for key in _ROPE_OPTIONAL.get(rope_type, ()):
+        value = rope_scaling.get(key)
+        if value is not None and not positive(value):
+            raise ConfigError(f"{name}.{key}: rope_type {rope_type!r} needs a number > 0 or null, "
+                              f"got {value!r}")
+    if rope_type == "yarn":
+        for key in ("mscale", "mscale_all_dim"):
             value = rope_scaling.get(key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{name}.{key}: rope_type 'llama3' needs a number > 0, got {value!r}")
+            if value is not None and not (positive(value) or value == 0):
+                raise ConfigError(f"{name}.{key}: rope_type 'yarn' needs a number >= 0 or null, "
+                                  f"got {value!r}")
+        if not isinstance(rope_scaling.get("truncate", True), bool):
+            raise ConfigError(f"{name}.truncate: rope_type 'yarn' needs true or false, "
+                              f"got {rope_scaling['truncate']!r}")
+    if rope_type == "llama3":
         if rope_scaling["high_freq_factor"] <= rope_scaling["low_freq_factor"]:
             raise ConfigError(
                 f"{name}.high_freq_factor: must be > low_freq_factor={rope_scaling['low_freq_factor']}, "

@@ -12,15 +12,14 @@ Conventions:
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from jaxascend.config import validate_rope_scaling
+# Re-exported: the models use them as L.apply_rope etc.
+from jaxascend.models.rope import Rotary, apply_rope, rope_angles, rope_inverse_frequencies  # noqa: F401
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload")
@@ -144,45 +143,6 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
         "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # exact (erf)
     }[name]
     return lambda x: fn(x.astype(jnp.float32)).astype(x.dtype)
-
-
-# ----------------------------------------------------------------------------- RoPE
-
-def rope_inverse_frequencies(head_dim: int, theta: float, rope_scaling: Optional[dict]) -> np.ndarray:
-    """float32 ``[head_dim // 2]`` inverse frequencies, with Llama 3's ``rope_scaling`` applied.
-
-    llama3: wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` are
-    kept, those longer than ``original / low_freq_factor`` are divided by ``factor``, and the band
-    between is interpolated linearly in ``original / wavelength``.
-    """
-    if head_dim % 2:
-        raise ValueError(f"model.head_dim: RoPE needs an even head dimension, got {head_dim}")
-    scaling = validate_rope_scaling(rope_scaling)
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    if scaling is not None and scaling["rope_type"] == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        original = float(scaling["original_max_position_embeddings"])
-        wavelength = 2 * math.pi / inv_freq
-        smooth = (original / wavelength - low) / (high - low)
-        interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        inv_freq = np.where(wavelength < original / high, inv_freq,
-                            np.where(wavelength > original / low, inv_freq / factor, interpolated))
-    return inv_freq.astype(np.float32)
-
-
-def rope_angles(positions: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array]:
-    """``(sin, cos)``, each float32 ``[B, T, H/2]``, for int positions ``[B, T]``."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-    return jnp.sin(angles), jnp.cos(angles)
-
-
-def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-    """Rotates ``x [B, T, N, H]`` in the half-split layout of Hugging Face's ``rotate_half``."""
-    x32 = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    sin, cos = sin[:, :, None, :], cos[:, :, None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 # ----------------------------------------------------------------------------- attention

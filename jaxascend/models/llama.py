@@ -1,8 +1,13 @@
-"""The Llama family (arch ``llama``, ``qwen2``, ``mistral``) as one Flax NNX causal LM.
+"""The Llama family (arch ``llama``, ``qwen2``, ``mistral``, ``qwen3``, ``phi3``) as one Flax NNX
+causal LM.
 
-RMSNorm pre-norm blocks, RoPE (``rope_theta``; ``rope_scaling`` None/default/llama3),
-grouped-query attention, optional q/k/v bias (Qwen2), optional sliding window (Mistral),
-SwiGLU MLP, tied or untied output head.
+RMSNorm pre-norm blocks, RoPE (``rope_theta``; every ``rope_scaling`` type of
+:mod:`jaxascend.models.rope`, optionally partial), grouped-query attention, optional q/k/v bias
+(Qwen2; Qwen3 adds o_proj), q/k RMSNorm over head_dim before RoPE (Qwen3), optional sliding window
+on every layer (Mistral, Phi-3), SwiGLU MLP, tied or untied output head. Phi-3's checkpoints fuse
+q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``: our tree is Llama's, and each of those
+parameters is a block of rows of HF's fused tensor (:mod:`jaxascend.hf.names`), split on load
+and fused on export.
 
 Parameter tree and its Hugging Face names (``L`` layers, ``D`` hidden_size, ``N`` heads,
 ``K`` key/value heads, ``H`` head_dim, ``F`` intermediate_size, ``V`` vocab). Our layer
@@ -22,6 +27,8 @@ Hugging Face tensor                                        our path (shape)     
 ``model.layers.{i}.self_attn.v_proj.weight`` [K*H, D]      ``layers.self_attn.v_proj.kernel`` [L, D, K*H]  T
 ``model.layers.{i}.self_attn.v_proj.bias`` [K*H]           ``layers.self_attn.v_proj.bias`` [L, K*H]       (attention_bias)
 ``model.layers.{i}.self_attn.o_proj.weight`` [D, N*H]      ``layers.self_attn.o_proj.kernel`` [L, N*H, D]  T
+``model.layers.{i}.self_attn.q_norm.weight`` [H]           ``layers.self_attn.q_norm.scale`` [L, H]       (qwen3)
+``model.layers.{i}.self_attn.k_norm.weight`` [H]           ``layers.self_attn.k_norm.scale`` [L, H]       (qwen3)
 ``model.layers.{i}.post_attention_layernorm.weight`` [D]   ``layers.post_attention_layernorm.scale`` [L, D]
 ``model.layers.{i}.mlp.gate_proj.weight`` [F, D]           ``layers.mlp.gate_proj.kernel`` [L, D, F]       T
 ``model.layers.{i}.mlp.up_proj.weight`` [F, D]             ``layers.mlp.up_proj.kernel`` [L, D, F]         T
@@ -31,6 +38,8 @@ Hugging Face tensor                                        our path (shape)     
 =========================================================  ============================================  =====
 
 Head layout inside ``N*H`` is head-major (``n * H + h``), as in HF, so no permutation is needed.
+phi3: ``self_attn.qkv_proj.weight`` [(N+2K)*H, D] is rows ``[q_proj | k_proj | v_proj]`` and
+``mlp.gate_up_proj.weight`` [2F, D] is rows ``[gate_proj | up_proj]`` of the tensors above.
 With ``tie_word_embeddings`` HF checkpoints may omit ``lm_head.weight`` (or store a copy of the
 embedding); our tree has no ``lm_head`` then. HF's ``rotary_emb.inv_freq`` buffers are not
 parameters (recomputed from the config).
@@ -48,7 +57,9 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxascend.config import ModelConfig, validate_rope_scaling
 from jaxascend.models import layers as L
 
-LLAMA_ARCHS = ("llama", "qwen2", "mistral")
+LLAMA_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3")
+QK_NORM_ARCHS = ("qwen3",)  # RMSNorm over head_dim on q and k, before RoPE
+
 
 
 def _check_llama_config(cfg: ModelConfig, vocab_size: int) -> int:
@@ -84,7 +95,8 @@ def _check_llama_config(cfg: ModelConfig, vocab_size: int) -> int:
 
 
 class LlamaAttention(nnx.Module):
-    """Grouped-query self-attention with RoPE and an optional sliding window."""
+    """Grouped-query self-attention with RoPE and an optional sliding window; q/k RMSNorm over
+    head_dim before RoPE for Qwen3."""
 
     def __init__(self, cfg: ModelConfig, head_dim: int, *, rngs: nnx.Rngs):
         dtype, param_dtype = L.DTYPES[cfg.dtype], L.DTYPES[cfg.param_dtype]
@@ -97,10 +109,16 @@ class LlamaAttention(nnx.Module):
         self.q_proj = linear(d, n * head_dim, cfg.attention_bias)
         self.k_proj = linear(d, k * head_dim, cfg.attention_bias)
         self.v_proj = linear(d, k * head_dim, cfg.attention_bias)
-        self.o_proj = linear(n * head_dim, d, False)
+        # Qwen3's attention_bias puts a bias on o_proj too; Qwen2's is q/k/v only.
+        self.o_proj = linear(n * head_dim, d, cfg.attention_bias and cfg.arch == "qwen3")
+        if cfg.arch in QK_NORM_ARCHS:
+            self.q_norm = L.RMSNorm(head_dim, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.k_norm = L.RMSNorm(head_dim, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.qk_norm = cfg.arch in QK_NORM_ARCHS
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, head_dim
-        # A tuple, not an array: static module data must be hashable (it is part of the graphdef).
-        self.inv_freq = tuple(L.rope_inverse_frequencies(head_dim, cfg.rope_theta, cfg.rope_scaling).tolist())
+        # Frozen and hashable: static module data is part of the graphdef.
+        self.rope = L.Rotary(head_dim, cfg.rope_theta, L.Rotary.freeze(cfg.rope_scaling),
+                             cfg.max_position_embeddings, cfg.partial_rotary_factor)
         self.sliding_window = cfg.sliding_window
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -108,7 +126,9 @@ class LlamaAttention(nnx.Module):
         q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
-        sin, cos = L.rope_angles(positions, self.inv_freq)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        sin, cos = self.rope.angles(positions)
         q = checkpoint_name(L.apply_rope(q, sin, cos), "query")
         k = checkpoint_name(L.apply_rope(k, sin, cos), "key")
         v = checkpoint_name(v, "value")

@@ -354,8 +354,11 @@ def test_count_params_gpt2_formula():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(num_key_value_heads=3), r"model.num_key_value_heads: 3 must divide model.num_attention_heads=4"),
+    (dict(rope_scaling={"rope_type": "ntk", "factor": 4.0}),
+     r"model.rope_scaling.rope_type: 'ntk' is not supported \(allowed: null, 'default', 'linear', "
+     r"'dynamic', 'yarn', 'longrope', 'llama3'\)"),
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-     r"model.rope_scaling.rope_type: 'yarn' is not supported \(allowed: null, 'default', 'llama3'\)"),
+     r"model.rope_scaling.original_max_position_embeddings: rope_type 'yarn' needs a number > 0, got None"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
      r"model.rope_scaling.low_freq_factor: rope_type 'llama3' needs a number > 0"),
     (dict(sliding_window=0), r"model.sliding_window: must be >= 1, got 0"),
@@ -369,13 +372,14 @@ def test_config_rejects(fields, message):
 @pytest.mark.parametrize("arch, mutation, message", [
     # ModelConfig checks these too; mutating after construction reaches the module's own checks.
     ("llama", dict(num_key_value_heads=3), r"model.num_key_value_heads: 3 must divide model.num_attention_heads=4"),
-    ("llama", dict(rope_scaling={"rope_type": "dynamic"}), r"model.rope_scaling.rope_type: 'dynamic' is not supported"),
+    ("llama", dict(rope_scaling={"rope_type": "dynamic"}),
+     r"model.rope_scaling.factor: rope_type 'dynamic' needs a number > 0, got None"),
     ("llama", dict(head_dim=7), r"model.head_dim: RoPE needs an even head dimension, got 7"),
     ("llama", dict(head_dim=None, hidden_size=66), r"model.hidden_size: 66 is not divisible by model.num_attention_heads=4"),
     ("llama", dict(remat="selective"), r"model.remat: 'selective' is not supported \(allowed: none, full, dots"),
     ("llama", dict(dtype="float64"), r"model.dtype: 'float64' is not supported"),
     ("llama", dict(hidden_act="relu"), r"model.hidden_act: 'relu' is not supported"),
-    ("llama", dict(arch="t5"), r"model.arch: 't5' is not supported \(allowed: llama, qwen2, mistral, gpt2\)"),
+    ("llama", dict(arch="t5"), r"model.arch: 't5' is not supported \(allowed: llama, qwen2, mistral, qwen3, phi3, gpt2"),
     ("gpt2", dict(num_key_value_heads=2), r"model.num_key_value_heads: gpt2 has no grouped-query attention"),
     ("gpt2", dict(sliding_window=8), r"model.sliding_window: gpt2 has no sliding-window attention"),
     ("gpt2", dict(rope_scaling=LLAMA3_ROPE), r"model.rope_scaling: gpt2 uses learned position embeddings"),
