@@ -27,6 +27,8 @@ class ConfigError(ValueError):
 DType = Literal["bfloat16", "float16", "float32"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "offload"]
 HiddenAct = Literal["silu", "gelu_new", "gelu_pytorch_tanh", "gelu"]
+LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's layer_types entries
+GEMMA3_FIELDS = ("layer_types", "rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping")
 ROPE_TYPES = (None, "default", "linear", "dynamic", "yarn", "longrope", "llama3")
 # rope_type -> keys transformers' modeling_rope_utils requires (numbers > 0 unless listed below).
 _ROPE_REQUIRED = {
@@ -80,7 +82,7 @@ class ModelConfig:
     """Architecture and numerics of the model. Field names follow Hugging Face's config.json."""
 
     path: Optional[str] = None  # Hugging Face folder (config.json + safetensors); overrides the shape fields
-    arch: Literal["llama", "qwen2", "mistral", "gpt2", "qwen3", "phi3"] = "llama"
+    arch: Literal["llama", "qwen2", "mistral", "gpt2", "gemma3", "qwen3", "phi3"] = "llama"
     vocab_size: int = 0  # 0: take it from the tokenizer
     hidden_size: int = 256
     intermediate_size: int = 688
@@ -96,6 +98,14 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     sliding_window: Optional[int] = None  # Mistral: a query sees at most this many keys (itself included)
+    # Gemma 3: per layer, "sliding_attention" (sliding_window applies) or "full_attention".
+    # None: every layer alike (sliding_window, if set, on all of them).
+    layer_types: Optional[list[str]] = None
+    # Gemma 3: RoPE base of the sliding layers (None: 10000); rope_theta and rope_scaling are the
+    # full layers'. Scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+    rope_local_theta: Optional[float] = None
+    query_pre_attn_scalar: Optional[int] = None  # an int, as transformers requires
+    final_logit_softcapping: Optional[float] = None  # Gemma 3: logits = c * tanh(logits / c)
     # Phi-3 family: RoPE rotates the first int(head_dim * partial_rotary_factor) dims of each head.
     partial_rotary_factor: float = 1.0
     hidden_act: Optional[HiddenAct] = None  # None: the architecture's own (silu; gpt2: gelu_new)
@@ -114,6 +124,7 @@ class ModelConfig:
         _check_range("model.rope_theta", self.rope_theta, lo=0, lo_open=True)
         _check_range("model.layer_norm_epsilon", self.layer_norm_epsilon, lo=0, lo_open=True)
         _check_range("model.sliding_window", self.sliding_window, lo=1)
+        self._check_gemma3_fields()
         self.rope_scaling = validate_rope_scaling(self.rope_scaling)
         self._check_rotary_fields()
         _check_range("model.init_std", self.init_std, lo=0, lo_open=True)
@@ -143,6 +154,28 @@ class ModelConfig:
                 if len(self.rope_scaling[key]) != dim // 2:
                     raise ConfigError(f"model.rope_scaling.{key}: needs {dim // 2} numbers (rotary "
                                       f"dims {dim} / 2), got {len(self.rope_scaling[key])}")
+
+    def _check_gemma3_fields(self) -> None:
+        """The per-layer-type fields: only Gemma 3 reads them, so another arch must leave them
+        unset rather than have them silently ignored."""
+        for name in GEMMA3_FIELDS:
+            if getattr(self, name) is not None and self.arch != "gemma3":
+                raise ConfigError(f"model.{name}: only arch 'gemma3' uses it; must be null for "
+                                  f"arch {self.arch!r}")
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            _check_range(f"model.{name}", getattr(self, name), lo=0, lo_open=True)
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"model.layer_types: {len(self.layer_types)} entries, but "
+                              f"model.num_hidden_layers={self.num_hidden_layers}")
+        for i, kind in enumerate(self.layer_types):
+            if kind not in LAYER_TYPES:
+                raise ConfigError(f"model.layer_types[{i}]: {kind!r} is not supported (allowed: "
+                                  f"{', '.join(map(repr, LAYER_TYPES))})")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ConfigError("model.sliding_window: must be set when model.layer_types has "
+                              "'sliding_attention' layers")
 
 
 def validate_rope_scaling(rope_scaling: Optional[dict], name: str = "model.rope_scaling") -> Optional[dict]:

@@ -1,5 +1,5 @@
-"""Decoder-only causal LMs in Flax NNX: the Llama family (llama, qwen2, mistral) and GPT-2, and
-their next-token loss.
+"""Decoder-only causal LMs in Flax NNX: the Llama family (llama, qwen2, mistral), GPT-2 and
+Gemma 3 (text), and their next-token loss.
 
     model = build_model(cfg.model, vocab_size=259, rngs=nnx.Rngs(0))
     logits = model(input_ids)            # int32 [B, T] -> float32 [B, T, V]
@@ -16,22 +16,32 @@ import jax
 from flax import nnx
 
 from jaxascend.config import ModelConfig
+from jaxascend.models.gemma3 import GEMMA3_ARCHS, Gemma3ForCausalLM
 from jaxascend.models.gpt2 import GPT2LMHeadModel
 from jaxascend.models.layers import DTYPES, OFFLOADED_ACTIVATIONS, REMAT_POLICIES, layer_forward, scan_layers
 from jaxascend.models.llama import LLAMA_ARCHS, LlamaForCausalLM
 from jaxascend.models.losses import next_token_loss
 
-ARCHS = LLAMA_ARCHS + ("gpt2",)
+ARCHS = LLAMA_ARCHS + ("gpt2",) + GEMMA3_ARCHS
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs) -> nnx.Module:
     """Builds the model ``cfg.arch`` names with freshly initialized parameters
-    (normal(cfg.init_std) matrices and embeddings, ones for norm scales, zeros for biases)."""
+    (normal(cfg.init_std) matrices and embeddings, ones for norm scales, zeros for biases and
+    for Gemma 3's zero-centred norm scales)."""
     if cfg.arch in LLAMA_ARCHS:
         return LlamaForCausalLM(cfg, vocab_size, rngs=rngs)
     if cfg.arch == "gpt2":
         return GPT2LMHeadModel(cfg, vocab_size, rngs=rngs)
+    if cfg.arch in GEMMA3_ARCHS:
+        return Gemma3ForCausalLM(cfg, vocab_size, rngs=rngs)
     raise ValueError(f"model.arch: {cfg.arch!r} is not supported (allowed: {', '.join(ARCHS)})")
+
+
+def norm_scale_init(arch: str) -> float:
+    """The value norm scales start at (what ``build_model`` gives them): 1, or 0 for Gemma 3,
+    whose norms multiply by ``1 + scale``. Lean and preset initialisers use it too."""
+    return 0.0 if arch in GEMMA3_ARCHS else 1.0
 
 
 def count_params(model: nnx.Module) -> int:
@@ -40,6 +50,7 @@ def count_params(model: nnx.Module) -> int:
 
 
 __all__ = [
-    "ARCHS", "DTYPES", "GPT2LMHeadModel", "LlamaForCausalLM", "OFFLOADED_ACTIVATIONS", "REMAT_POLICIES",
-    "build_model", "count_params", "layer_forward", "next_token_loss", "scan_layers",
+    "ARCHS", "DTYPES", "GPT2LMHeadModel", "Gemma3ForCausalLM", "LlamaForCausalLM", "OFFLOADED_ACTIVATIONS",
+    "REMAT_POLICIES",
+    "build_model", "count_params", "layer_forward", "next_token_loss", "norm_scale_init", "scan_layers",
 ]

@@ -159,9 +159,7 @@ class GPT2LMHeadModel(nnx.Module):
                            dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.h = L.stack_layers(lambda r: GPT2Block(cfg, rngs=r), cfg.num_hidden_layers, rngs)
         self.ln_f = _layer_norm(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else L.Linear(
-            cfg.hidden_size, vocab_size, use_bias=False, init_std=cfg.init_std, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs)
+        self.lm_head = L.output_head(cfg, vocab_size, rngs)
         self.max_positions = cfg.max_position_embeddings
         self.remat = cfg.remat
         self.dtype = dtype
@@ -175,7 +173,4 @@ class GPT2LMHeadModel(nnx.Module):
         hidden = self.wte(input_ids) + self.wpe(positions)
         hidden = L.scan_layers(self.h, hidden, positions, self.remat, layer_hook)
         hidden = self.ln_f(hidden)
-        if self.lm_head is None:
-            return self.wte.attend(hidden)
-        return jnp.einsum("BTD,DV->BTV", hidden, self.lm_head.kernel[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return L.lm_logits(hidden, self.wte, self.lm_head)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxascend.config import ModelConfig
 # Re-exported: the models use them as L.apply_rope etc.
 from jaxascend.models.rope import Rotary, apply_rope, rope_angles, rope_inverse_frequencies  # noqa: F401
 
@@ -95,20 +96,26 @@ class Embed(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """``x / sqrt(mean(x**2) + eps) * scale``, computed in float32."""
+    """``x / sqrt(mean(x**2) + eps) * (offset + scale)``, computed in float32.
 
-    def __init__(self, features: int, *, eps: float, dtype, param_dtype):
+    ``offset=1`` is Gemma's zero-centred norm: ``scale`` holds Hugging Face's ``weight`` verbatim
+    (so loading and export stay 1:1 and weight decay acts on it as in HF) and starts at 0, an
+    effective scale of 1 like the ones of ``offset=0``.
+    """
+
+    def __init__(self, features: int, *, eps: float, dtype, param_dtype, offset: float = 0.0):
         check_positive("RMSNorm.features", features)
         if not eps > 0:
             raise ValueError(f"model.rms_norm_eps: must be > 0, got {eps!r}")
-        self.scale = nnx.Param(jnp.ones((features,), param_dtype))
+        self.scale = nnx.Param(jnp.full((features,), 1.0 - offset, param_dtype))
         self.eps = eps
+        self.offset = offset
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        return (y * (self.offset + self.scale[...].astype(jnp.float32))).astype(self.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -131,6 +138,23 @@ class LayerNorm(nnx.Module):
         y = centered * jax.lax.rsqrt(var + self.eps)
         y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
         return y.astype(self.dtype)
+
+
+def output_head(cfg: ModelConfig, vocab_size: int, rngs: nnx.Rngs) -> Optional[Linear]:
+    """The separate ``lm_head`` (``[D, V]``, no bias), or None when ``tie_word_embeddings``."""
+    if cfg.tie_word_embeddings:
+        return None
+    return Linear(cfg.hidden_size, vocab_size, use_bias=False, init_std=cfg.init_std,
+                  dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype], rngs=rngs)
+
+
+def lm_logits(hidden: jax.Array, embed: Embed, lm_head: Optional[Linear]) -> jax.Array:
+    """float32 logits ``[B, T, V]`` from the tied table (``lm_head`` None) or the separate head;
+    the matmul runs in the compute dtype with float32 accumulation either way."""
+    if lm_head is None:
+        return embed.attend(hidden)
+    return jnp.einsum("BTD,DV->BTV", hidden, lm_head.kernel[...].astype(lm_head.dtype),
+                      preferred_element_type=jnp.float32)
 
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
@@ -158,16 +182,26 @@ def causal_mask(length: int, sliding_window: Optional[int] = None) -> jax.Array:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                     sliding_window: Optional[int] = None) -> jax.Array:
+                     sliding_window: Optional[int] = None, scale: Optional[float] = None,
+                     is_sliding: Optional[jax.Array] = None) -> jax.Array:
     """Grouped-query causal attention. ``q [B,T,N,H]``, ``k, v [B,T,K,H]`` with ``N % K == 0``
     (query head ``n`` uses key/value head ``n // (N // K)``). Returns ``[B,T,N,H]`` in q's dtype;
-    scores and softmax in float32."""
+    scores and softmax in float32.
+
+    ``scale`` multiplies the scores (default ``H ** -0.5``; Gemma 3 uses
+    ``query_pre_attn_scalar ** -0.5``). ``is_sliding``, a traced bool scalar, applies
+    ``sliding_window`` only where it is true: the layers of one scanned stack share a program,
+    so a per-layer choice of mask must be data, not Python.
+    """
     batch, length, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
     q = q.reshape(batch, length, num_kv, num_heads // num_kv, head_dim)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (head_dim ** -0.5)
-    scores = jnp.where(causal_mask(length, sliding_window), scores, jnp.finfo(jnp.float32).min)
+    scores = scores * (head_dim ** -0.5 if scale is None else scale)
+    mask = causal_mask(length, sliding_window)
+    if is_sliding is not None:
+        mask = jnp.where(is_sliding, mask, causal_mask(length))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
     return out.reshape(batch, length, num_heads, head_dim)
@@ -205,16 +239,19 @@ def remat_policy(name: str):
 
 
 def layer_forward(graphdef: nnx.GraphDef, layer_params: nnx.State, hidden: jax.Array,
-                  positions: jax.Array) -> jax.Array:
-    """One layer as a pure function of (its parameters, the hidden carry, positions)."""
-    return nnx.merge(graphdef, layer_params)(hidden, positions)
+                  positions: jax.Array, flag: Optional[jax.Array] = None) -> jax.Array:
+    """One layer as a pure function of (its parameters, the hidden carry, positions), plus that
+    layer's entry of ``scan_layers``' ``layer_flags`` when the model has them."""
+    layer = nnx.merge(graphdef, layer_params)
+    return layer(hidden, positions) if flag is None else layer(hidden, positions, flag)
 
 
 LayerHook = Callable[[nnx.State, jax.Array], nnx.State]
 
 
 def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, remat: str,
-                layer_hook: Optional[LayerHook] = None) -> jax.Array:
+                layer_hook: Optional[LayerHook] = None,
+                layer_flags: Optional[tuple[bool, ...]] = None) -> jax.Array:
     """Runs ``hidden`` through the stacked ``layers`` with ``lax.scan``, one layer per step.
 
     Each step applies :func:`layer_forward` to that layer's slice of the stacked parameters,
@@ -222,22 +259,31 @@ def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, rem
     parameters enter the scan as ``xs``, so a per-layer transform of them (e.g. a custom_vjp
     identity that ships the layer's gradient out) can be applied at the top of ``step``:
     ``layer_hook(layer_params, layer_index)`` does exactly that when given.
+
+    ``layer_flags`` (one bool per layer, e.g. Gemma 3's sliding-window layers) travel through the
+    scan beside the parameters and reach each layer as a traced bool scalar: layers that differ
+    only in such a switch still share one scanned body instead of being unrolled.
     """
     use_checkpoint, policy = remat_policy(remat)
     graphdef, stacked_params = nnx.split(layers)
 
     num_layers = jax.tree.leaves(stacked_params)[0].shape[0]
+    flags = None
+    if layer_flags is not None:
+        if len(layer_flags) != num_layers:
+            raise ValueError(f"layer_flags: {len(layer_flags)} entries for {num_layers} layers")
+        flags = jnp.asarray(layer_flags, dtype=bool)
 
     def step(carry, xs):
-        layer_params, index = xs
+        layer_params, index, flag = xs  # flag is None without layer_flags (an empty pytree)
         if layer_hook is not None:
             layer_params = layer_hook(layer_params, index)
-        return layer_forward(graphdef, layer_params, carry, positions), None
+        return layer_forward(graphdef, layer_params, carry, positions, flag), None
 
     if use_checkpoint:
         # prevent_cse=False: inside scan CSE cannot merge the recomputation with the forward.
         step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-    xs = (stacked_params, jnp.arange(num_layers, dtype=jnp.int32))
+    xs = (stacked_params, jnp.arange(num_layers, dtype=jnp.int32), flags)
     hidden, _ = jax.lax.scan(step, hidden, xs)
     return hidden
 

@@ -61,10 +61,10 @@ LLAMA_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3")
 QK_NORM_ARCHS = ("qwen3",)  # RMSNorm over head_dim on q and k, before RoPE
 
 
-
-def _check_llama_config(cfg: ModelConfig, vocab_size: int) -> int:
-    """Validates the fields this model reads; returns the head dimension."""
-    L.check_choice("model.arch", cfg.arch, LLAMA_ARCHS)
+def check_llama_config(cfg: ModelConfig, vocab_size: int, archs: tuple[str, ...] = LLAMA_ARCHS) -> int:
+    """Validates the fields this model reads; returns the head dimension. ``archs``: the arch
+    names the caller builds (Gemma 3 shares these fields and checks)."""
+    L.check_choice("model.arch", cfg.arch, archs)
     L.check_positive("vocab_size", vocab_size)
     for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads"):
@@ -120,19 +120,29 @@ class LlamaAttention(nnx.Module):
         self.rope = L.Rotary(head_dim, cfg.rope_theta, L.Rotary.freeze(cfg.rope_scaling),
                              cfg.max_position_embeddings, cfg.partial_rotary_factor)
         self.sliding_window = cfg.sliding_window
+        self.scale = None  # head_dim ** -0.5 (Gemma 3 sets its own)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def rope_angles(self, positions: jax.Array, is_sliding: Optional[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """``(sin, cos)`` of this layer; every Llama-family layer has the same RoPE (Gemma 3's
+        sliding layers have their own, chosen by ``is_sliding``)."""
+        return self.rope.angles(positions)
+
+    def __call__(self, x: jax.Array, positions: jax.Array,
+                 is_sliding: Optional[jax.Array] = None) -> jax.Array:
+        """``is_sliding`` (a traced bool; None: ``sliding_window`` on every layer) is the layer's
+        entry of ``scan_layers``' ``layer_flags``."""
         batch, length, _ = x.shape
         q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        sin, cos = self.rope.angles(positions)
+        sin, cos = self.rope_angles(positions, is_sliding)
         q = checkpoint_name(L.apply_rope(q, sin, cos), "query")
         k = checkpoint_name(L.apply_rope(k, sin, cos), "key")
         v = checkpoint_name(v, "value")
-        context = L.causal_attention(q, k, v, sliding_window=self.sliding_window)
+        context = L.causal_attention(q, k, v, sliding_window=self.sliding_window, scale=self.scale,
+                                     is_sliding=is_sliding)
         context = checkpoint_name(context.reshape(batch, length, -1), "attn_context")
         return checkpoint_name(self.o_proj(context), "attn_out")
 
@@ -180,7 +190,7 @@ class LlamaForCausalLM(nnx.Module):
     """Decoder-only LM: ``model(input_ids [B,T], positions [B,T] | None) -> float32 [B,T,V]``."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
-        head_dim = _check_llama_config(cfg, vocab_size)
+        head_dim = check_llama_config(cfg, vocab_size)
         dtype, param_dtype = L.DTYPES[cfg.dtype], L.DTYPES[cfg.param_dtype]
         self.embed_tokens = L.Embed(vocab_size, cfg.hidden_size, init_std=cfg.init_std,
                                     dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -188,9 +198,7 @@ class LlamaForCausalLM(nnx.Module):
                                      cfg.num_hidden_layers, rngs)
         self.norm = L.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype,
                               param_dtype=param_dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else L.Linear(
-            cfg.hidden_size, vocab_size, use_bias=False, init_std=cfg.init_std, dtype=dtype,
-            param_dtype=param_dtype, rngs=rngs)
+        self.lm_head = L.output_head(cfg, vocab_size, rngs)
         self.remat = cfg.remat
         self.dtype = dtype
 
@@ -200,8 +208,5 @@ class LlamaForCausalLM(nnx.Module):
         hidden = self.embed_tokens(input_ids)
         hidden = L.scan_layers(self.layers, hidden, positions, self.remat, layer_hook)
         hidden = self.norm(hidden)
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden)
-        return jnp.einsum("BTD,DV->BTV", hidden, self.lm_head.kernel[...].astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return L.lm_logits(hidden, self.embed_tokens, self.lm_head)
 
