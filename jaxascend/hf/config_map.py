@@ -5,7 +5,9 @@
     hf = hf_config_dict(cfg, dtype="bfloat16", token_ids={"bos_token_id": 0, "eos_token_id": 1})
 
 Supported: ``LlamaForCausalLM`` (Llama 2/3/3.1/3.2, ``rope_scaling`` type ``llama3``),
-``Qwen2ForCausalLM``, ``MistralForCausalLM`` and ``GPT2LMHeadModel``. Both spellings of the RoPE
+``Qwen2ForCausalLM``, ``MistralForCausalLM``, ``GPT2LMHeadModel``, and ``Gemma3ForCausalLM``
+plus the text model of ``Gemma3ForConditionalGeneration`` (see :mod:`jaxascend.hf.gemma3_config`,
+exported as ``Gemma3ForCausalLM``). Both spellings of the RoPE
 settings are read: transformers 4's ``rope_theta`` + ``rope_scaling`` and transformers 5's
 ``rope_parameters``. Features our models do not implement (bias on Llama's ``o_proj``, per-layer
 sliding windows, other RoPE types) are refused with :class:`UnsupportedModelError` rather than
@@ -20,6 +22,7 @@ from typing import Any, Optional
 
 from jaxascend.config import ModelConfig, validate_rope_scaling
 from jaxascend.hf.errors import HFCheckpointError, UnsupportedModelError, one_line
+from jaxascend.hf.gemma3_config import gemma3_config_dict, gemma3_fields
 
 CONFIG_FILE = "config.json"
 
@@ -29,10 +32,14 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", "qwen2"),
     "MistralForCausalLM": ("mistral", "mistral"),
     "GPT2LMHeadModel": ("gpt2", "gpt2"),
+    "Gemma3ForCausalLM": ("gemma3", "gemma3_text"),
 }
 HF_CLASS = {arch: cls for cls, (arch, _) in ARCHITECTURES.items()}
 MODEL_TYPE = {arch: model_type for arch, model_type in ARCHITECTURES.values()}
-_SUPPORTED = ", ".join(ARCHITECTURES)
+# Read for their text model only (their other tensors are skipped); exported as the text class.
+TEXT_PART_ARCHITECTURES = {"Gemma3ForConditionalGeneration": ("gemma3", "gemma3")}
+_READABLE = {**ARCHITECTURES, **TEXT_PART_ARCHITECTURES}
+_SUPPORTED = ", ".join(_READABLE)
 _HF_ACTS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 DEFAULT_ROPE_THETA = 10000.0
 
@@ -64,10 +71,10 @@ def detect_arch(hf: dict, source: str = CONFIG_FILE) -> str:
     if isinstance(names, str):
         names = [names]
     for name in names:
-        if name in ARCHITECTURES:
-            return ARCHITECTURES[name][0]
+        if name in _READABLE:
+            return _READABLE[name][0]
     if not names:
-        for arch, model_type in MODEL_TYPE.items():
+        for arch, model_type in _READABLE.values():
             if hf.get("model_type") == model_type:
                 return arch
     found = f"architectures={names}" if names else f"model_type={hf.get('model_type')!r}"
@@ -91,7 +98,10 @@ def model_config_from_hf_dict(hf: dict, base: Optional[ModelConfig] = None, *,
     """Like :func:`model_config_from_hf` for an already-parsed config dict."""
     arch = detect_arch(hf, source)
     try:
-        fields = _gpt2_fields(hf, source) if arch == "gpt2" else _llama_fields(hf, arch, source)
+        if arch == "gemma3":
+            fields = gemma3_fields(hf, source)
+        else:
+            fields = _gpt2_fields(hf, source) if arch == "gpt2" else _llama_fields(hf, arch, source)
     except KeyError as err:
         raise HFCheckpointError(f"{source}: required field {err.args[0]!r} is missing") from None
     base = base or ModelConfig()
@@ -227,6 +237,8 @@ def hf_config_dict(cfg: ModelConfig, *, dtype: str = "bfloat16", vocab_size: Opt
             activation_function=cfg.hidden_act or "gelu_new",
             scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
             reorder_and_upcast_attn=False)
+    elif cfg.arch == "gemma3":
+        out.update(gemma3_config_dict(cfg, vocab))
     else:
         head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
         scaling = None if cfg.rope_scaling is None or cfg.rope_scaling["rope_type"] == "default" \

@@ -4,8 +4,8 @@
 and float32 intermediates for whole stacked tensors at once (about 3x the model's bf16 size at
 0.5B parameters). :func:`build_model_lean` makes the abstract model, allocates each parameter
 once in its final dtype and fills it layer by layer from a seeded numpy generator (normal(init_std)
-for matrices and embeddings, ones for norm scales, zeros for biases), so peak host memory is the
-model plus one tensor.
+for matrices and embeddings, ones for norm scales (zeros for Gemma 3's zero-centred ones), zeros
+for biases), so peak host memory is the model plus one tensor.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from jaxascend.config import ModelConfig
 from jaxascend.hf.load import aligned_empty
 from jaxascend.hf.names import abstract_params, param_plan
 from jaxascend.hf.presets import random_reader
-from jaxascend.models import DTYPES
+from jaxascend.models import DTYPES, norm_scale_init
 
 
 def build_model_lean(cfg: ModelConfig, vocab_size: int, seed: int) -> nnx.Module:
@@ -27,7 +27,7 @@ def build_model_lean(cfg: ModelConfig, vocab_size: int, seed: int) -> nnx.Module
     values depend only on ``seed``, its path and layer."""
     cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     graphdef, state = abstract_params(cfg)
-    read = random_reader(seed, cfg.init_std, random_norms=False)
+    read = random_reader(seed, cfg.init_std, random_norms=False, norm_scale=norm_scale_init(cfg.arch))
     dtype = DTYPES[cfg.param_dtype]
     values: dict = {}
     for m in param_plan(cfg):

@@ -29,7 +29,8 @@ from jaxascend.config import ModelConfig
 from jaxascend.hf.config_map import model_config_from_hf
 from jaxascend.hf.errors import (DTypeMismatchError, MissingTensorError, ShapeMismatchError,
                                  UnexpectedTensorError, format_shape)
-from jaxascend.hf.names import HF_PREFIX, ParamMapping, abstract_params, is_ignored_hf_tensor, param_plan
+from jaxascend.hf.names import (HF_PREFIX, HF_TEXT_PART_PREFIXES, ParamMapping, abstract_params,
+                                is_ignored_hf_tensor, param_plan)
 from jaxascend.hf.safetensors_io import FLOAT_DTYPES, CheckpointFiles, TensorEntry
 from jaxascend.models import DTYPES
 
@@ -70,10 +71,13 @@ def _resolve(folder: str, model_cfg: Optional[ModelConfig]) -> ModelConfig:
 
 
 def _detect_prefix(entries: dict[str, TensorEntry], arch: str) -> str:
-    """``model.``/``transformer.`` as in ``*ForCausalLM`` checkpoints, or ``""`` for checkpoints
+    """``model.``/``transformer.`` as in ``*ForCausalLM`` checkpoints, the text model's prefix in
+    a multimodal checkpoint (Gemma 3's ``language_model.model.``), or ``""`` for checkpoints
     saved from the base model (the original ``gpt2`` files have no prefix)."""
-    prefix = HF_PREFIX[arch]
-    return prefix if any(name.startswith(prefix) for name in entries) else ""
+    for prefix in HF_TEXT_PART_PREFIXES.get(arch, ()) + (HF_PREFIX[arch],):
+        if any(name.startswith(prefix) for name in entries):
+            return prefix
+    return ""
 
 
 def check_checkpoint(ckpt: CheckpointFiles, plan: list[ParamMapping], cfg: ModelConfig) -> str:

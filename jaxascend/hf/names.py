@@ -24,8 +24,16 @@ from jaxascend.config import ModelConfig
 from jaxascend.models import build_model
 
 # Stacked-layer collection names and the HF base-model prefix, per architecture family.
-_LAYER_COLLECTION = {"llama": "layers", "qwen2": "layers", "mistral": "layers", "gpt2": "h"}
-HF_PREFIX = {"llama": "model.", "qwen2": "model.", "mistral": "model.", "gpt2": "transformer."}
+_LAYER_COLLECTION = {"llama": "layers", "qwen2": "layers", "mistral": "layers", "gpt2": "h", "gemma3": "layers"}
+HF_PREFIX = {"llama": "model.", "qwen2": "model.", "mistral": "model.", "gpt2": "transformer.",
+             "gemma3": "model."}
+# Prefixes tried before HF_PREFIX on load: the text model inside Gemma3ForConditionalGeneration,
+# as the Hub files (and transformers 5's save_pretrained) name it, then transformers 5's
+# in-memory names. "model.language_model." also starts with "model.", so order matters.
+HF_TEXT_PART_PREFIXES = {"gemma3": ("language_model.model.", "model.language_model.")}
+# The multimodal model's other tensors (SigLIP vision tower, projector), skipped on load.
+_GEMMA3_NON_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
 _LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
 
 
@@ -88,9 +96,12 @@ def param_plan(cfg: ModelConfig, vocab_size: Optional[int] = None) -> list[Param
 
 def is_ignored_hf_tensor(name: str, arch: str) -> bool:
     """Buffers some checkpoints carry that are not parameters: RoPE ``inv_freq`` (Llama family)
-    and GPT-2's causal-mask ``attn.bias`` / ``attn.masked_bias``."""
+    and GPT-2's causal-mask ``attn.bias`` / ``attn.masked_bias``; and the vision tower and
+    projector of a multimodal Gemma 3, whose text model is all we load."""
     if arch == "gpt2":
         return name.endswith((".attn.bias", ".attn.masked_bias"))
+    if arch == "gemma3" and name.startswith(_GEMMA3_NON_TEXT):
+        return True
     return name.endswith("rotary_emb.inv_freq")
 
 
@@ -106,5 +117,5 @@ def tree_path_to_dotted(path) -> str:
     return ".".join(parts)
 
 
-__all__ = ["HF_PREFIX", "ParamMapping", "abstract_params", "is_ignored_hf_tensor", "param_plan",
+__all__ = ["HF_PREFIX", "HF_TEXT_PART_PREFIXES", "ParamMapping", "abstract_params", "is_ignored_hf_tensor", "param_plan",
            "tree_path_to_dotted"]

@@ -22,7 +22,9 @@ import numpy as np
 from jaxascend.config import ModelConfig
 from jaxascend.hf.config_map import model_config_from_hf_dict
 from jaxascend.hf.export import DEFAULT_SHARD_BYTES, export_hf
+from jaxascend.hf.gemma3_config import pattern_layer_types
 from jaxascend.hf.names import param_plan
+from jaxascend.models import norm_scale_init
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -47,6 +49,19 @@ def _llama3(hidden, inter, layers, heads, kv, tie, factor, head_dim=None) -> dic
     if head_dim is not None:
         config["head_dim"] = head_dim
     return config
+
+
+def _gemma3(hidden, inter, layers, heads, kv, window, max_pos, vocab, rope_scaling) -> dict:
+    """A Gemma 3 text config spelled as the published files are (transformers 4.50: top-level
+    RoPE keys, sliding_window_pattern); the tiny preset uses transformers 5's spelling."""
+    return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": 256, "query_pre_attn_scalar": 256,
+            "max_position_embeddings": max_pos, "rms_norm_eps": 1e-6, "sliding_window": window,
+            "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+            "rope_scaling": rope_scaling, "hidden_activation": "gelu_pytorch_tanh",
+            "final_logit_softcapping": None, "attn_logit_softcapping": None, "tie_word_embeddings": True,
+            "vocab_size": vocab, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
 
 
 # arch -> size -> config.json architecture fields.
@@ -88,6 +103,23 @@ PRESETS: dict[str, dict[str, dict]] = {
                  "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new",
                  "bos_token_id": 50256, "eos_token_id": 50256},
     },
+    "gemma3": {
+        # 6 sliding layers and 1 full (layer 5), window 5 < the tests' 12 tokens, head_dim 16 with
+        # query_pre_attn_scalar 12, linear x8 RoPE on the full layer only, a softcap low enough
+        # to bend the tiny model's small logits; transformers 5's nested rope_parameters.
+        "tiny": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
+                 "intermediate_size": 96, "num_hidden_layers": 7, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 12,
+                 "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "sliding_window": 5,
+                 "layer_types": pattern_layer_types(6, 7),
+                 "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                 "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 0.5,
+                 "tie_word_embeddings": True, "vocab_size": 512},
+        "1B": _gemma3(1152, 6912, 26, 4, 1, 512, 32768, 262144, None),
+        # The text model of the multimodal google/gemma-3-4b-pt (its text_config with defaults).
+        "4B": _gemma3(2560, 10240, 34, 8, 4, 1024, 131072, 262208, {"rope_type": "linear", "factor": 8.0}),
+    },
 }
 
 # Parameter counts published for the real models (tied heads counted once).
@@ -96,6 +128,8 @@ PUBLISHED_PARAMS = {
     ("qwen2", "3B"): 3_085_938_688, ("qwen2", "7B"): 7_615_616_512,
     ("llama", "1B"): 1_235_814_400, ("llama", "3B"): 3_212_749_824, ("llama", "8B"): 8_030_261_248,
     ("mistral", "7B"): 7_241_732_096, ("gpt2", "124M"): 124_439_808,
+    # Gemma 3 text models, as transformers counts them (the 4B's ~0.42B vision tower excluded).
+    ("gemma3", "1B"): 999_885_952, ("gemma3", "4B"): 3_880_263_168,
 }
 
 
@@ -108,9 +142,10 @@ def preset_config(arch: str, size: str) -> dict:
     return copy.deepcopy(PRESETS[arch][size])
 
 
-def random_reader(seed: int, init_std: float, random_norms: bool):
-    """A ParamReader of random weights: normal(init_std) matrices and embeddings, ones for norm
-    scales and zeros for biases (or, with ``random_norms``, 1 + 0.1 N(0,1) and 0.1 N(0,1), so a
+def random_reader(seed: int, init_std: float, random_norms: bool, norm_scale: float = 1.0):
+    """A ParamReader of random weights: normal(init_std) matrices and embeddings, ``norm_scale``
+    for norm scales (1; 0 for Gemma 3's zero-centred norms, see ``models.norm_scale_init``) and
+    zeros for biases (or, with ``random_norms``, norm_scale + 0.1 N(0,1) and 0.1 N(0,1), so a
     misplaced scale or bias shows up in logits). Each tensor's values depend only on ``seed``,
     its path and layer, never on the order tensors are requested in."""
     def read(path: tuple[str, ...], layer: Optional[int], shape: tuple[int, ...]) -> np.ndarray:
@@ -118,10 +153,10 @@ def random_reader(seed: int, init_std: float, random_norms: bool):
         rng = np.random.default_rng([seed, key] + ([] if layer is None else [layer + 1]))
         leaf = path[-1]
         if leaf in ("scale", "bias") and not random_norms:
-            return np.full(shape, 1.0 if leaf == "scale" else 0.0, np.float32)
+            return np.full(shape, norm_scale if leaf == "scale" else 0.0, np.float32)
         noise = rng.standard_normal(shape, dtype=np.float32)
         if leaf == "scale":
-            return 1.0 + np.float32(0.1) * noise
+            return np.float32(norm_scale) + np.float32(0.1) * noise
         noise *= np.float32(0.1 if leaf == "bias" else init_std)
         return noise
 
@@ -153,7 +188,7 @@ def make_hf_checkpoint(arch: str, size: str, out_dir: str | os.PathLike, *, dtyp
     # Leave room for special tokens that a model-specific tokenizer class adds on load (Qwen2's
     # adds <|endoftext|>): the tokenizer must never outgrow the embedding table.
     tokenizer_vocab = min(tokenizer_vocab, cfg.vocab_size - 16)
-    source = random_reader(seed, cfg.init_std, random_norms)
+    source = random_reader(seed, cfg.init_std, random_norms, norm_scale_init(cfg.arch))
     shapes = {m.path: m.layer_shape for m in param_plan(cfg)}
     token_ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
     with tempfile.TemporaryDirectory() as tmp:

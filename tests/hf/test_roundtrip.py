@@ -26,7 +26,7 @@ from jaxascend.hf import (INDEX_FILE, PRESETS, PUBLISHED_PARAMS, SINGLE_FILE, Ch
                           make_hf_checkpoint, model_config_from_hf, model_config_from_hf_dict, param_plan,
                           save_params, write_safetensors)
 
-ARCHS = ("llama", "qwen2", "mistral", "gpt2")
+ARCHS = ("llama", "qwen2", "mistral", "gpt2", "gemma3")
 FP32 = ModelConfig(dtype="float32", param_dtype="float32")
 
 
@@ -203,7 +203,14 @@ def test_exported_config_is_read_by_transformers(checkpoints, tmp_path):
         assert type(hf).__name__.lower().startswith(arch.replace("gpt2", "gpt2"))
         assert hf.architectures == [PRESETS[arch]["tiny"]["architectures"][0]]
         assert hf.vocab_size == 512 and hf.tie_word_embeddings == cfg.tie_word_embeddings
-        if arch != "gpt2":
+        if arch == "gemma3":  # transformers 5 nests the RoPE settings per layer type
+            assert hf.rope_parameters["full_attention"] == {"rope_theta": cfg.rope_theta, **cfg.rope_scaling}
+            assert hf.rope_parameters["sliding_attention"] == {"rope_type": "default",
+                                                               "rope_theta": cfg.rope_local_theta}
+            assert hf.layer_types == cfg.layer_types and hf.sliding_window == cfg.sliding_window
+            assert hf.query_pre_attn_scalar == cfg.query_pre_attn_scalar
+            assert hf.final_logit_softcapping == cfg.final_logit_softcapping
+        elif arch != "gpt2":
             assert hf.rope_parameters["rope_theta"] == cfg.rope_theta
             assert hf.head_dim == (cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
             assert hf.num_key_value_heads == cfg.num_key_value_heads

@@ -21,8 +21,11 @@ def loss_fn(model, tokens, hook):
 
 def _setup(arch, dtype, remat):
     heads = dict(num_attention_heads=4, num_key_value_heads=4 if arch == "gpt2" else 2)
+    # gemma3: sliding and full layers in one scan, the window shorter than the 8 input tokens.
+    extra = dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                 sliding_window=3, query_pre_attn_scalar=6) if arch == "gemma3" else {}
     cfg = ModelConfig(arch=arch, hidden_size=32, intermediate_size=64, num_hidden_layers=3, dtype=dtype,
-                      param_dtype=dtype, remat=remat, tie_word_embeddings=arch == "gpt2", **heads)
+                      param_dtype=dtype, remat=remat, tie_word_embeddings=arch == "gpt2", **heads, **extra)
     model = build_model(cfg, VOCAB, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     routing = SinkRouting.for_params(params, "h" if arch == "gpt2" else "layers")
@@ -36,6 +39,7 @@ def _setup(arch, dtype, remat):
 
 @pytest.mark.parametrize("arch, dtype, remat", [
     ("llama", "bfloat16", "none"), ("llama", "float32", "full"), ("llama", "float16", "dots"), ("gpt2", "bfloat16", "none"),
+    ("gemma3", "bfloat16", "none"), ("gemma3", "float32", "full"),
 ])
 def test_sink_gets_exact_gradients(arch, dtype, remat):
     graphdef, params, rest, routing, sink, buffers = _setup(arch, dtype, remat)
