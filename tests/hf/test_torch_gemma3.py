@@ -127,3 +127,21 @@ def test_text_model_of_a_multimodal_checkpoint(tmp_path):
     with torch.no_grad():  # text only: no pixel values, so no image tokens
         reference = model.eval()(input_ids=torch.tensor(sample_ids())).logits.numpy()
     np.testing.assert_allclose(ours(tmp_path), reference, atol=ATOL, rtol=RTOL)
+
+
+def test_bf16_embedding_scale_is_rounded_as_transformers_rounds_it(tmp_path):
+    """Gemma3TextScaledWordEmbedding multiplies by sqrt(hidden_size) cast to the weight dtype:
+    with hidden_size 72 that is bf16(8.485) = 8.5. Our bf16 embedding must equal it bit for bit."""
+    config = transformers.Gemma3TextConfig(**{**TEXT, "hidden_size": 72})
+    model = transformers.Gemma3ForCausalLM(config)
+    randomize(model)
+    save(model, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, local_files_only=True)
+    ids = torch.arange(512)[None]
+    with torch.no_grad():
+        reference = hf.model.embed_tokens(ids).float().numpy()
+    bf16 = ModelConfig(dtype="bfloat16", param_dtype="bfloat16")
+    ours_ = np.asarray(load_hf_model(tmp_path, model_config_from_hf(tmp_path, bf16)).embed(jnp.asarray(ids.numpy())))
+    np.testing.assert_array_equal(ours_.astype(np.float32), reference)
