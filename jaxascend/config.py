@@ -40,7 +40,7 @@ _ROPE_REQUIRED = {
 }
 # Optional keys that must be a number > 0 when present and not null.
 _ROPE_OPTIONAL = {
-    "yarn": ("attention_factor", "beta_fast", "beta_slow"),
+    "yarn": ("attention_factor",),
     "longrope": ("factor", "attention_factor"),
 }
 
@@ -142,14 +142,17 @@ class ModelConfig:
         """partial_rotary_factor, and longrope's factor lists against the rotary width they
         scale (half of it: one factor per frequency), as transformers' Phi3Config checks."""
         _check_range("model.partial_rotary_factor", self.partial_rotary_factor, lo=0, hi=1, lo_open=True)
-        if self.arch == "gpt2":  # learned position embeddings; the model refuses rope_scaling
+        longrope = self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope"
+        # gpt2 has learned position embeddings (its model refuses rope_scaling); a plain head_dim
+        # is checked by the model when it is built (a base config's shape may be overridden).
+        if self.arch == "gpt2" or (self.partial_rotary_factor == 1.0 and not longrope):
             return
         head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         dim = int(head_dim * self.partial_rotary_factor)
         if dim < 2 or dim % 2:
             raise ConfigError(f"model.partial_rotary_factor: head_dim {head_dim} x "
                               f"{self.partial_rotary_factor} = {dim} rotary dims; RoPE needs an even number >= 2")
-        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+        if longrope:
             for key in ("short_factor", "long_factor"):
                 if len(self.rope_scaling[key]) != dim // 2:
                     raise ConfigError(f"model.rope_scaling.{key}: needs {dim // 2} numbers (rotary "
@@ -217,7 +220,7 @@ def validate_rope_scaling(rope_scaling: Optional[dict], name: str = "model.rope_
             raise ConfigError(f"{name}.{key}: rope_type {rope_type!r} needs a number > 0 or null, "
                               f"got {value!r}")
     if rope_type == "yarn":
-        for key in ("mscale", "mscale_all_dim"):
+        for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):  # 0 means unset, as null
             value = rope_scaling.get(key)
             if value is not None and not (positive(value) or value == 0):
                 raise ConfigError(f"{name}.{key}: rope_type 'yarn' needs a number >= 0 or null, "

@@ -20,7 +20,7 @@ import json
 import os
 from typing import Any, Optional
 
-from jaxascend.config import ModelConfig, validate_rope_scaling
+from jaxascend.config import ROPE_TYPES, ModelConfig, validate_rope_scaling
 from jaxascend.hf.errors import HFCheckpointError, UnsupportedModelError, one_line
 from jaxascend.hf.gemma3_config import gemma3_config_dict, gemma3_fields
 
@@ -33,6 +33,8 @@ ARCHITECTURES = {
     "MistralForCausalLM": ("mistral", "mistral"),
     "GPT2LMHeadModel": ("gpt2", "gpt2"),
     "Gemma3ForCausalLM": ("gemma3", "gemma3_text"),
+    "Qwen3ForCausalLM": ("qwen3", "qwen3"),
+    "Phi3ForCausalLM": ("phi3", "phi3"),
 }
 HF_CLASS = {arch: cls for cls, (arch, _) in ARCHITECTURES.items()}
 MODEL_TYPE = {arch: model_type for arch, model_type in ARCHITECTURES.values()}
@@ -115,31 +117,60 @@ def model_config_from_hf_dict(hf: dict, base: Optional[ModelConfig] = None, *,
     return ModelConfig(**fields)
 
 
-def _rope_fields(hf: dict, source: str) -> tuple[float, Optional[dict]]:
-    """``(rope_theta, rope_scaling)`` from either spelling, in transformers 5's priority order
-    (``rope_scaling`` first, then ``rope_parameters``, then top-level ``rope_theta``)."""
+def _rope_fields(hf: dict, arch: str, source: str) -> tuple[float, Optional[dict], float]:
+    """``(rope_theta, rope_scaling, partial_rotary_factor)`` from either spelling, as transformers
+    5 reads them: ``rope_scaling`` wins over ``rope_parameters``, top-level ``rope_theta`` and
+    ``partial_rotary_factor`` fill what the dict lacks, ``type`` spells ``rope_type``, and
+    llama3/yarn/longrope get ``original_max_position_embeddings`` (Phi-3: always the top-level
+    one, default 4096; others: max_position_embeddings when absent). Phi-3's transformers 4
+    aliases ``su`` and ``yarn`` mean longrope (transformers 5.24 crashes on them; we read them)."""
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise HFCheckpointError(f"{source}: rope_scaling/rope_parameters must be an object, got {params!r}")
     if any(isinstance(v, dict) for v in params.values()):
         raise UnsupportedModelError(f"{source}: per-layer-type rope_parameters are not supported")
     theta = float(params.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA)))
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError(f"{source}: partial_rotary_factor != 1 is not supported")
-    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise UnsupportedModelError(f"{source}: rope type {rope_type!r} is not supported "
-                                    "(supported: default, llama3)")
-    if rope_type == "default":
-        return theta, None
-    return theta, validate_rope_scaling(scaling, f"{source}: rope_scaling")
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor", "type")}
+    scaling["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    if scaling["rope_type"] not in ROPE_TYPES + ("su",):
+        raise UnsupportedModelError(f"{source}: rope type {scaling['rope_type']!r} is not supported "
+                                    f"(supported: {', '.join(t for t in ROPE_TYPES if t)})")
+    if arch == "phi3":
+        if scaling["rope_type"] in ("su", "yarn"):
+            scaling["rope_type"] = "longrope"
+        if scaling["rope_type"] not in ("default", "longrope"):
+            raise UnsupportedModelError(f"{source}: rope type {scaling['rope_type']!r} is not supported "
+                                        "for Phi3ForCausalLM (supported: default, longrope)")
+    if scaling["rope_type"] == "default":
+        return theta, None, partial
+    if scaling["rope_type"] in ("llama3", "yarn", "longrope"):
+        if arch == "phi3":
+            scaling["original_max_position_embeddings"] = hf.get("original_max_position_embeddings", 4096)
+        else:
+            scaling.setdefault("original_max_position_embeddings", _max_positions(hf, arch))
+    if scaling["rope_type"] == "yarn" and scaling.get("factor", 0) is None:
+        # transformers: an explicit null factor is max_position_embeddings / original
+        scaling["factor"] = _max_positions(hf, arch) / scaling["original_max_position_embeddings"]
+    return theta, validate_rope_scaling(scaling, f"{source}: rope_scaling"), partial
+
+
+# transformers' config defaults where they differ per architecture (absent keys).
+_MAX_POSITIONS = {"qwen3": 32768, "phi3": 4096}
+_RMS_NORM_EPS = {"phi3": 1e-5}
+
+
+def _max_positions(hf: dict, arch: str) -> int:
+    return hf.get("max_position_embeddings", _MAX_POSITIONS.get(arch, 2048))
 
 
 def _llama_fields(hf: dict, arch: str, source: str) -> dict[str, Any]:
     heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
-    head_dim = hf.get("head_dim")
+    # Qwen3Config's head_dim defaults to 128, not hidden / heads.
+    head_dim = hf.get("head_dim") or (128 if arch == "qwen3" else None)
+    if arch == "phi3":
+        _check_phi3(hf, head_dim, source)
     if head_dim is not None and isinstance(heads, int) and heads and head_dim * heads == hidden:
         head_dim = None  # the default; keeps the config minimal
     act = hf.get("hidden_act", "silu")
@@ -151,25 +182,40 @@ def _llama_fields(hf: dict, arch: str, source: str) -> dict[str, Any]:
                                     "supported for LlamaForCausalLM")
     if hf.get("mlp_bias"):
         raise UnsupportedModelError(f"{source}: mlp_bias=true is not supported")
-    theta, scaling = _rope_fields(hf, source)
+    theta, scaling, partial = _rope_fields(hf, arch, source)
     return dict(
         vocab_size=hf["vocab_size"], hidden_size=hidden, intermediate_size=hf["intermediate_size"],
         num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
         num_key_value_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        rms_norm_eps=float(hf.get("rms_norm_eps", _RMS_NORM_EPS.get(arch, 1e-6))), rope_theta=theta,
+        rope_scaling=scaling, partial_rotary_factor=float(partial),
+        max_position_embeddings=_max_positions(hf, arch),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2",  # Qwen2 always has q/k/v bias; Mistral never
+        # Qwen2 always has q/k/v bias, Mistral and Phi-3 never; Qwen3's (q/k/v/o) is optional.
+        attention_bias=arch == "qwen2" or (arch == "qwen3" and bool(hf.get("attention_bias", False))),
         sliding_window=_sliding_window(hf, arch, source), hidden_act=act)
 
 
+def _check_phi3(hf: dict, head_dim: Optional[int], source: str) -> None:
+    """Phi3Config has no head_dim (it is hidden / heads) and trains with dropout when asked;
+    we have no dropout, so a config that needs it is refused rather than trained differently."""
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    if head_dim is not None and head_dim * heads != hidden:
+        raise UnsupportedModelError(f"{source}: head_dim {head_dim} != hidden_size / num_attention_heads "
+                                    f"= {hidden / heads:g}; Phi3ForCausalLM derives it")
+    for key in ("attention_dropout", "resid_pdrop", "embd_pdrop"):
+        if hf.get(key):
+            raise UnsupportedModelError(f"{source}: {key}={hf[key]} is not supported (no dropout; "
+                                        "must be 0)")
+
+
 def _sliding_window(hf: dict, arch: str, source: str) -> Optional[int]:
-    """One window for every layer, or None. Qwen2 slides only on layers >= max_window_layers
+    """One window for every layer, or None. Qwen2/Qwen3 slide only on layers >= max_window_layers
     (transformers 5 spells it out in ``layer_types``); a mix of both kinds is refused."""
     if arch == "llama":
         return None
     window = hf.get("sliding_window")
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         return window
     layers = hf["num_hidden_layers"]
     layer_types = hf.get("layer_types")
@@ -240,33 +286,65 @@ def hf_config_dict(cfg: ModelConfig, *, dtype: str = "bfloat16", vocab_size: Opt
     elif cfg.arch == "gemma3":
         out.update(gemma3_config_dict(cfg, vocab))
     else:
-        head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-        scaling = None if cfg.rope_scaling is None or cfg.rope_scaling["rope_type"] == "default" \
-            else dict(cfg.rope_scaling)
-        out.update(
-            vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-            num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_key_value_heads, head_dim=head_dim,
-            hidden_act=cfg.hidden_act or "silu", max_position_embeddings=cfg.max_position_embeddings,
-            rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, rope_scaling=scaling,
-            rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta})
-        if cfg.arch == "llama":
-            out.update(attention_bias=False, mlp_bias=False)
-        elif cfg.arch == "qwen2":
-            if not cfg.attention_bias:
-                raise UnsupportedModelError("model.attention_bias: Qwen2ForCausalLM always has q/k/v "
-                                            "bias; a qwen2 model without it cannot be exported")
-            window = cfg.sliding_window
-            out.update(use_sliding_window=window is not None, sliding_window=window,
-                       max_window_layers=0 if window is not None else cfg.num_hidden_layers)
-        else:
-            out.update(sliding_window=cfg.sliding_window)
-        if cfg.arch != "qwen2" and cfg.attention_bias:
-            raise UnsupportedModelError(f"model.attention_bias: {HF_CLASS[cfg.arch]} has no q/k/v-only "
-                                        "bias; export it as qwen2 or train without attention_bias")
+        out.update(_llama_config_dict(cfg, vocab))
     out.update(tie_word_embeddings=cfg.tie_word_embeddings, initializer_range=cfg.init_std,
                use_cache=True, dtype=dtype, torch_dtype=dtype)
     for key, value in (token_ids or {}).items():
         if value is not None:
             out[key] = value
     return out
+
+
+def _llama_config_dict(cfg: ModelConfig, vocab: int) -> dict[str, Any]:
+    """The Llama family's fields of :func:`hf_config_dict`."""
+    head_dim = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+    scaling = None if cfg.rope_scaling is None or cfg.rope_scaling["rope_type"] == "default" \
+        else dict(cfg.rope_scaling)
+    rope_parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": cfg.rope_theta}
+    if cfg.partial_rotary_factor != 1.0:
+        rope_parameters["partial_rotary_factor"] = cfg.partial_rotary_factor
+    out = dict(
+        vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=head_dim,
+        hidden_act=cfg.hidden_act or "silu", max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, rope_scaling=scaling,
+        rope_parameters=rope_parameters)
+    if cfg.arch == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    elif cfg.arch in ("qwen2", "qwen3"):
+        if cfg.arch == "qwen2" and not cfg.attention_bias:
+            raise UnsupportedModelError("model.attention_bias: Qwen2ForCausalLM always has q/k/v "
+                                        "bias; a qwen2 model without it cannot be exported")
+        window = cfg.sliding_window
+        out.update(use_sliding_window=window is not None, sliding_window=window,
+                   max_window_layers=0 if window is not None else cfg.num_hidden_layers)
+        if cfg.arch == "qwen3":
+            out.update(attention_bias=cfg.attention_bias)
+    elif cfg.arch == "phi3":
+        del out["head_dim"]  # Phi3Config has none: hidden_size / num_attention_heads
+        out.update(_phi3_rope_fields(cfg, scaling), sliding_window=cfg.sliding_window,
+                   partial_rotary_factor=cfg.partial_rotary_factor, attention_dropout=0.0,
+                   resid_pdrop=0.0, embd_pdrop=0.0)
+    else:
+        out.update(sliding_window=cfg.sliding_window)
+    if cfg.arch not in ("qwen2", "qwen3") and cfg.attention_bias:
+        raise UnsupportedModelError(f"model.attention_bias: {HF_CLASS[cfg.arch]} has no q/k/v-only "
+                                    "bias; export it as qwen2 or train without attention_bias")
+    return out
+
+
+_PHI3_V4_ROPE_KEYS = {"rope_type", "short_factor", "long_factor", "original_max_position_embeddings"}
+
+
+def _phi3_rope_fields(cfg: ModelConfig, scaling: Optional[dict]) -> dict[str, Any]:
+    """transformers 4's Phi3Config accepts a rope_scaling of exactly ``{type, short_factor,
+    long_factor}`` with ``original_max_position_embeddings`` at the top level (5 reads that too),
+    so longrope is written that way unless it carries more keys (factor, attention_factor)."""
+    if scaling is None:
+        return dict(original_max_position_embeddings=cfg.max_position_embeddings)
+    original = scaling["original_max_position_embeddings"]
+    if set(scaling) <= _PHI3_V4_ROPE_KEYS:
+        scaling = {"type": "longrope", "short_factor": scaling["short_factor"],
+                   "long_factor": scaling["long_factor"]}
+    return dict(original_max_position_embeddings=original, rope_scaling=scaling)

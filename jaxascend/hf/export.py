@@ -116,21 +116,26 @@ def export_hf(params: ParamSource, model_cfg: ModelConfig, out_dir: str | os.Pat
     prefix = HF_PREFIX[model_cfg.arch]
     hf_dtype = DTYPE_NAMES[dtype]
     order = _ordered(plan, model_cfg.num_hidden_layers)
-    specs = [TensorSpec(m.hf_name(layer, prefix), hf_dtype, m.hf_shape) for m, layer in order]
-    source = {spec.name: item for spec, item in zip(specs, order)}
+    # HF name -> the (parameter, layer) pairs it is made of: one, or the row blocks of a fused
+    # tensor (Phi-3's qkv_proj and gate_up_proj), which are written into one buffer in turn.
+    source: dict[str, list[tuple[ParamMapping, Optional[int]]]] = {}
+    for m, layer in order:
+        source.setdefault(m.hf_name(layer, prefix), []).append((m, layer))
+    specs = [TensorSpec(name, hf_dtype, parts[0][0].hf_shape) for name, parts in source.items()]
 
     def produce(spec: TensorSpec) -> np.ndarray:
-        m, layer = source[spec.name]
-        value = read(m.path, layer)
-        where = m.dotted + ("" if layer is None else f"[{layer}]")
-        if tuple(np.shape(value)) != m.layer_shape:
-            raise ShapeMismatchError(f"parameters: {where} has shape {format_shape(np.shape(value))}; "
-                                     f"{spec.name!r} needs {format_shape(m.layer_shape)} (our layout)")
-        value = np.asarray(value)
-        if value.dtype not in _FLOAT_NUMPY:
-            raise DTypeMismatchError(f"parameters: {where} has dtype {value.dtype}; expected floats")
         out = np.empty(spec.shape, DTYPES[hf_dtype])
-        np.copyto(out, value.T if m.transpose else value, casting="unsafe")
+        for m, layer in source[spec.name]:
+            value = read(m.path, layer)
+            where = m.dotted + ("" if layer is None else f"[{layer}]")
+            if tuple(np.shape(value)) != m.layer_shape:
+                raise ShapeMismatchError(f"parameters: {where} has shape {format_shape(np.shape(value))}; "
+                                         f"{spec.name!r} needs {format_shape(m.layer_shape)} (our layout)")
+            value = np.asarray(value)
+            if value.dtype not in _FLOAT_NUMPY:
+                raise DTypeMismatchError(f"parameters: {where} has dtype {value.dtype}; expected floats")
+            dst = out if m.hf_rows is None else out[m.hf_rows[0]:m.hf_rows[1]]
+            np.copyto(dst, value.T if m.transpose else value, casting="unsafe")
         return out
 
     if token_ids is None:

@@ -18,6 +18,7 @@ file and both shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Iterator, Optional
 
@@ -137,7 +138,7 @@ def iter_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] =
         prefix = check_checkpoint(ckpt, plan, cfg)
 
         def sources(m: ParamMapping):
-            return [(layer, ckpt.entries[m.hf_name(layer, prefix)])
+            return [(layer, source_entry(ckpt.entries, m, layer, prefix))
                     for layer in (range(cfg.num_hidden_layers) if m.stacked else (None,))]
 
         def direct(m: ParamMapping, entry: TensorEntry) -> bool:
@@ -162,6 +163,22 @@ def iter_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] =
                     np.copyto(dst, raw.T if m.transpose else raw, casting="unsafe")
             yield m, out
             del out
+
+
+def source_entry(entries: dict[str, TensorEntry], m: ParamMapping, layer: Optional[int],
+                 prefix: str) -> TensorEntry:
+    """The bytes of the HF tensor that hold ``m`` (its ``layer``). For a fused tensor (Phi-3's
+    qkv_proj, gate_up_proj) that is ``m``'s block of rows, a contiguous byte range of the
+    row-major tensor: each part is read straight from the file, so the fused tensor is read once
+    in all and never held beside its parts."""
+    entry = entries[m.hf_name(layer, prefix)]
+    if m.hf_rows is None:
+        return entry
+    row_bytes = entry.nbytes // entry.shape[0]
+    start, stop = m.hf_rows
+    return dataclasses.replace(entry, shape=m.hf_part_shape, begin=entry.begin + start * row_bytes,
+                               end=entry.begin + stop * row_bytes)
+
 
 
 def load_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] = None, *,

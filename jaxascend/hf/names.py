@@ -15,6 +15,7 @@ here they are derived from the model's own (abstract) parameter tree with three 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,9 +25,14 @@ from jaxascend.config import ModelConfig
 from jaxascend.models import build_model
 
 # Stacked-layer collection names and the HF base-model prefix, per architecture family.
-_LAYER_COLLECTION = {"llama": "layers", "qwen2": "layers", "mistral": "layers", "gpt2": "h", "gemma3": "layers"}
+_LAYER_COLLECTION = {"llama": "layers", "qwen2": "layers", "mistral": "layers", "gpt2": "h", "gemma3": "layers",
+                     "qwen3": "layers", "phi3": "layers"}
 HF_PREFIX = {"llama": "model.", "qwen2": "model.", "mistral": "model.", "gpt2": "transformer.",
-             "gemma3": "model."}
+             "gemma3": "model.", "qwen3": "model.", "phi3": "model."}
+# HF tensors that hold several of our parameters as consecutive row blocks (HF [out, in]), per
+# arch: fused module -> our modules, in row order. Phi-3: qkv_proj = [q; k; v], gate_up = [gate; up].
+FUSED_MODULES = {"phi3": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}}
 # Prefixes tried before HF_PREFIX on load: the text model inside Gemma3ForConditionalGeneration,
 # as the Hub files (and transformers 5's save_pretrained) name it, then transformers 5's
 # in-memory names. "model.language_model." also starts with "model.", so order matters.
@@ -44,9 +50,10 @@ class ParamMapping:
     path: tuple[str, ...]  # our parameter path, e.g. ("layers", "mlp", "up_proj", "kernel")
     shape: tuple[int, ...]  # our shape (stacked: leading layer axis)
     hf_names: tuple[str, ...]  # one per layer when stacked, else one; without the base prefix
-    hf_shape: tuple[int, ...]  # shape of each HF tensor
-    transpose: bool  # HF tensor is the transpose of our (per-layer) slice
+    hf_shape: tuple[int, ...]  # shape of each HF tensor (the whole tensor when fused)
+    transpose: bool  # HF tensor (our rows of it) is the transpose of our (per-layer) slice
     stacked: bool  # our parameter has a leading layer axis
+    hf_rows: Optional[tuple[int, int]] = None  # fused: our [start, stop) rows of the HF tensor
 
     @property
     def dotted(self) -> str:
@@ -61,6 +68,13 @@ class ParamMapping:
         """Full HF name of the tensor for ``layer`` (None when not stacked), given the prefix."""
         name = self.hf_names[layer if self.stacked else 0]
         return name if name.startswith("lm_head.") else prefix + name
+
+    @property
+    def hf_part_shape(self) -> tuple[int, ...]:
+        """Shape of the part of each HF tensor that is ours (``hf_shape`` unless fused)."""
+        if self.hf_rows is None:
+            return self.hf_shape
+        return (self.hf_rows[1] - self.hf_rows[0],) + self.hf_shape[1:]
 
 
 def abstract_params(cfg: ModelConfig, vocab_size: Optional[int] = None) -> tuple[nnx.GraphDef, nnx.State]:
@@ -91,7 +105,26 @@ def param_plan(cfg: ModelConfig, vocab_size: Optional[int] = None) -> list[Param
         else:
             names = (f"{stem}.{leaf}",)
         plan.append(ParamMapping(path, shape, names, hf_shape, transpose, stacked))
-    return plan
+    return _fuse(plan, FUSED_MODULES.get(cfg.arch, {}))
+
+
+def _fuse(plan: list[ParamMapping], fused: dict[str, tuple[str, ...]]) -> list[ParamMapping]:
+    """Points the members of each fused HF module at their row block of its tensor: member ``j``
+    of ``self_attn.qkv_proj`` (``k_proj``) is rows ``[q_out, q_out + k_out)`` of
+    ``layers.{i}.self_attn.qkv_proj.weight``."""
+    by_stem = {".".join(m.path[1:-1]): m for m in plan if m.stacked}
+    replaced: dict[tuple[str, ...], ParamMapping] = {}
+    for target, members in fused.items():
+        parts = [by_stem[member] for member in members]
+        total = sum(m.hf_shape[0] for m in parts)
+        start = 0
+        for m in parts:
+            names = tuple(name.replace(f".{'.'.join(m.path[1:-1])}.", f".{target}.") for name in m.hf_names)
+            stop = start + m.hf_shape[0]
+            replaced[m.path] = dataclasses.replace(m, hf_names=names, hf_shape=(total,) + m.hf_shape[1:],
+                                                   hf_rows=(start, stop))
+            start = stop
+    return [replaced.get(m.path, m) for m in plan]
 
 
 def is_ignored_hf_tensor(name: str, arch: str) -> bool:

@@ -64,6 +64,46 @@ def _gemma3(hidden, inter, layers, heads, kv, window, max_pos, vocab, rope_scali
             "vocab_size": vocab, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
 
 
+def _qwen3(hidden, inter, layers, heads, kv, tie, window_layers, vocab=151936) -> dict:
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": 128, "max_position_embeddings": 40960,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None, "attention_bias": False,
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": window_layers,
+            "tie_word_embeddings": tie, "vocab_size": vocab, "hidden_act": "silu",
+            "bos_token_id": 151643, "eos_token_id": 151645}
+
+
+# microsoft/Phi-3-mini-128k-instruct's LongRoPE factors (current revision), one per frequency.
+_PHI3_LONG_FACTOR = [
+    1.0700000524520874, 1.1200000047683716, 1.149999976158142, 1.4199999570846558, 1.5699999332427979,
+    1.7999999523162842, 2.129999876022339, 2.129999876022339, 3.009999990463257, 5.910000324249268,
+    6.950000286102295, 9.070000648498535, 9.930000305175781, 10.710000038146973, 11.130000114440918,
+    14.609999656677246, 15.409998893737793, 19.809999465942383, 37.279998779296875, 38.279998779296875,
+    38.599998474121094, 40.12000274658203, 46.20000457763672, 50.940006256103516, 53.66000747680664,
+    54.9373893737793, 56.89738845825195, 57.28738784790039, 59.98738479614258, 60.86738586425781,
+    60.887386322021484, 61.71739196777344, 62.91739273071289, 62.957393646240234, 63.41739273071289,
+    63.8173942565918, 63.83739471435547, 63.897396087646484, 63.93739700317383, 64.06739807128906,
+    64.11434936523438, 64.12435150146484, 64.15435028076172, 64.19435119628906, 64.24435424804688,
+    64.57435607910156, 64.69000244140625, 64.76000213623047]
+_PHI3_SHORT_FACTOR = (
+    [1.1, 1.1, 1.1, 1.3000000000000003, 1.3500000000000003, 1.3500000000000003, 1.4000000000000004,
+     1.5500000000000005] + [2.000000000000001] * 17 + [2.0500000000000007] * 6
+    + [2.1000000000000005, 2.1000000000000005, 2.1500000000000004] + [2.25] * 5
+    + [2.3999999999999995, 2.4499999999999993, 2.499999999999999, 2.6999999999999984, 2.6999999999999984,
+       2.7499999999999982, 2.799999999999998, 2.8999999999999977, 3.049999999999997])
+
+
+def _phi3_mini(max_pos, window, rope_scaling) -> dict:
+    return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072,
+            "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "max_position_embeddings": max_pos,
+            "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "rope_scaling": rope_scaling, "sliding_window": window, "tie_word_embeddings": False,
+            "vocab_size": 32064, "hidden_act": "silu", "attention_dropout": 0.0, "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0, "bos_token_id": 1, "eos_token_id": 32000, "pad_token_id": 32000}
+
+
 # arch -> size -> config.json architecture fields.
 PRESETS: dict[str, dict[str, dict]] = {
     "qwen2": {
@@ -120,6 +160,28 @@ PRESETS: dict[str, dict[str, dict]] = {
         # The text model of the multimodal google/gemma-3-4b-pt (its text_config with defaults).
         "4B": _gemma3(2560, 10240, 34, 8, 4, 1024, 131072, 262208, {"rope_type": "linear", "factor": 8.0}),
     },
+    "qwen3": {
+        # head_dim 24 != hidden / heads (Qwen3 sets head_dim explicitly), tied like 0.6B-4B.
+        "tiny": {**_qwen3(64, 96, 2, 4, 2, True, 2, vocab=512), "head_dim": 24,
+                 "max_position_embeddings": 256},
+        "0.6B": _qwen3(1024, 3072, 28, 16, 8, True, 28),
+        "1.7B": _qwen3(2048, 6144, 28, 16, 8, True, 28),
+        "4B": _qwen3(2560, 9728, 36, 32, 8, True, 36),
+        "8B": _qwen3(4096, 12288, 36, 32, 8, False, 36),
+    },
+    "phi3": {
+        # LongRoPE with original_max_position_embeddings 8 (so the tests' 12 tokens take the long
+        # factors, 8 or fewer the short ones), factors != 1, sliding window 5 on every layer.
+        "tiny": {**_phi3_mini(256, 5, {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                       "long_factor": [1.0 + 0.5 * i for i in range(8)]}),
+                 "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "original_max_position_embeddings": 8, "vocab_size": 512,
+                 "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+        "mini-4k": _phi3_mini(4096, 2047, None),
+        # sliding_window 262144 as published (above max_position_embeddings: it never binds).
+        "mini-128k": _phi3_mini(131072, 262144, {"type": "longrope", "short_factor": _PHI3_SHORT_FACTOR,
+                                                 "long_factor": _PHI3_LONG_FACTOR}),
+    },
 }
 
 # Parameter counts published for the real models (tied heads counted once).
@@ -130,6 +192,10 @@ PUBLISHED_PARAMS = {
     ("mistral", "7B"): 7_241_732_096, ("gpt2", "124M"): 124_439_808,
     # Gemma 3 text models, as transformers counts them (the 4B's ~0.42B vision tower excluded).
     ("gemma3", "1B"): 999_885_952, ("gemma3", "4B"): 3_880_263_168,
+    # Qwen3 and Phi-3-mini as transformers counts them (meta device; Qwen's 0.6B model card says
+    # 0.44B non-embedding, which matches).
+    ("qwen3", "0.6B"): 596_049_920, ("qwen3", "1.7B"): 1_720_574_976, ("qwen3", "4B"): 4_022_468_096,
+    ("qwen3", "8B"): 8_190_735_360, ("phi3", "mini-4k"): 3_821_079_552, ("phi3", "mini-128k"): 3_821_079_552,
 }
 
 

@@ -202,7 +202,7 @@ def test_folder_without_safetensors(llama, tmp_path):
 @pytest.mark.parametrize("edit,match", [
     (lambda c: c.update(attention_bias=True), "attention_bias=true"),
     (lambda c: c.update(mlp_bias=True), "mlp_bias=true"),
-    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn'"),
+    (lambda c: c.update(rope_scaling={"rope_type": "ntk", "factor": 4.0}), "rope type 'ntk' is not supported"),
     (lambda c: c.update(hidden_act="relu"), "hidden_act 'relu'"),
 ])
 def test_unsupported_llama_features(llama, tmp_path, edit, match):

@@ -26,7 +26,7 @@ from jaxascend.hf import (INDEX_FILE, PRESETS, PUBLISHED_PARAMS, SINGLE_FILE, Ch
                           make_hf_checkpoint, model_config_from_hf, model_config_from_hf_dict, param_plan,
                           save_params, write_safetensors)
 
-ARCHS = ("llama", "qwen2", "mistral", "gpt2", "gemma3")
+ARCHS = ("llama", "qwen2", "mistral", "gpt2", "gemma3", "qwen3", "phi3")
 FP32 = ModelConfig(dtype="float32", param_dtype="float32")
 
 
@@ -212,13 +212,21 @@ def test_exported_config_is_read_by_transformers(checkpoints, tmp_path):
             assert hf.final_logit_softcapping == cfg.final_logit_softcapping
         elif arch != "gpt2":
             assert hf.rope_parameters["rope_theta"] == cfg.rope_theta
-            assert hf.head_dim == (cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
+            if arch != "phi3":  # Phi3Config has no head_dim: hidden_size / num_attention_heads
+                assert hf.head_dim == (cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
             assert hf.num_key_value_heads == cfg.num_key_value_heads
         if arch == "llama":
             assert hf.rope_parameters["rope_type"] == "llama3"
             assert hf.rope_parameters["factor"] == cfg.rope_scaling["factor"]
-        if arch == "mistral":
+        if arch in ("mistral", "phi3"):
             assert hf.sliding_window == cfg.sliding_window
+        if arch == "phi3":  # our rope_scaling {type: longrope, ...} wins over rope_parameters, as in 5.x
+            assert hf.rope_parameters["rope_type"] == "longrope"
+            assert hf.rope_parameters["original_max_position_embeddings"] == 8
+            assert hf.rope_parameters["short_factor"] == cfg.rope_scaling["short_factor"]
+            assert hf.rope_parameters["long_factor"] == cfg.rope_scaling["long_factor"]
+        if arch == "qwen3":
+            assert hf.head_dim == 24 and not hf.attention_bias and hf.layer_types == ["full_attention"] * 2
         if arch == "gpt2":
             assert hf.n_inner == cfg.intermediate_size and hf.activation_function == "gelu_new"
 

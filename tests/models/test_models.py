@@ -20,6 +20,7 @@ from flax import nnx
 from jaxascend.config import ConfigError, ModelConfig
 from jaxascend.models import build_model, count_params
 from jaxascend.models.layers import rope_inverse_frequencies
+from jaxascend.models.rope import rope_attention_factor
 
 VOCAB = 97
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -36,6 +37,16 @@ ARCH_CASES = {
     "mistral": dict(arch="mistral", num_key_value_heads=1, sliding_window=5,
                     tie_word_embeddings=False),
     "gpt2": dict(arch="gpt2", num_key_value_heads=4, max_position_embeddings=64),
+    # q/k norms, head_dim != hidden/heads, yarn RoPE (attention factor 1.14) on a tied model.
+    "qwen3": dict(arch="qwen3", num_key_value_heads=2, head_dim=24, tie_word_embeddings=True, rope_theta=1e6,
+                  rms_norm_eps=1e-6, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 8}),
+    # longrope past its original length (16 > 8 tokens: the long factors), half the head rotated,
+    # a sliding window on every layer.
+    "phi3": dict(arch="phi3", num_key_value_heads=2, sliding_window=5, partial_rotary_factor=0.5,
+                 tie_word_embeddings=False, rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 8,
+                                                          "short_factor": [1.0, 1.2, 1.4, 1.6],
+                                                          "long_factor": [2.0, 3.0, 4.0, 5.0]}),
 }
 
 
@@ -121,12 +132,16 @@ def np_llama3_inv_freq(head_dim, theta, scaling):
     return np.where(medium, smoothed, llama)
 
 
-def np_rope(x, positions, inv_freq):
-    freqs = positions[..., None] * inv_freq  # [B,T,H/2]
+def np_rope(x, positions, inv_freq, attention_factor=1.0):
+    """HF's rotate_half RoPE on the first ``2 * len(inv_freq)`` dims (partial rotary), cos and
+    sin scaled by the attention factor."""
+    freqs = positions[..., None] * inv_freq  # [B,T,R/2]
     emb = np.concatenate([freqs, freqs], -1)[:, :, None, :]
-    half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], -1)
-    return x * np.cos(emb) + rotated * np.sin(emb)
+    rot, rest = x[..., :emb.shape[-1]], x[..., emb.shape[-1]:]
+    half = rot.shape[-1] // 2
+    rotated = np.concatenate([-rot[..., half:], rot[..., :half]], -1)
+    out = rot * np.cos(emb) * attention_factor + rotated * np.sin(emb) * attention_factor
+    return np.concatenate([out, rest], -1)
 
 
 def np_rms_norm(x, weight, eps):
@@ -136,8 +151,15 @@ def np_rms_norm(x, weight, eps):
 def llama_reference(p: dict, cfg: ModelConfig, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
     n, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = cfg.head_dim or cfg.hidden_size // n
-    inv_freq = np_llama3_inv_freq(head_dim, cfg.rope_theta, cfg.rope_scaling)
     b, t = ids.shape
+    scaling = cfg.rope_scaling
+    if cfg.partial_rotary_factor == 1 and (scaling is None or scaling["rope_type"] == "llama3"):
+        inv_freq = np_llama3_inv_freq(head_dim, cfg.rope_theta, scaling)
+    else:  # the other types are checked against numpy formulas in test_rope.py
+        inv_freq = rope_inverse_frequencies(head_dim, cfg.rope_theta, scaling, seq_len=t,
+                                            max_position_embeddings=cfg.max_position_embeddings,
+                                            partial_rotary_factor=cfg.partial_rotary_factor)
+    factor = rope_attention_factor(scaling, cfg.max_position_embeddings)
     h = p["embed_tokens"]["embedding"][ids]
     for i in range(cfg.num_hidden_layers):
         lp = layer_slice(p["layers"], i)
@@ -150,11 +172,15 @@ def llama_reference(p: dict, cfg: ModelConfig, ids: np.ndarray, positions: np.nd
                 y = y + at[name]["bias"]
             return y.reshape(b, t, heads, head_dim)
 
-        q = np_rope(proj("q_proj", n), positions, inv_freq)
-        k = np.repeat(np_rope(proj("k_proj", kv), positions, inv_freq), n // kv, axis=2)
+        q, k = proj("q_proj", n), proj("k_proj", kv)
+        if "q_norm" in at:  # Qwen3: RMSNorm over head_dim before RoPE
+            q = np_rms_norm(q, at["q_norm"]["scale"], cfg.rms_norm_eps)
+            k = np_rms_norm(k, at["k_norm"]["scale"], cfg.rms_norm_eps)
+        q = np_rope(q, positions, inv_freq, factor)
+        k = np.repeat(np_rope(k, positions, inv_freq, factor), n // kv, axis=2)
         v = np.repeat(proj("v_proj", kv), n // kv, axis=2)
         context = np_attention(q, k, v, cfg.sliding_window).reshape(b, t, n * head_dim)
-        h = h + context @ at["o_proj"]["kernel"]
+        h = h + context @ at["o_proj"]["kernel"] + (at["o_proj"]["bias"] if "bias" in at["o_proj"] else 0)
         x = np_rms_norm(h, lp["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
         mlp = lp["mlp"]
         gate = x @ mlp["gate_proj"]["kernel"]
@@ -265,7 +291,7 @@ def jitted_loss_and_grads(model, ids):
 @pytest.fixture(scope="module")
 def no_remat_loss_and_grads():
     results = {}
-    for arch in ("llama", "gpt2"):
+    for arch in ("llama", "gpt2", "qwen3", "phi3"):
         (loss, grads), _, _ = jitted_loss_and_grads(randomized_model(tiny_config(arch)), sample_ids(2, 17))
         results[arch] = (loss, grads)
     return results
@@ -275,6 +301,8 @@ def no_remat_loss_and_grads():
     ("llama", "full"), ("llama", "dots"), ("llama", "dots_no_batch"), ("llama", "offload"),
     # The scan and policies are shared; gpt2 only tags its activations differently.
     ("gpt2", "offload"),
+    # q/k norms and partial rotary sit inside the same checkpointed layer
+    ("qwen3", "offload"), ("phi3", "dots"),
 ])
 def test_remat_policy_matches_no_remat(remat, arch, no_remat_loss_and_grads):
     model = randomized_model(tiny_config(arch, remat=remat))

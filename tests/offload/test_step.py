@@ -24,6 +24,10 @@ def _setup(arch, dtype, remat):
     # gemma3: sliding and full layers in one scan, the window shorter than the 8 input tokens.
     extra = dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                  sliding_window=3, query_pre_attn_scalar=6) if arch == "gemma3" else {}
+    if arch == "phi3":  # longrope with the long factors (8 tokens > 4), partial rotary, a window
+        extra = dict(partial_rotary_factor=0.5, sliding_window=3, rope_scaling={
+            "rope_type": "longrope", "original_max_position_embeddings": 4,
+            "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]})
     cfg = ModelConfig(arch=arch, hidden_size=32, intermediate_size=64, num_hidden_layers=3, dtype=dtype,
                       param_dtype=dtype, remat=remat, tie_word_embeddings=arch == "gpt2", **heads, **extra)
     model = build_model(cfg, VOCAB, rngs=nnx.Rngs(0))
@@ -40,6 +44,7 @@ def _setup(arch, dtype, remat):
 @pytest.mark.parametrize("arch, dtype, remat", [
     ("llama", "bfloat16", "none"), ("llama", "float32", "full"), ("llama", "float16", "dots"), ("gpt2", "bfloat16", "none"),
     ("gemma3", "bfloat16", "none"), ("gemma3", "float32", "full"),
+    ("qwen3", "bfloat16", "full"), ("phi3", "float32", "dots"),
 ])
 def test_sink_gets_exact_gradients(arch, dtype, remat):
     graphdef, params, rest, routing, sink, buffers = _setup(arch, dtype, remat)
