@@ -3,8 +3,9 @@
     python scripts/make_hf_checkpoint.py --arch llama --size 1B --out /tmp/llama-1b
     python scripts/make_hf_checkpoint.py --arch qwen2 --size tiny --out /tmp/q --dtype fp32
 
-Sizes are presets copying the published configs (qwen2: 0.5B 1.5B 3B 7B; llama: 1B 3B 8B;
-mistral: 7B; gpt2: 124M; gemma3: 1B and the 4B's text model) plus ``tiny`` for tests. Tensors are
+Sizes are presets copying the published configs (qwen2: 0.5B 1.5B 3B 7B; qwen3: 0.6B 1.7B 4B
+8B; llama: 1B 3B 8B; mistral: 7B; phi3: mini-4k mini-128k; gpt2: 124M; gemma3: 1B and the 4B's
+text model) plus ``tiny`` for tests. Tensors are
 generated and written one at a time, so making an 8B folder needs about one tensor's worth of
 memory. Prints one JSON object.
 """

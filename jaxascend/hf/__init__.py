@@ -1,7 +1,7 @@
 """Hugging Face checkpoints in and out, one tensor at a time.
 
 * :func:`model_config_from_hf` / :func:`hf_config_dict` -- ``config.json`` <-> :class:`ModelConfig`
-  (Llama, Qwen2, Mistral, GPT-2, Gemma 3 text, also read from the multimodal Gemma 3);
+  (Llama, Qwen2, Qwen3, Mistral, Phi-3, GPT-2, Gemma 3 text, also read from the multimodal Gemma 3);
 * :func:`load_hf_model` / :func:`load_hf_params` / :func:`iter_hf_params` -- lean loading: each
   tensor is read with ``pread`` into preallocated stacked buffers (zero-copy to jax on CPU);
 * :func:`export_hf` -- a streaming, sharded safetensors export with index, config and tokenizer;

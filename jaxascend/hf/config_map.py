@@ -5,13 +5,15 @@
     hf = hf_config_dict(cfg, dtype="bfloat16", token_ids={"bos_token_id": 0, "eos_token_id": 1})
 
 Supported: ``LlamaForCausalLM`` (Llama 2/3/3.1/3.2, ``rope_scaling`` type ``llama3``),
-``Qwen2ForCausalLM``, ``MistralForCausalLM``, ``GPT2LMHeadModel``, and ``Gemma3ForCausalLM``
-plus the text model of ``Gemma3ForConditionalGeneration`` (see :mod:`jaxascend.hf.gemma3_config`,
-exported as ``Gemma3ForCausalLM``). Both spellings of the RoPE
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Phi3ForCausalLM`` (Phi-3 and
+Phi-3.5 mini, LongRoPE, transformers 4's ``su``/``yarn`` names for it), ``GPT2LMHeadModel``, and
+``Gemma3ForCausalLM`` plus the text model of ``Gemma3ForConditionalGeneration`` (see
+:mod:`jaxascend.hf.gemma3_config`, exported as ``Gemma3ForCausalLM``). Both spellings of the RoPE
 settings are read: transformers 4's ``rope_theta`` + ``rope_scaling`` and transformers 5's
-``rope_parameters``. Features our models do not implement (bias on Llama's ``o_proj``, per-layer
-sliding windows, other RoPE types) are refused with :class:`UnsupportedModelError` rather than
-loaded into a silently different model.
+``rope_parameters``, with every RoPE type of :mod:`jaxascend.models.rope` (default, linear,
+dynamic, yarn, longrope, llama3). Features our models do not implement (bias on Llama's
+``o_proj``, per-layer sliding windows, dropout in Phi-3) are refused with
+:class:`UnsupportedModelError` rather than loaded into a silently different model.
 """
 
 from __future__ import annotations

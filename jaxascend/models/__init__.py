@@ -1,5 +1,5 @@
-"""Decoder-only causal LMs in Flax NNX: the Llama family (llama, qwen2, mistral), GPT-2 and
-Gemma 3 (text), and their next-token loss.
+"""Decoder-only causal LMs in Flax NNX: the Llama family (llama, qwen2, mistral, qwen3, phi3),
+GPT-2 and Gemma 3 (text), and their next-token loss.
 
     model = build_model(cfg.model, vocab_size=259, rngs=nnx.Rngs(0))
     logits = model(input_ids)            # int32 [B, T] -> float32 [B, T, V]

@@ -1,24 +1,26 @@
 """Rotary position embeddings exactly as transformers' ``modeling_rope_utils`` defines them.
 
-RoPE types (``rope_scaling["rope_type"]``, see :func:`jaxascend.config.validate_rope_scaling`):
+RoPE types (``rope_scaling["rope_type"]``, see :func:`jaxascend.config.validate_rope_scaling`),
+with ``dim = int(head_dim * partial_rotary_factor)``, ``j = 0, 2, .., dim - 2`` and the default
+inverse frequencies ``1 / theta**(j / dim)``:
 
-=========== =========================================================== ==========================
-type        inverse frequencies (``dim = int(head_dim * partial_rotary_factor)``)  attention factor
-=========== =========================================================== ==========================
-default     ``1 / theta**(j/dim)``, ``j = 0, 2, .., dim-2``             1
-linear      default ``/ factor``                                        1
-dynamic     default with ``theta * (factor*T/mpe - (factor-1))**(dim/(dim-2))``, ``T = max(T, mpe)``  1
-yarn        a ramp between default (fast) and default/factor (slow)     ``0.1 ln(factor) + 1`` (or mscale)
-longrope    ``1 / (ext * theta**(j/dim))``, ``ext`` = long_factor if T > original else short_factor  ``sqrt(1 + ln f / ln original)``
-llama3      wavelength bands: kept, divided by factor, interpolated     1
-=========== =========================================================== ==========================
+* ``default``: as above; attention factor 1.
+* ``linear``: default ``/ factor``; 1.
+* ``dynamic`` (NTK): default with ``theta * (factor * T / mpe - (factor - 1))**(dim / (dim - 2))``,
+  ``T = max(seq_len, max_position_embeddings)``; 1.
+* ``yarn``: a ramp between the default frequencies (fast dimensions) and default ``/ factor``
+  (slow ones); ``0.1 ln(factor) + 1`` or the mscale ratio or ``attention_factor``.
+* ``longrope``: ``1 / (ext * theta**(j / dim))``, ``ext`` = long_factor if ``seq_len > original``
+  else short_factor; ``sqrt(1 + ln f / ln original)`` (``f = factor or mpe / original``).
+* ``llama3``: wavelength bands kept, divided by factor, or interpolated; 1.
 
 The attention factor multiplies both sin and cos, i.e. q and k (HF's ``attention_scaling``).
 
 dynamic and longrope depend on the sequence length: HF takes ``max(position_ids) + 1`` of each
 call. Our sequence length ``T`` is static per compiled step and the trainer feeds positions
 ``0..T-1`` (``data.seq_len <= max_position_embeddings`` is enforced), so the choice is made from
-``T`` at trace time: exactly HF's for those positions. dynamic below ``max_position_embeddings``
+``T`` at trace time: exactly HF's for those positions (other positions, which the trainer never
+passes, still choose by ``T``). dynamic below ``max_position_embeddings``
 is therefore the default RoPE; HF's dynamic module also caches the largest length it has seen,
 which a fresh HF model (and we) do not.
 """

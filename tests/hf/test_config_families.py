@@ -1,11 +1,13 @@
 """config.json <-> ModelConfig for Qwen3 and Phi-3 and for every RoPE type in both spellings
 (transformers 4's rope_theta + rope_scaling with ``type`` or ``rope_type``, transformers 5's
 rope_parameters), with transformers' defaults for absent keys, Phi-3's legacy ``su``/``yarn``
-names, and the one-line refusals of what our models do not implement. No torch needed."""
+names, the one-line refusals of what our models do not implement, and lean random init of both
+families. No torch needed."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -168,3 +170,26 @@ def test_unknown_rope_type_is_refused_with_the_allowed_ones():
                                                     r"\(supported: default, linear, dynamic, yarn, longrope, llama3\)"):
         model_config_from_hf_dict(config("LlamaForCausalLM", rope_scaling={"rope_type": "ntk"}))
 
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_lean_random_init_builds_the_model_one_tensor_at_a_time(arch):
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxascend.hf import build_model_lean
+
+    cfg = model_config_from_hf_dict(PRESETS[arch]["tiny"])
+    model = build_model_lean(dataclasses.replace(cfg, dtype="float32"), 512, seed=0)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name, x = jax.tree_util.keystr(path), np.asarray(leaf)
+        if "scale" in name:  # q_norm/k_norm included
+            np.testing.assert_array_equal(x, 1.0)
+        else:
+            assert abs(x.std() - cfg.init_std) < 0.005, name
+    assert {m.dotted for m in param_plan(cfg)} == {
+        jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    logits = model(jax.numpy.zeros((1, 12), jax.numpy.int32))
+    assert logits.shape == (1, 12, 512) and np.isfinite(np.asarray(logits)).all()

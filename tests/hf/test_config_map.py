@@ -19,7 +19,8 @@ from jaxascend.hf import (PRESETS, detect_arch, hf_config_dict, make_hf_checkpoi
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 READY = {"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "llama3.2-1b", "llama3.2-3b",
-         "llama3.1-8b", "gpt2", "gemma3-1b", "gemma3-4b"}
+         "llama3.1-8b", "gpt2", "gemma3-1b", "gemma3-4b", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b",
+         "phi3-mini-4k"}
 
 
 def test_llama_3_2_1b_fields():
