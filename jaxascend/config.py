@@ -245,7 +245,9 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)
     include: list[str] = field(default_factory=lambda: ["*.txt", "*.jsonl"])  # globs inside directories
     text_field: str = "text"  # JSONL field holding the text
-    tokenizer: str = "byte"  # "byte" or a local Hugging Face tokenizer folder ("model" = model.path)
+    # "auto": the model folder's tokenizer when model.path is set, else "byte"; "byte"; "model"
+    # (model.path's); or a local Hugging Face tokenizer folder.
+    tokenizer: str = "auto"
     seq_len: int = 256
     batch_size: int = 8
     seed: int = 0
@@ -387,7 +389,9 @@ class ExportConfig:
 
     enabled: bool = False  # write a Hugging Face folder at the end of the run
     dir: Optional[str] = None  # None: <train.out_dir>/hf
-    dtype: DType = "bfloat16"  # dtype the exported weights are stored in
+    # dtype the exported weights are stored in; "source": that of the checkpoint the run started
+    # from (model.path), or model.param_dtype for a run from scratch.
+    dtype: Union[Literal["source"], DType] = "source"
     shard_bytes: Any = "5GB"  # largest safetensors shard (transformers' default)
     save_params: bool = True  # write <train.out_dir>/params.safetensors so a run can be exported later
 
@@ -580,8 +584,8 @@ def _validate_cross_fields(cfg: Config) -> None:
     tok = cfg.data.tokenizer
     if tok == "model" and cfg.model.path is None:
         raise ConfigError("data.tokenizer: 'model' needs model.path to be set")
-    if tok not in ("byte", "model") and not os.path.isdir(os.path.expanduser(tok)):
-        raise ConfigError(f"data.tokenizer: expected 'byte', 'model' or a tokenizer folder, got {tok!r}")
+    if tok not in ("auto", "byte", "model") and not os.path.isdir(os.path.expanduser(tok)):
+        raise ConfigError(f"data.tokenizer: expected 'auto', 'byte', 'model' or a tokenizer folder, got {tok!r}")
     if cfg.model.path is not None and not os.path.isdir(os.path.expanduser(cfg.model.path)):
         raise ConfigError(f"model.path: {cfg.model.path!r} is not a directory")
     if cfg.data.seq_len > cfg.model.max_position_embeddings:

@@ -7,14 +7,16 @@ where the (few) host<->device syncs happen.
 from __future__ import annotations
 
 import json
+import os
 import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 import psutil
 from tqdm import tqdm
+
+from jaxascend import console
 
 GIB = 2**30
 
@@ -37,11 +39,18 @@ def format_bytes(n: float) -> str:
 
 
 class MetricsLog:
-    """Appends one JSON object per logging step to ``<out_dir>/metrics.jsonl``."""
+    """Appends one JSON object per logging step to ``<out_dir>/metrics.jsonl``.
 
-    def __init__(self, out_dir: Path):
+    ``resumed_from``: the step the run continues from (0: a fresh start). Records of later steps
+    (written before the run was interrupted, and about to be written again) move to
+    ``metrics.superseded.jsonl``, so ``metrics.jsonl`` always holds one curve.
+    """
+
+    def __init__(self, out_dir: Path, resumed_from: int = 0):
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
+        if self.path.exists():
+            _supersede_after(self.path, resumed_from, out_dir / "metrics.superseded.jsonl")
         self._file: TextIO = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -58,12 +67,32 @@ class MetricsLog:
         self.close()
 
 
+def _supersede_after(path: Path, step: int, superseded: Path) -> None:
+    """Keeps the records of ``path`` up to ``step``; appends the others (and any line a kill cut
+    short) to ``superseded``. The kept lines replace the file atomically."""
+    kept, dropped = [], []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            record_step = json.loads(line).get("step")
+        except ValueError:
+            record_step = None
+        ok = line.endswith("\n") and isinstance(record_step, int) and record_step <= step
+        (kept if ok else dropped).append(line if line.endswith("\n") else line + "\n")
+    if not dropped:
+        return
+    with superseded.open("a", encoding="utf-8") as f:
+        f.writelines(dropped)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class Progress:
     """A tqdm bar showing step, loss, tokens/s and peak host memory (or nothing when disabled)."""
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True):
         self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                         disable=not enabled, file=sys.stderr)
+                         disable=not enabled, file=console.terminal())
 
     def update(self, steps: int, record: dict[str, Any] | None = None) -> None:
         self._bar.update(steps)

@@ -1,13 +1,13 @@
 """Command-line entry point: ``python -m jaxascend.train --config configs/tiny.yaml [--set a.b=c ...]``.
 
-Bad input (config, data, tokenizer, model files) ends with one line on stderr naming the problem
-and exit status 2; set JAXASCEND_DEBUG=1 to see the full traceback instead.
+Bad input (config, data, tokenizer, model files, checkpoints) and failures of the disk end with
+one line on stderr naming the problem and exit status 2, with nothing else around it (see
+:mod:`jaxascend.console`); set JAXASCEND_DEBUG=1 to see the full traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -22,18 +22,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # Imported here so that --help answers without loading JAX.
+    from jaxascend import console
+    from jaxascend.checkpoint import CheckpointError
     from jaxascend.config import load_config
     from jaxascend.trainer import run
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        run(cfg)
-    except (ValueError, OSError) as err:  # ConfigError is a ValueError
-        if os.environ.get("JAXASCEND_DEBUG"):
-            raise
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+    with console.one_line_output():
+        try:
+            cfg = load_config(args.config, args.overrides)
+            run(cfg)
+        except (ValueError, OSError, CheckpointError) as err:  # ConfigError is a ValueError
+            if console.debugging():
+                raise
+            console.error(console.first_line(err))
+            return 2
     return 0
 
 

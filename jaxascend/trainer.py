@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -17,10 +18,12 @@ import optax
 import yaml
 from flax import nnx
 
-from jaxascend.checkpoint import Checkpointer
+from jaxascend import console
+from jaxascend.checkpoint import Checkpointer, resume_target
 from jaxascend.config import Config, ConfigError, ModelConfig
-from jaxascend.data import BatchStream, load_tokenizer
-from jaxascend.hf import build_model_lean, export_hf, load_hf_model, model_config_from_hf, save_params
+from jaxascend.data import BatchStream, load_tokenizer, resolve_tokenizer_spec
+from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, export_hf, load_hf_model,
+                          model_config_from_hf, save_params)
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.models import count_params
@@ -62,60 +65,104 @@ def resolve_model_config(cfg: Config) -> ModelConfig:
 
 def tokenizer_source(cfg: Config) -> str | None:
     """The folder whose tokenizer files an export should copy (None for the byte tokenizer)."""
-    if cfg.data.tokenizer == "byte":
+    spec = resolve_tokenizer_spec(cfg.data.tokenizer, cfg.model.path)
+    if spec == "byte":
         return None
-    return cfg.model.path if cfg.data.tokenizer == "model" else cfg.data.tokenizer
+    return cfg.model.path if spec == "model" else spec
 
 
-def save_outputs(cfg: Config, out_dir: Path, params: nnx.State, model_cfg: ModelConfig, vocab_size: int) -> None:
-    """The run's weights: ``params.safetensors`` (exportable later) and, if asked, a HF folder."""
-    tok_src = tokenizer_source(cfg)
+def vocabulary_size(cfg: Config, model_cfg: ModelConfig, tokenizer) -> int:
+    """The embedding rows: the model's vocabulary (config.json or model.vocab_size), or the
+    tokenizer's for a model from scratch; refuses a tokenizer whose ids do not fit the model."""
+    vocab_size = model_cfg.vocab_size or tokenizer.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        where = f"{cfg.model.path}/config.json" if cfg.model.path else "model.vocab_size"
+        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens but the model "
+                          f"has {vocab_size} ({where}); its ids would not fit the embedding")
+    return vocab_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Provenance:
+    """Where a run's weights came from: what an export (now or from a checkpoint later) needs
+    beyond the weights. Saved with every checkpoint and in ``params.safetensors``."""
+
+    model_config: ModelConfig  # resolved, vocab_size filled in
+    tokenizer: str | None  # the tokenizer folder (None: the byte tokenizer)
+    model_source: str | None  # the Hugging Face folder the run fine-tunes (None: from scratch)
+    source_dtype: str  # that checkpoint's dtype, or model.param_dtype from scratch
+
+    def export_dtype(self, dtype: str) -> str:
+        """``export.dtype`` with ``"source"`` resolved."""
+        return self.source_dtype if dtype == "source" else dtype
+
+    def to_dict(self) -> dict:
+        return {"model_config": dataclasses.asdict(self.model_config), "tokenizer": self.tokenizer,
+                "model_source": self.model_source, "source_dtype": self.source_dtype}
+
+
+def save_outputs(cfg: Config, out_dir: Path, params, origin: Provenance, step: int) -> None:
+    """The run's weights after ``step``: ``params.safetensors`` (exportable later) and, if asked,
+    a HF folder."""
     if cfg.export.save_params:
-        save_params(out_dir / "params.safetensors", params, model_cfg, vocab_size=vocab_size, tokenizer=tok_src)
+        save_params(out_dir / "params.safetensors", params, origin.model_config, tokenizer=origin.tokenizer,
+                    model_source=origin.model_source, source_dtype=origin.source_dtype, step=step)
     if cfg.export.enabled:
-        export_hf(params, model_cfg, cfg.export.dir or out_dir / "hf", tokenizer_src=tok_src,
-                  dtype=cfg.export.dtype, shard_bytes=cfg.export.shard_bytes, vocab_size=vocab_size)
+        export_hf(params, origin.model_config, cfg.export.dir or out_dir / "hf", tokenizer_src=origin.tokenizer,
+                  dtype=origin.export_dtype(cfg.export.dtype), shard_bytes=cfg.export.shard_bytes,
+                  model_src=origin.model_source)
+        if origin.tokenizer is None:
+            console.note(NO_TOKENIZER_NOTE)
 
 
-def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig):
-    """The offloaded engine (state on SSD) or the in-memory baseline, per ``offload.enabled``."""
+def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, master=None):
+    """The offloaded engine (state on SSD) or the in-memory baseline, per ``offload.enabled``;
+    ``master`` reads the checkpoint's own values for the offloaded fp32 master weights."""
     if cfg.offload.enabled:
-        return OffloadEngine(cfg, model, model_cfg)
+        return OffloadEngine(cfg, model, model_cfg, master=master)
     return InMemoryEngine(cfg, model)
 
 
 def run(cfg: Config) -> TrainResult:
     """Trains ``cfg.train.steps`` optimizer steps and writes metrics and a summary to ``out_dir``."""
     out_dir = Path(cfg.train.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
-    # Build: tokenizer, data, model, engine (optimizer state in RAM or on SSD).
+    # Check: everything the run reads (config.json, tokenizer, data, the weights' names and
+    # shapes, the checkpoint to resume from), before anything is written.
     model_cfg = resolve_model_config(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     stream = BatchStream(cfg.data, tokenizer)
-    vocab_size = model_cfg.vocab_size or tokenizer.vocab_size
-    if vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model.vocab_size: {vocab_size} is smaller than the tokenizer's "
-                          f"vocabulary ({tokenizer.vocab_size})")
-    if cfg.model.path is not None:
-        model = load_hf_model(cfg.model.path, model_cfg)  # tensor by tensor, cast to param_dtype
-    else:
-        model = build_model_lean(model_cfg, vocab_size, cfg.train.seed)  # one tensor at a time
-    num_params = count_params(model)
+    vocab_size = vocabulary_size(cfg, model_cfg, tokenizer)
+    start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
+    with contextlib.ExitStack() as opened:
+        source = opened.enter_context(HFParamReader(cfg.model.path, model_cfg)) if cfg.model.path else None
+        origin = Provenance(dataclasses.replace(model_cfg, vocab_size=vocab_size), tokenizer_source(cfg),
+                            cfg.model.path, source.source_dtype if source else model_cfg.param_dtype)
+
+        # Build: model, engine (optimizer state in RAM or on SSD).
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if source is not None:
+            model = load_hf_model(cfg.model.path, model_cfg)  # tensor by tensor, cast to param_dtype
+        else:
+            model = build_model_lean(model_cfg, vocab_size, cfg.train.seed)  # one tensor at a time
+        num_params = count_params(model)
+        # fp32 master weights from the checkpoint's own values, not from the rounded compute copy.
+        engine = build_engine(cfg, model, model_cfg, master=source.read if source else None)
+        del model  # the engine holds what it needs (compute params; master weights on SSD)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     tokens_per_step = cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
 
-    with build_engine(cfg, model, model_cfg) as engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
-            MetricsLog(out_dir) as log, MemorySampler(getattr(engine, "shard_files", list), interval=0.2) as memory:
-        del model  # the engine holds what it needs (compute params; master weights on SSD)
-
-        # Restore: the newest complete checkpoint (train.resume: auto), a chosen one, or none.
-        start = ckpt.resume_step(cfg.train.resume) or 0
+    with engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
+            MetricsLog(out_dir, resumed_from=start) as log, \
+            MemorySampler(getattr(engine, "shard_files", list), interval=0.2) as memory:
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        # Restore: the checkpoint checked above (train.resume: auto picks the newest).
         if start:
             meta = engine.restore_checkpoint(ckpt, start)
             stream = BatchStream(cfg.data, tokenizer, state=meta["data_state"])
             losses = list(meta["losses"])
+            if cfg.train.resume != "auto":
+                ckpt.discard_after(start)  # an explicit earlier step replaces the later ones
         else:
             losses = []
 
@@ -138,16 +185,17 @@ def run(cfg: Config) -> TrainResult:
             log.write(record)
             progress.update(1, record)
             if ckpt.should_save(step, last):
-                engine.save_checkpoint(ckpt, step, {"data_state": stream.state(), "losses": losses})
+                engine.save_checkpoint(ckpt, step, {"data_state": stream.state(), "losses": losses,
+                                                    "origin": origin.to_dict()})
         progress.close()
         ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
         if cfg.export.save_params or cfg.export.enabled:
-            save_outputs(cfg, out_dir, engine.export_params(), model_cfg, vocab_size)  # fp32 master weights
+            save_outputs(cfg, out_dir, engine.export_params(), origin, last)  # fp32 master weights
         report = engine.report()
 
     result = TrainResult(steps=len(losses), losses=losses, num_params=num_params,
                          peak_rss_bytes=peak_rss_bytes(), peak_page_cache_bytes=memory.peak_page_cache,
-                         tokens_per_s=(last - start) * tokens_per_step / throughput.elapsed(),
+                         tokens_per_s=(last - start) * tokens_per_step / max(throughput.elapsed(), 1e-9),
                          engine=engine.name, skipped_steps=int(report.get("skipped_steps", 0)),
                          arena_capacity_bytes=int(report.get("arena_capacity_bytes", 0)),
                          arena_high_water_bytes=int(report.get("arena_high_water_bytes", 0)),

@@ -59,7 +59,7 @@ def test_int_widens_to_float(data_file, tmp_path):
         ("optimizer.b2=1.0", r"^optimizer\.b2: must be >= 0 and < 1, got 1\.0$"),
         ("offload.arena_bytes=lots", r"^offload\.arena_bytes: expected a byte size like 4096 or '512MiB', got 'lots'$"),
         ("model.num_key_value_heads=3", r"^model\.num_key_value_heads: 3 must divide model\.num_attention_heads=8$"),
-        ("data.tokenizer=/no/such/folder", r"^data\.tokenizer: expected 'byte', 'model' or a tokenizer folder"),
+        ("data.tokenizer=/no/such/folder", r"^data\.tokenizer: expected 'auto', 'byte', 'model' or a tokenizer folder"),
         ("data.seq_len=4096", r"^data\.seq_len: 4096 exceeds model\.max_position_embeddings=2048$"),
         ("train.steps", r"^--set 'train\.steps': expected section\.field=value$"),
     ],

@@ -4,6 +4,7 @@
   master/m/v, the data position and the loss-scale state; refuses incompatible or corrupt steps;
 * :class:`SsdArrays` / :class:`ArraySpec` -- SSD regions streamed chunk by chunk through arena
   slots into plain zarr arrays (readable by stock Orbax and tensorstore), with a crc32c per chunk;
+* :class:`CheckpointWeights` -- one step's weights, one layer at a time, for an export;
 * the errors: :class:`CheckpointError` and its subclasses.
 
 Imports :mod:`jaxascend.config` and :mod:`jaxascend.ssd`; knows nothing of the engines.
@@ -11,12 +12,15 @@ Imports :mod:`jaxascend.config` and :mod:`jaxascend.ssd`; knows nothing of the e
 
 from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                          IncompatibleCheckpointError)
-from jaxascend.checkpoint.manager import Checkpointer, Restored, check_compatible, default_directory
+from jaxascend.checkpoint.manager import (Checkpointer, Restored, check_compatible, complete_steps,
+                                          default_directory, read_meta, resume_target)
 from jaxascend.checkpoint.ssd_arrays import (CHECKPOINT_SHAPE_CLASS, ArraySpec, Span, SsdArrays,
                                              checkpoint_arena_requests, specs_for_offload_layout)
+from jaxascend.checkpoint.weights import CheckpointWeights
 
 __all__ = [
-    "CHECKPOINT_SHAPE_CLASS", "ArraySpec", "CheckpointError", "CheckpointNotFoundError", "Checkpointer",
-    "CorruptCheckpointError", "IncompatibleCheckpointError", "Restored", "Span", "SsdArrays",
-    "check_compatible", "checkpoint_arena_requests", "default_directory", "specs_for_offload_layout",
+    "CHECKPOINT_SHAPE_CLASS", "ArraySpec", "CheckpointError", "CheckpointNotFoundError", "CheckpointWeights",
+    "Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError", "Restored", "Span", "SsdArrays",
+    "check_compatible", "checkpoint_arena_requests", "complete_steps", "default_directory", "read_meta",
+    "resume_target", "specs_for_offload_layout",
 ]

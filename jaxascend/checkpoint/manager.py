@@ -50,6 +50,7 @@ reported with its path (:class:`CorruptCheckpointError`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -63,7 +64,7 @@ import orbax.checkpoint as ocp
 
 from jaxascend import _native
 from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                                         IncompatibleCheckpointError, )
+                                         IncompatibleCheckpointError)
 from jaxascend.checkpoint.ssd_arrays import SsdArrays, SsdArraysRestore, SsdArraysSave, validate_arrays
 from jaxascend.config import CheckpointConfig, Config
 
@@ -73,6 +74,7 @@ PARAMS, OPT_STATE, OFFLOADED, RNG, META = "params", "opt_state", "offloaded", "r
 META_FILE = "metadata"  # the file Orbax's JsonSave writes in the item directory
 FORMAT = "jaxascend-checkpoint/1"
 TMP_MARKER = ".orbax-checkpoint-tmp"
+FILE_CHECKSUMS = "jaxascend_files.json"  # crc32c of every file of the Orbax items, written once complete
 
 # Config fields that decide the shapes and dtypes of what a checkpoint holds. Anything else
 # (learning rate, steps, data paths, checkpoint and offload tuning) may change on resume.
@@ -115,6 +117,77 @@ def check_compatible(saved: dict, current: dict, where: Union[str, Path]) -> Non
                                           + "; ".join(diffs))
 
 
+def complete_steps(directory: Union[str, Path]) -> list[int]:
+    """Steps of the complete checkpoints in ``directory`` (ascending), read without creating or
+    cleaning anything: Orbax renames a step directory to its bare number only once it is
+    complete, so half-written saves (``<step>.orbax-checkpoint-tmp-*``) never count."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def resume_target(cfg: CheckpointConfig, run_config: Union[Config, dict], resume: Union[str, int]) -> Optional[int]:
+    """The step ``train.resume`` will restore (None: a fresh start), checked before a run writes
+    anything: the step exists, its meta is intact and its config is compatible with this run.
+
+    A corrupt newest checkpoint under ``resume: auto`` is refused with the way out in the
+    message: an explicit earlier ``train.resume: <step>``, whose later steps are then replaced.
+    """
+    run_config = _as_dict(run_config)
+    directory = Path(cfg.dir or default_directory(run_config)).absolute()
+    steps = complete_steps(directory)
+    if resume == "none":
+        if steps:  # a fresh start would fail when it reaches one of them, and mix two runs
+            raise CheckpointError(f"train.resume=none: {directory} holds checkpoints of an earlier run (steps "
+                                  f"{steps}); resume from them (train.resume=auto), or give this run another "
+                                  f"train.out_dir or checkpoint.dir")
+        return None
+    if resume == "auto":
+        if not steps:
+            return None
+        step = steps[-1]
+    else:
+        step = int(resume)
+        if not directory.is_dir():
+            raise CheckpointNotFoundError(f"train.resume={step}: checkpoint directory {directory} does not exist")
+        if step not in steps:
+            raise CheckpointNotFoundError(f"train.resume={step}: no complete checkpoint for step {step} in "
+                                          f"{directory} (available steps: {steps or 'none'})")
+    try:
+        record = read_meta(directory / str(step))
+    except CorruptCheckpointError as err:
+        earlier = [s for s in steps if s < step]
+        if resume == "auto" and earlier:
+            raise CorruptCheckpointError(f"{err}; to resume from the newest earlier checkpoint instead, set "
+                                         f"train.resume={earlier[-1]} (steps after it are then replaced), or "
+                                         f"train.resume=none to start afresh") from None
+        raise
+    check_compatible(record["config"], run_config, directory / str(step))
+    return step
+
+
+def read_meta(step_dir: Union[str, Path]) -> dict:
+    """The ``meta`` item of a step directory (format, step, items, config, meta), checked."""
+    path = Path(step_dir) / META / META_FILE
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or record.get("format") != FORMAT:
+            raise ValueError(f"format is {record.get('format') if isinstance(record, dict) else None!r}, "
+                             f"expected {FORMAT!r}")
+        missing = [key for key in ("step", "items", "config", "meta", "crc32c") if key not in record]
+        if missing:
+            raise ValueError(f"it lacks {missing}")
+        saved_crc = record.pop("crc32c")
+        if saved_crc != _record_crc(record):
+            raise ValueError(f"its contents have crc32c {_record_crc(record):#010x}, it recorded {saved_crc:#010x}")
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"checkpoint file {path} is missing") from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise CorruptCheckpointError(f"checkpoint file {path} is corrupt ({err})") from None
+    return record
+
+
 class Checkpointer:
     """Owner of one checkpoint directory (wraps an Orbax ``CheckpointManager``).
 
@@ -143,6 +216,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=cfg.keep_last, create=True,
                                                enable_async_checkpointing=cfg.async_save)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._saving: Optional[int] = None  # the step of a save that may still be running
 
     # ------------------------------------------------------------------ which steps
     def all_steps(self) -> list[int]:
@@ -184,6 +258,17 @@ class Checkpointer:
                         "steps again will fail", step, self.directory, newer)
         return step
 
+    def discard_after(self, step: int) -> list[int]:
+        """Deletes the complete checkpoints after ``step`` (a run resumed from ``step`` on
+        purpose replaces them: it would otherwise fail when it reaches one); returns their steps."""
+        later = [s for s in self.all_steps() if s > step]
+        for s in later:
+            self._manager.delete(s)
+        if later:
+            log.warning("checkpoint: resumed from step %d; deleted the later checkpoints %s in %s", step, later,
+                        self.directory)
+        return later
+
     # ------------------------------------------------------------------ save
     def save(self, step: int, *, params: Any, opt_state: Any = None, ssd: Optional[SsdArrays] = None,
              rng: Optional[Any] = None, meta: Optional[dict] = None) -> None:
@@ -218,32 +303,38 @@ class Checkpointer:
                   "checksums": checksums}
         record["crc32c"] = _record_crc(record)  # a garbled byte may still parse as JSON
         items[META] = ocp.args.JsonSave(record)
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._saving = step
+        with self._save_errors():
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if not self.cfg.async_save:
+            self.wait()  # records the file checksums of the complete step
 
     def wait(self) -> None:
         """Blocks until every pending (asynchronous) save is complete; raises its error if it failed."""
-        self._manager.wait_until_finished()
+        with self._save_errors():
+            self._manager.wait_until_finished()
+        if self._saving is not None:
+            step, self._saving = self._saving, None
+            _write_file_checksums(self.step_directory(step))
+
+    @contextlib.contextmanager
+    def _save_errors(self):
+        """A failed save (a full disk, an I/O error in Orbax's background threads) as one
+        :class:`CheckpointError` naming the step, the directory and the innermost cause. The
+        half-written step keeps its temporary name, so every earlier checkpoint stays usable."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except Exception as err:
+            step, self._saving = self._saving, None
+            raise CheckpointError(f"saving checkpoint step {step} in {self.directory} failed (the earlier "
+                                  f"checkpoints are intact): {_root_cause(err)}") from err
 
     # ------------------------------------------------------------------ restore
     def read_meta(self, step: int) -> dict:
         """The ``meta`` item of ``step`` (format, step, items, config, meta)."""
-        path = self.step_directory(step) / META / META_FILE
-        try:
-            record = json.loads(path.read_text())
-            if not isinstance(record, dict) or record.get("format") != FORMAT:
-                raise ValueError(f"format is {record.get('format') if isinstance(record, dict) else None!r}, "
-                                 f"expected {FORMAT!r}")
-            missing = [key for key in ("step", "items", "config", "meta", "crc32c") if key not in record]
-            if missing:
-                raise ValueError(f"it lacks {missing}")
-            saved_crc = record.pop("crc32c")
-            if saved_crc != _record_crc(record):
-                raise ValueError(f"its contents have crc32c {_record_crc(record):#010x}, it recorded {saved_crc:#010x}")
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"checkpoint file {path} is missing") from None
-        except (ValueError, KeyError, TypeError) as err:
-            raise CorruptCheckpointError(f"checkpoint file {path} is corrupt ({err})") from None
-        return record
+        return read_meta(self.step_directory(step))
 
     def restore(self, step: int, *, params_like: Any = None, opt_state_like: Any = None,
                 ssd: Optional[SsdArrays] = None) -> Restored:
@@ -285,10 +376,15 @@ class Checkpointer:
         except CheckpointError:
             raise
         except Exception as err:  # Orbax/tensorstore: the innermost error names the file
+            _raise_if_a_file_is_corrupt(step_dir)
             raise CorruptCheckpointError(f"checkpoint {step_dir} cannot be read: {_root_cause(err)}") from err
         for item in (PARAMS, OPT_STATE, RNG):
             if item in items:
-                _verify_checksums(out[item], record.get("checksums", {}).get(item), step_dir / item)
+                try:
+                    _verify_checksums(out[item], record.get("checksums", {}).get(item), step_dir / item)
+                except CorruptCheckpointError:
+                    _raise_if_a_file_is_corrupt(step_dir)  # name the damaged file when it is known
+                    raise
         rng = out[RNG]["key"] if RNG in items else None
         return Restored(step=step, params=out[PARAMS], opt_state=out[OPT_STATE] if OPT_STATE in items else None,
                         rng=rng, meta=record["meta"], config=record["config"])
@@ -298,7 +394,7 @@ class Checkpointer:
         """Waits for pending saves and closes the manager. Idempotent."""
         if self._manager is not None:
             try:
-                self._manager.wait_until_finished()
+                self.wait()
             finally:
                 self._manager.close()
                 self._manager = None
@@ -372,6 +468,37 @@ def _verify_checksums(tree: Any, expected: Optional[dict], item_dir: Path) -> No
                 f"saved with {expected[name]:#010x} (its data files are under {item_dir})")
 
 
+def _write_file_checksums(step_dir: Path) -> None:
+    """Records the crc32c of every file of the Orbax items (params, opt_state, rng) of a complete
+    step, so that a damaged one can be named on restore (the leaf checksums in the meta item only
+    say which array came back wrong). A step whose record is missing is still restored."""
+    sums = {}
+    for item in (PARAMS, OPT_STATE, RNG):
+        for path in sorted((step_dir / item).rglob("*")):
+            if path.is_file():
+                sums[str(path.relative_to(step_dir))] = _native.crc32c(np.fromfile(path, np.uint8))
+    tmp = step_dir / (FILE_CHECKSUMS + ".tmp")
+    tmp.write_text(json.dumps(sums, indent=0, sort_keys=True))
+    tmp.replace(step_dir / FILE_CHECKSUMS)
+
+
+def _raise_if_a_file_is_corrupt(step_dir: Path) -> None:
+    """Raises :class:`CorruptCheckpointError` naming the first file of ``step_dir`` whose crc32c
+    differs from the one recorded when the step was saved (or which is gone)."""
+    try:
+        sums = json.loads((step_dir / FILE_CHECKSUMS).read_text())
+    except (OSError, ValueError):
+        return
+    for rel, crc in sums.items():
+        path = step_dir / rel
+        if not path.is_file():
+            raise CorruptCheckpointError(f"checkpoint file {path} is missing")
+        actual = _native.crc32c(np.fromfile(path, np.uint8))
+        if actual != crc:
+            raise CorruptCheckpointError(f"checkpoint file {path} is corrupt: its data has crc32c {actual:#010x}, "
+                                         f"{step_dir / FILE_CHECKSUMS} recorded {crc:#010x}")
+
+
 def _standard_restore(like: Any) -> ocp.args.StandardRestore:
     if like is None:
         return ocp.args.StandardRestore()
@@ -397,6 +524,7 @@ def _check_tree_matches(item_dir: Path, like: Any, what: str) -> None:
     try:
         saved_tree = ocp.StandardCheckpointHandler().metadata(item_dir).tree
     except Exception as err:  # a garbled/truncated _METADATA or OCDBT manifest: the cause names it
+        _raise_if_a_file_is_corrupt(item_dir.parent)
         raise CorruptCheckpointError(f"checkpoint item {item_dir} cannot be read: {_root_cause(err)}") from err
     saved = {_leaf_name(p): (tuple(m.shape), np.dtype(m.dtype))
              for p, m in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}

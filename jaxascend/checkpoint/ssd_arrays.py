@@ -387,10 +387,13 @@ class _ChunkReader:
             pos += take
 
     def _load(self, at: int) -> int:
-        """Makes the chunk holding byte ``at`` current; returns its first byte."""
+        """Makes the chunk holding byte ``at`` current; returns its first byte. Chunks before it
+        are skipped unread, so a reader can start anywhere (one layer of a stacked array)."""
         while self.index < 0 or self.grid[self.index][3] * self.itemsize <= at:
             self.index += 1
-            idx, box, _, _ = self.grid[self.index]
+            idx, box, _, stop = self.grid[self.index]
+            if stop * self.itemsize <= at:
+                continue
             path = self.dir / (".".join(str(i) for i in idx) or "0")
             self.data = np.zeros(0, np.uint8)  # drop the previous chunk before reading the next
             try:

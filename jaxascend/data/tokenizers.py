@@ -174,12 +174,22 @@ def _check_tokenizer_folder(folder: str) -> None:
                          f"(expected tokenizer_config.json and one of: {expected})")
 
 
+def resolve_tokenizer_spec(spec: str, model_path: Optional[str] = None) -> str:
+    """``DataConfig.tokenizer`` with ``"auto"`` decided: a pretrained model (``model_path`` set)
+    is trained on its own tokenizer (``"model"``), a model from scratch on bytes (``"byte"``)."""
+    if spec == "auto":
+        return "model" if model_path is not None else "byte"
+    return spec
+
+
 def load_tokenizer(spec: str, model_path: Optional[str] = None) -> Tokenizer:
     """Builds the tokenizer named by ``DataConfig.tokenizer``.
 
-    ``spec`` is ``"byte"`` (the built-in :class:`ByteTokenizer`), ``"model"`` (the tokenizer files
-    inside ``model_path``, the Hugging Face model folder) or a path to a tokenizer folder.
+    ``spec`` is ``"auto"`` (see :func:`resolve_tokenizer_spec`), ``"byte"`` (the built-in
+    :class:`ByteTokenizer`), ``"model"`` (the tokenizer files inside ``model_path``, the Hugging
+    Face model folder) or a path to a tokenizer folder.
     """
+    spec = resolve_tokenizer_spec(spec, model_path)
     if spec == "byte":
         return ByteTokenizer()
     if spec == "model":

@@ -19,9 +19,9 @@ from jaxascend.hf.config_map import (CONFIG_FILE, detect_arch, hf_config_dict, m
                                      model_config_from_hf_dict, read_hf_config)
 from jaxascend.hf.errors import (CorruptFileError, DTypeMismatchError, HFCheckpointError, MissingTensorError,
                                  ShapeMismatchError, UnexpectedTensorError, UnsupportedModelError)
-from jaxascend.hf.export import DEFAULT_SHARD_BYTES, export_hf
+from jaxascend.hf.export import DEFAULT_SHARD_BYTES, NO_TOKENIZER_NOTE, export_hf
 from jaxascend.hf.lean_init import build_model_lean
-from jaxascend.hf.load import iter_hf_params, load_hf_model, load_hf_params
+from jaxascend.hf.load import HFParamReader, iter_hf_params, load_hf_model, load_hf_params
 from jaxascend.hf.names import ParamMapping, abstract_params, param_plan, tree_path_to_dotted
 from jaxascend.hf.params_file import PARAMS_FILE, ParamsFile, save_params
 from jaxascend.hf.presets import PRESETS, PUBLISHED_PARAMS, make_hf_checkpoint, preset_config
@@ -29,9 +29,9 @@ from jaxascend.hf.safetensors_io import (DTYPE_NAMES, INDEX_FILE, SINGLE_FILE, C
                                          TensorSpec, write_safetensors, write_sharded)
 
 __all__ = [
-    "CONFIG_FILE", "DEFAULT_SHARD_BYTES", "DTYPE_NAMES", "INDEX_FILE", "PARAMS_FILE", "PRESETS",
+    "CONFIG_FILE", "DEFAULT_SHARD_BYTES", "DTYPE_NAMES", "INDEX_FILE", "NO_TOKENIZER_NOTE", "PARAMS_FILE", "PRESETS",
     "PUBLISHED_PARAMS", "SINGLE_FILE", "CheckpointFiles", "CorruptFileError", "DTypeMismatchError",
-    "HFCheckpointError", "MissingTensorError", "ParamMapping", "ParamsFile", "SafetensorsFile",
+    "HFCheckpointError", "HFParamReader", "MissingTensorError", "ParamMapping", "ParamsFile", "SafetensorsFile",
     "ShapeMismatchError", "TensorSpec", "UnexpectedTensorError", "UnsupportedModelError", "abstract_params",
     "build_model_lean", "detect_arch", "export_hf", "hf_config_dict", "iter_hf_params", "load_hf_model",
     "load_hf_params", "make_hf_checkpoint", "model_config_from_hf", "model_config_from_hf_dict", "param_plan",

@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -49,6 +48,10 @@ TOKENIZER_FILES = (
     "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "tiktoken.model",
     "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
+GENERATION_CONFIG = "generation_config.json"
+# What the CLIs tell the user (one line) when an export has no tokenizer to copy.
+NO_TOKENIZER_NOTE = ("note: the run used the byte tokenizer, which has no Hugging Face files; "
+                     "the export holds no tokenizer")
 
 
 def reader_from_params(params: ParamSource) -> ParamReader:
@@ -92,15 +95,18 @@ def _ordered(plan: list[ParamMapping], num_layers: int) -> list[tuple[ParamMappi
 def export_hf(params: ParamSource, model_cfg: ModelConfig, out_dir: str | os.PathLike, *,
               tokenizer_src: Optional[str | os.PathLike] = None, dtype: str = "bfloat16",
               shard_bytes: int = DEFAULT_SHARD_BYTES, vocab_size: Optional[int] = None,
-              token_ids: Optional[dict[str, Optional[int]]] = None) -> Path:
+              token_ids: Optional[dict[str, Optional[int]]] = None,
+              model_src: Optional[str | os.PathLike] = None) -> Path:
     """Writes the model as a Hugging Face folder ``out_dir`` (which must not exist or be empty).
 
     ``dtype`` (``bfloat16``/``float16``/``float32``) is the stored dtype; values are cast with
     round-to-nearest-even from whatever the reader returns (pass fp32 masters when they exist).
-    ``tokenizer_src`` is a folder whose tokenizer files are copied (None: a warning, no files;
-    the byte tokenizer has none). ``token_ids`` (``bos_token_id``, ``eos_token_id``,
-    ``pad_token_id``) default to those of ``tokenizer_src``'s ``config.json`` or tokenizer.
-    Returns the folder.
+    ``tokenizer_src`` is a folder whose tokenizer files are copied (None: no tokenizer files; the
+    byte tokenizer has none, and the caller tells the user). ``model_src`` is the Hugging Face
+    folder the weights were fine-tuned from: its ``generation_config.json`` is copied when the
+    tokenizer folder has none. ``token_ids`` (``bos_token_id``, ``eos_token_id``,
+    ``pad_token_id``) default to those of ``model_src``'s ``config.json``, else
+    ``tokenizer_src``'s config or tokenizer. Returns the folder.
     """
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"export dtype: {dtype!r} is not supported (allowed: {', '.join(DTYPE_NAMES)})")
@@ -139,7 +145,7 @@ def export_hf(params: ParamSource, model_cfg: ModelConfig, out_dir: str | os.Pat
         return out
 
     if token_ids is None:
-        token_ids = _token_ids(tokenizer_src)
+        token_ids = _config_token_ids(model_src) or _token_ids(tokenizer_src)
     config = hf_config_dict(model_cfg, dtype=dtype, vocab_size=vocab, token_ids=token_ids)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -149,6 +155,9 @@ def export_hf(params: ParamSource, model_cfg: ModelConfig, out_dir: str | os.Pat
         write_sharded(staging, specs, produce, shard_bytes, metadata={"format": "pt"})
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         _copy_tokenizer(tokenizer_src, staging)
+        generation = Path(os.path.expanduser(str(model_src))) / GENERATION_CONFIG if model_src else None
+        if generation is not None and generation.is_file() and not (staging / GENERATION_CONFIG).exists():
+            shutil.copyfile(generation, staging / GENERATION_CONFIG)
         if out_dir.exists():
             out_dir.rmdir()  # checked empty above
         os.rename(staging, out_dir)
@@ -160,8 +169,6 @@ def export_hf(params: ParamSource, model_cfg: ModelConfig, out_dir: str | os.Pat
 
 def _copy_tokenizer(tokenizer_src: Optional[str | os.PathLike], dest: Path) -> None:
     if tokenizer_src is None:
-        warnings.warn("export_hf: no tokenizer folder given (the byte tokenizer has no Hugging Face "
-                      "files); the export has weights and config.json only", stacklevel=3)
         return
     src = Path(os.path.expanduser(str(tokenizer_src)))
     if not src.is_dir():
@@ -173,20 +180,31 @@ def _copy_tokenizer(tokenizer_src: Optional[str | os.PathLike], dest: Path) -> N
         shutil.copyfile(src / name, dest / name)
 
 
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _config_token_ids(folder: Optional[str | os.PathLike]) -> dict[str, Optional[int]]:
+    """bos/eos/pad ids from ``folder``'s config.json ({} if it has none)."""
+    if folder is None:
+        return {}
+    config_path = Path(os.path.expanduser(str(folder))) / CONFIG_FILE
+    try:
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    except (OSError, ValueError):
+        config = {}
+    if isinstance(config, dict) and any(k in config for k in _TOKEN_ID_KEYS):
+        return {k: config.get(k) for k in _TOKEN_ID_KEYS}
+    return {}
+
+
 def _token_ids(tokenizer_src: Optional[str | os.PathLike]) -> dict[str, Optional[int]]:
     """bos/eos/pad ids from the source model's config.json, else from its tokenizer files."""
     if tokenizer_src is None:
         return {}
     src = Path(os.path.expanduser(str(tokenizer_src)))
-    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
-    config_path = src / CONFIG_FILE
-    if config_path.is_file():
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, ValueError):
-            config = {}
-        if isinstance(config, dict) and any(k in config for k in keys):
-            return {k: config.get(k) for k in keys}
+    found = _config_token_ids(src)
+    if found:
+        return found
     if not src.is_dir():
         return {}
     from jaxascend.data import HFTokenizer  # imports transformers: only when needed

@@ -32,7 +32,7 @@ from jaxascend.hf.errors import (DTypeMismatchError, MissingTensorError, ShapeMi
                                  UnexpectedTensorError, format_shape)
 from jaxascend.hf.names import (HF_PREFIX, HF_TEXT_PART_PREFIXES, ParamMapping, abstract_params,
                                 is_ignored_hf_tensor, param_plan)
-from jaxascend.hf.safetensors_io import FLOAT_DTYPES, CheckpointFiles, TensorEntry
+from jaxascend.hf.safetensors_io import FLOAT_DTYPES, CheckpointFiles, TensorEntry, dominant_dtype
 from jaxascend.models import DTYPES
 
 _ALIGN = 64  # XLA's CPU client aliases (does not copy) host buffers aligned to this
@@ -141,7 +141,7 @@ def iter_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] =
             return [(layer, source_entry(ckpt.entries, m, layer, prefix))
                     for layer in (range(cfg.num_hidden_layers) if m.stacked else (None,))]
 
-        def direct(m: ParamMapping, entry: TensorEntry) -> bool:
+        def direct(m: ParamMapping, entry: TensorEntry) -> bool:  # as _read_converted decides
             return not m.transpose and entry.numpy_dtype == target
 
         # One scratch buffer, for the largest tensor that must be cast or transposed.
@@ -151,16 +151,7 @@ def iter_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] =
         for m in plan:
             out = aligned_empty(m.shape, target)
             for layer, entry in sources(m):
-                dst = out if layer is None else out[layer]
-                if direct(m, entry):
-                    ckpt.read_into(entry, dst)
-                    continue
-                raw = scratch[:entry.nbytes].view(entry.numpy_dtype).reshape(entry.shape)
-                ckpt.read_into(entry, raw)
-                if m.transpose and raw.dtype == target:
-                    transpose_into(dst, raw)
-                else:
-                    np.copyto(dst, raw.T if m.transpose else raw, casting="unsafe")
+                _read_converted(ckpt, m, entry, out if layer is None else out[layer], scratch)
             yield m, out
             del out
 
@@ -179,6 +170,78 @@ def source_entry(entries: dict[str, TensorEntry], m: ParamMapping, layer: Option
     return dataclasses.replace(entry, shape=m.hf_part_shape, begin=entry.begin + start * row_bytes,
                                end=entry.begin + stop * row_bytes)
 
+
+def _read_converted(ckpt: CheckpointFiles, m: ParamMapping, entry: TensorEntry, dst: np.ndarray,
+                    scratch: np.ndarray) -> None:
+    """Reads HF tensor ``entry`` into ``dst`` (our layout and dtype): with one ``pread`` straight
+    into ``dst`` when no conversion is needed, else through ``scratch`` (at least
+    ``entry.nbytes``), transposed and/or cast from there."""
+    if not m.transpose and entry.numpy_dtype == dst.dtype:
+        ckpt.read_into(entry, dst)
+        return
+    raw = scratch[:entry.nbytes].view(entry.numpy_dtype).reshape(entry.shape)
+    ckpt.read_into(entry, raw)
+    if m.transpose and raw.dtype == dst.dtype:
+        transpose_into(dst, raw)
+    else:
+        np.copyto(dst, raw.T if m.transpose else raw, casting="unsafe")
+
+
+class HFParamReader:
+    """One layer of one of our parameters at a time, read from a Hugging Face checkpoint in our
+    layout and in ``dtype`` (default float32: the checkpoint's own values, widened exactly).
+
+        with HFParamReader(folder, model_cfg) as reader:
+            w = reader.read(("layers", "mlp", "up_proj", "kernel"), layer=3)   # [in, out] float32
+
+    The checkpoint is checked against the model when the reader opens (as :func:`iter_hf_params`
+    does). Each call reads one HF tensor and returns a fresh array, so a consumer that places the
+    values elsewhere (the fp32 master weights on SSD) holds one tensor at a time. ``read`` has
+    the signature of an export ``ParamReader``.
+    """
+
+    def __init__(self, folder: str | os.PathLike, model_cfg: Optional[ModelConfig] = None, *,
+                 dtype: str = "float32"):
+        self.folder = os.path.expanduser(str(folder))
+        self.cfg = _resolve(self.folder, model_cfg)
+        self.dtype = np.dtype(DTYPES[dtype])
+        self.plan = {m.path: m for m in param_plan(self.cfg)}
+        self._ckpt = CheckpointFiles(self.folder)
+        try:
+            self._prefix = check_checkpoint(self._ckpt, list(self.plan.values()), self.cfg)
+        except BaseException:
+            self._ckpt.close()
+            raise
+        self._scratch = np.empty(0, np.uint8)
+        # The checkpoint's own dtype (what export.dtype "source" exports in).
+        self.source_dtype = dominant_dtype(self._ckpt.entries.values())
+
+    def read(self, path: tuple[str, ...], layer: Optional[int] = None) -> np.ndarray:
+        """Our parameter ``path`` (the whole tensor, or one ``layer`` of a stacked one)."""
+        m = self.plan.get(tuple(path))
+        if m is None:
+            raise KeyError(f"{self.folder}: the model has no parameter {'.'.join(path)!r}")
+        if m.stacked and layer is None:
+            out = aligned_empty(m.shape, self.dtype)
+            for i in range(m.shape[0]):
+                out[i] = self.read(path, i)
+            return out
+        entry = source_entry(self._ckpt.entries, m, layer if m.stacked else None, self._prefix)
+        if self._scratch.nbytes < entry.nbytes:
+            self._scratch = np.empty(entry.nbytes, np.uint8)
+        out = aligned_empty(m.layer_shape, self.dtype)
+        _read_converted(self._ckpt, m, entry, out, self._scratch)
+        return out
+
+    def close(self) -> None:
+        self._ckpt.close()
+        self._scratch = np.empty(0, np.uint8)
+
+    def __enter__(self) -> "HFParamReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def load_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] = None, *,

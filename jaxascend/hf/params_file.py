@@ -28,7 +28,7 @@ from jaxascend.config import ConfigError, ModelConfig
 from jaxascend.hf.errors import CorruptFileError, HFCheckpointError, MissingTensorError
 from jaxascend.hf.export import ParamSource, reader_from_params
 from jaxascend.hf.names import param_plan
-from jaxascend.hf.safetensors_io import DTYPES, SafetensorsFile, TensorSpec, write_safetensors
+from jaxascend.hf.safetensors_io import DTYPES, SafetensorsFile, TensorSpec, dominant_dtype, write_safetensors
 
 PARAMS_FILE = "params.safetensors"
 FORMAT = "jaxascend-params-v1"
@@ -36,9 +36,15 @@ _NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def save_params(path: str | os.PathLike, params: ParamSource, model_cfg: ModelConfig, *,
-                vocab_size: Optional[int] = None, tokenizer: Optional[str] = None) -> Path:
-    """Writes every parameter of ``model_cfg``'s model to ``path``, one tensor at a time, with the
-    config (``vocab_size`` filled in) and the tokenizer folder (None: byte tokenizer) as metadata."""
+                vocab_size: Optional[int] = None, tokenizer: Optional[str] = None,
+                model_source: Optional[str] = None, source_dtype: Optional[str] = None,
+                step: Optional[int] = None) -> Path:
+    """Writes every parameter of ``model_cfg``'s model to ``path``, one tensor at a time, with
+    metadata enough to export it later: the config (``vocab_size`` filled in), the tokenizer
+    folder (None: byte tokenizer), the Hugging Face folder the run started from
+    (``model_source``: its generation config and special-token ids go into an export) and that
+    checkpoint's dtype (``source_dtype``, what ``export.dtype: source`` means) and the
+    optimizer ``step`` the weights are from."""
     read = reader_from_params(params)
     vocab = vocab_size or model_cfg.vocab_size
     if not vocab:
@@ -60,7 +66,8 @@ def save_params(path: str | os.PathLike, params: ParamSource, model_cfg: ModelCo
         return value
 
     metadata = {"format": FORMAT, "model_config": json.dumps(dataclasses.asdict(cfg)),
-                "tokenizer": tokenizer or ""}
+                "tokenizer": tokenizer or "", "model_source": model_source or "",
+                "source_dtype": source_dtype or "", "step": "" if step is None else str(int(step))}
     write_safetensors(path, specs, produce, metadata)
     return Path(path)
 
@@ -85,6 +92,10 @@ class ParamsFile:
             self._file.close()
             raise CorruptFileError(f"{self.path}: model_config metadata is unreadable ({err})") from None
         self.tokenizer: Optional[str] = meta.get("tokenizer") or None
+        self.model_source: Optional[str] = meta.get("model_source") or None
+        # Files written before source_dtype was recorded: the dtype the parameters are stored in.
+        self.source_dtype: str = meta.get("source_dtype") or dominant_dtype(self._file.entries.values())
+        self.step: Optional[int] = int(meta["step"]) if meta.get("step", "").isdigit() else None
 
     def read(self, path: tuple[str, ...], layer: Optional[int]) -> np.ndarray:
         """Parameter ``path`` (or its slice ``layer`` when stacked), read from disk."""

@@ -55,6 +55,17 @@ _ALIGN = 8  # header padded with spaces so the data starts 8-byte aligned, as sa
 _MAX_IO = 1 << 30  # bytes per pread/write call (Linux caps single calls just under 2 GiB)
 
 
+def dominant_dtype(entries) -> str:
+    """The dtype (``float32``/``float16``/``bfloat16``) that holds most of the float bytes among
+    ``entries`` (:class:`TensorEntry` values): what "the checkpoint's dtype" means for export."""
+    names = {v: k for k, v in DTYPE_NAMES.items()}
+    totals: dict[str, int] = {}
+    for e in entries:
+        if e.dtype in names:
+            totals[names[e.dtype]] = totals.get(names[e.dtype], 0) + e.nbytes
+    return max(totals, key=totals.get) if totals else "float32"
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor of one file: where its bytes are (absolute offsets) and what they hold."""

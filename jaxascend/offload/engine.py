@@ -19,7 +19,7 @@ lives in the device memory kind during the backward passes.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from jaxascend.config import Config, ModelConfig
 from jaxascend.hf import tree_path_to_dotted
 from jaxascend.kill_points import kill_point
 from jaxascend.models import DTYPES, next_token_loss
+from jaxascend.offload.grad_sink import fetch_step_outputs
 from jaxascend.offload.layout import STATE_SLOT_CLASS, OffloadLayout
 from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
 from jaxascend.offload.ssd_adamw import ssd_adamw_state, ssd_adamw_step
@@ -56,7 +57,12 @@ class OffloadEngine:
 
     name = "offload"
 
-    def __init__(self, cfg: Config, model: nnx.Module, model_cfg: ModelConfig):
+    def __init__(self, cfg: Config, model: nnx.Module, model_cfg: ModelConfig,
+                 master: Optional[Callable[[tuple, Optional[int]], np.ndarray]] = None):
+        """``master``: where the fp32 master weights start, as a reader ``read(path, layer)`` of
+        one layer at a time (e.g. :class:`~jaxascend.hf.load.HFParamReader` over the checkpoint
+        the run fine-tunes, whose values the compute copy in ``model`` only approximates);
+        None: from ``model``'s parameters."""
         self.cfg = cfg
         self.compute_dtype = compute_dtype = model_cfg.dtype
         dtype = DTYPES[compute_dtype]
@@ -76,8 +82,15 @@ class OffloadEngine:
             self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS
         self.state = OffloadedAdamState.create(spec, cfg.offload, stacked=stacked,
                                                kernel_threads=cfg.offload.kernel_threads, extra_requests=extra)
+        tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+        # Our parameter path of every leaf, in the layout's leaf order.
+        self._paths = [tuple(tree_path_to_dotted(path).split("."))
+                       for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
         try:
-            self.state.init(params)  # fp32 master weights from the loaded/initialised params
+            if master is None:
+                self.state.init(params)  # fp32 master weights from the loaded/initialised params
+            else:
+                self.state.init_from(lambda leaf, layer: master(self._paths[leaf.index], layer))
             # The compute copy; the param_dtype copy is dropped once the master weights are on SSD.
             self.params = jax.tree.map(lambda x: x.astype(dtype), params)
             del params
@@ -108,7 +121,7 @@ class OffloadEngine:
         kill_point("backward")  # tests: the backward pass is running and writing gradients
         # SYNC: the overflow check and the clip factor need the statistics, and the optimizer may
         # read the gradient regions only once the backward pass has written all of them.
-        loss, (sumsq, nonfinite) = jax.device_get((loss, total_stats(stats)))
+        loss, (sumsq, nonfinite) = fetch_step_outputs((loss, total_stats(stats)))
         self.loss_scale, skip = update_loss_scale(self.loss_scale, bool(nonfinite > 0), self.cfg.optimizer,
                                                   self.compute_dtype)
         grad_norm = math.sqrt(float(sumsq)) / scale
@@ -151,14 +164,12 @@ class OffloadEngine:
         """The weights to save or export, as a reader ``read(path, layer)`` of the fp32 master
         weights on SSD: an exporter pulls one tensor (one layer of a stack) at a time, so saving
         never holds more than that in RAM."""
-        tree = nnx.to_pure_dict(self.params) if isinstance(self.params, nnx.State) else self.params
-        paths, _ = jax.tree_util.tree_flatten_with_path(tree)  # same leaf order as the layout
-        index = {tuple(tree_path_to_dotted(path).split(".")): i for i, (path, _) in enumerate(paths)}
+        index = {path: i for i, path in enumerate(self._paths)}
 
         def read(path: tuple[str, ...], layer):
-            if path not in index:
+            if tuple(path) not in index:
                 raise ValueError(f"offload: no parameter {'.'.join(path)!r} to export")
-            return self.state.read_state(self.state.leaves[index[path]], "master", layer=layer)
+            return self.state.read_state(self.state.leaves[index[tuple(path)]], "master", layer=layer)
 
         return read
 

@@ -30,6 +30,38 @@ PROBE_SIZE = 2  # [sum of squares of finite elements, count of non-finite elemen
 
 MemorySink = _native.MemorySink
 
+_SINK_PREFIX = "grad_sink:"  # how ffi/offload_grad_sink.cc starts every error it returns
+
+
+class GradientSinkError(OSError):
+    """A sink could not take a gradient during the backward pass (e.g. the SSD is full); the
+    message is the sink's, naming the tensor, layer, file and offset."""
+
+
+def fetch_step_outputs(outputs):
+    """``jax.device_get(outputs)`` of a step whose backward pass fed a gradient sink. A sink that
+    failed makes the step fail with an XLA runtime error; it becomes a :class:`GradientSinkError`
+    with the sink's own message. The failed step's ordered-effect tokens are then dropped: JAX
+    would otherwise raise the same error again, as tracebacks, from its exit handlers."""
+    try:
+        return jax.device_get(outputs)
+    except jax.errors.JaxRuntimeError as err:
+        text = str(err)
+        if _SINK_PREFIX not in text:
+            raise
+        _forget_failed_effects()
+        raise GradientSinkError(text[text.index(_SINK_PREFIX):].splitlines()[0]) from None
+
+
+def _forget_failed_effects() -> None:
+    # JAX has no public call for this: its runtime tokens keep the failed computation, and both
+    # jax.effects_barrier() and its atexit hooks re-raise the failure until they are cleared.
+    from jax._src import dispatch
+
+    tokens = getattr(dispatch, "runtime_tokens", None)
+    if tokens is not None and hasattr(tokens, "clear"):
+        tokens.clear()
+
 
 def sink_gradient(g: jax.Array, layer: jax.Array, *, sink: int, tensor: int) -> jax.Array:
     """Sends ``g`` to sink ``sink`` as layer ``layer`` of tensor ``tensor``; returns f32[2] stats.

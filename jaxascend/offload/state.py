@@ -230,20 +230,46 @@ class OffloadedAdamState:
             if dtype != np.float32 and dtype != leaf.dtype:
                 raise ValueError(f"offloaded AdamW: init params leaf {leaf.path!r} has dtype {dtype}; "
                                  f"expected float32 or the compute dtype {leaf.dtype}")
+        # One leaf on the host at a time (a copy only if it is on a device).
+        self._write_initial(lambda leaf, layer: leaves[leaf.index], whole_leaves=True)
+
+    @_serialized
+    def init_from(self, read: Callable[[LeafLayout, Optional[int]], np.ndarray]) -> None:
+        """:meth:`init` from a reader instead of arrays: ``read(leaf, layer)`` returns one layer of
+        a stacked leaf (``layer`` None: the whole unstacked leaf) in the layer's shape, in float32
+        or the compute dtype. The master weights then start from the reader's values (e.g. an fp32
+        checkpoint's own, not a rounded compute copy), and only one layer is on the host at a time."""
+        def checked(leaf: LeafLayout, layer: Optional[int]) -> np.ndarray:
+            x = np.asarray(read(leaf, layer if leaf.stacked else None))
+            where = f"{leaf.path!r}" + (f" layer {layer}" if leaf.stacked else "")
+            if tuple(x.shape) != tuple(leaf.layer_shape):
+                raise ValueError(f"offloaded AdamW: init reader returned shape {list(x.shape)} for {where}; "
+                                 f"expected {list(leaf.layer_shape)}")
+            if x.dtype != np.float32 and x.dtype != leaf.dtype:
+                raise ValueError(f"offloaded AdamW: init reader returned dtype {x.dtype} for {where}; "
+                                 f"expected float32 or the compute dtype {leaf.dtype}")
+            return x
+
+        self._write_initial(checked, whole_leaves=False)
+
+    def _write_initial(self, source: Callable, whole_leaves: bool) -> None:
+        """The init pass: every chunk's master weights from ``source(leaf, layer)`` (the whole
+        leaf when ``whole_leaves``, else one layer), zero m and v."""
         self._check_open(allow_broken=True)
         self._broken = "init() was interrupted; call init(params) again"
-        source = None
+        values = None
         with self.store.stream(self._init_segments, STATE_SLOT_CLASS) as stream:
             for chunk in stream:
                 ref = self._chunks[chunk.index]
-                if ref.first_of_leaf:  # one leaf on the host at a time (a copy only if on a device)
-                    source = np.asarray(leaves[ref.leaf.index]).reshape(-1)
+                if ref.first_of_leaf if whole_leaves else ref.start == 0:
+                    values = np.asarray(source(ref.leaf, ref.layer)).reshape(-1)
+                start = ref.flat_start if whole_leaves else ref.start
                 n = ref.count
                 state = chunk.arrays[0].view(np.float32)
-                state[:n] = source[ref.flat_start:ref.flat_start + n]
+                state[:n] = values[start:start + n]
                 state[n:] = 0.0
                 if ref.last_of_leaf:
-                    source = None
+                    values = None
         self._broken = None
         self._initialized = True
         self.updates_applied = 0

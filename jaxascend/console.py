@@ -1,0 +1,102 @@
+"""What the command-line tools print: one line per error or note, and nothing else on stderr.
+
+The libraries under a run (Orbax, tensorstore, asyncio, JAX) report a failure in their own
+background threads with tracebacks, log records and "coroutine was never awaited" warnings,
+then hand the same error back to the caller, which the CLI prints as one ``error: ...`` line.
+:func:`one_line_output` keeps that second copy only: while it is active, ``sys.stderr`` is a
+small in-memory buffer (dropped at the end), jaxascend's own log records and Python warnings
+become one-line ``note: ...`` messages, and :func:`terminal` is where the progress bar, notes and
+errors go. ``JAXASCEND_DEBUG=1`` turns all of it off and shows everything, tracebacks included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import logging
+import os
+import sys
+import warnings
+from typing import Iterator, TextIO
+
+_terminal: TextIO | None = None  # the real stderr while one_line_output is active
+
+
+def debugging() -> bool:
+    """True when ``JAXASCEND_DEBUG`` asks for full tracebacks and library output."""
+    return bool(os.environ.get("JAXASCEND_DEBUG"))
+
+
+def terminal() -> TextIO:
+    """The user's stderr (also while :func:`one_line_output` hides the libraries' output)."""
+    return _terminal or sys.stderr
+
+
+def first_line(err: BaseException) -> str:
+    """``err``'s message as one line (its type when it has none)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def error(message: str) -> None:
+    print(f"error: {message}", file=terminal(), flush=True)
+
+
+def note(message: str) -> None:
+    text = message if message.startswith("note: ") else f"note: {message}"
+    print(" ".join(text.split()), file=terminal(), flush=True)
+
+
+class _NoteHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        note(record.getMessage())
+
+
+class _Tail(io.StringIO):
+    """Keeps only the last ``limit`` characters written (what the libraries printed)."""
+
+    def __init__(self, limit: int = 1 << 16):
+        super().__init__()
+        self._limit = limit
+
+    def write(self, s: str) -> int:
+        n = super().write(s)
+        if self.tell() > 2 * self._limit:
+            tail = self.getvalue()[-self._limit:]
+            self.seek(0)
+            self.truncate()
+            super().write(tail)
+        return n
+
+
+@contextlib.contextmanager
+def one_line_output() -> Iterator[None]:
+    """The CLI's output discipline (see the module doc); does nothing under ``JAXASCEND_DEBUG``."""
+    global _terminal
+    if debugging():
+        yield
+        return
+    package_log = logging.getLogger("jaxascend")
+    # absl's handler holds the stderr of its import time, so its records are switched off.
+    absl_log = logging.getLogger("absl")
+    handler = _NoteHandler()
+    saved = sys.stderr, package_log.propagate, absl_log.disabled
+    _terminal = sys.stderr
+    sys.stderr = _Tail()
+    package_log.addHandler(handler)
+    package_log.propagate = False
+    absl_log.disabled = True
+    with warnings.catch_warnings():
+        # Left behind by a background save that failed; the failure itself is reported.
+        warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
+        warnings.showwarning = lambda message, category, *args, **kwargs: note(str(message))
+        try:
+            yield
+        finally:
+            # A failed background save leaves tasks whose "exception was never retrieved" records
+            # would be logged when they are collected: collect them while stderr is the buffer.
+            gc.collect()
+            sys.stderr, package_log.propagate, absl_log.disabled = saved
+            package_log.removeHandler(handler)
+            _terminal = None
