@@ -197,6 +197,22 @@ def test_a_killed_run_exports_from_its_checkpoint_and_from_its_folder(tmp_path, 
     np.testing.assert_array_equal(a["model.norm.weight"], _master(step_dir, "norm.scale"))
 
 
+def test_an_in_memory_runs_checkpoint_exports_its_params(tmp_path, corpus):
+    import orbax.checkpoint as ocp
+
+    run = tmp_path / "run"
+    proc = scratch_run(run, corpus, "train.steps=2", "checkpoint.every_steps=2", "offload.enabled=false",
+                       "model.dtype=float32", "model.param_dtype=float32", "export.save_params=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = export("--checkpoint", str(run), "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    params = ocp.StandardCheckpointer().restore(run / "checkpoints" / "2" / "params")
+    exported = tensors(tmp_path / "hf")
+    assert {x.dtype.name for x in exported.values()} == {"float32"}  # source: param_dtype from scratch
+    np.testing.assert_array_equal(exported["model.layers.0.self_attn.q_proj.weight"],
+                                  np.asarray(params["layers"]["self_attn"]["q_proj"]["kernel"]["value"][0]).T)
+
+
 def test_the_readmes_export_command_works_after_a_shipped_config(tmp_path, corpus, fp32_model):
     readme = (REPO / "README.md").read_text()
     command = next(line for line in readme.splitlines() if line.startswith("python -m jaxascend.export"))
