@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import shutil
 import warnings
 
 import jax
@@ -165,12 +166,19 @@ def test_params_file_and_export_cli(checkpoints, tmp_path, capsys):
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
-def test_export_without_tokenizer_warns(checkpoints, tmp_path):
-    folder = checkpoints["gpt2"]
+def test_export_without_tokenizer_is_quiet_and_keeps_the_sources_metadata(checkpoints, tmp_path):
+    # No raw Python warning: the CLIs print one note line (tests/test_workflow.py). The model
+    # folder it was fine-tuned from still gives the special-token ids and generation config.
+    folder = Path(shutil.copytree(checkpoints["gpt2"], tmp_path / "source"))
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 17}))
     cfg = model_config_from_hf(folder, FP32)
-    with pytest.warns(UserWarning, match="no tokenizer folder given"):
-        out = export_hf(load_hf_params(folder, cfg), cfg, tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = export_hf(load_hf_params(folder, cfg), cfg, tmp_path / "hf", model_src=folder)
     assert not (out / "tokenizer.json").exists() and (out / "config.json").is_file()
+    assert json.loads((out / "generation_config.json").read_text()) == {"max_new_tokens": 17}
+    source, exported = (json.loads((d / "config.json").read_text()) for d in (folder, out))
+    assert all(exported.get(k) == source.get(k) for k in ("bos_token_id", "eos_token_id"))
 
 
 def test_export_reads_one_layer_at_a_time_from_a_callable(checkpoints, tmp_path):
