@@ -13,6 +13,7 @@ import json
 import math
 import shutil
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
