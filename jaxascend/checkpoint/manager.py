@@ -63,6 +63,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxascend import _native
+from jaxascend.checkpoint.checksums import (ORBAX_ITEMS, leaf_name, raise_if_a_file_is_corrupt, tree_checksums,
+                                            verify_checksums, write_file_checksums)
 from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                          IncompatibleCheckpointError)
 from jaxascend.checkpoint.ssd_arrays import SsdArrays, SsdArraysRestore, SsdArraysSave, validate_arrays
@@ -70,11 +72,11 @@ from jaxascend.config import CheckpointConfig, Config
 
 log = logging.getLogger(__name__)
 
-PARAMS, OPT_STATE, OFFLOADED, RNG, META = "params", "opt_state", "offloaded", "rng", "meta"
+PARAMS, OPT_STATE, RNG = ORBAX_ITEMS  # the items Orbax writes; their files get crc32c records
+OFFLOADED, META = "offloaded", "meta"
 META_FILE = "metadata"  # the file Orbax's JsonSave writes in the item directory
 FORMAT = "jaxascend-checkpoint/1"
 TMP_MARKER = ".orbax-checkpoint-tmp"
-FILE_CHECKSUMS = "jaxascend_files.json"  # crc32c of every file of the Orbax items, written once complete
 
 # Config fields that decide the shapes and dtypes of what a checkpoint holds. Anything else
 # (learning rate, steps, data paths, checkpoint and offload tuning) may change on resume.
@@ -315,7 +317,7 @@ class Checkpointer:
             self._manager.wait_until_finished()
         if self._saving is not None:
             step, self._saving = self._saving, None
-            _write_file_checksums(self.step_directory(step))
+            write_file_checksums(self.step_directory(step))
 
     @contextlib.contextmanager
     def _save_errors(self):
@@ -376,14 +378,14 @@ class Checkpointer:
         except CheckpointError:
             raise
         except Exception as err:  # Orbax/tensorstore: the innermost error names the file
-            _raise_if_a_file_is_corrupt(step_dir)
+            raise_if_a_file_is_corrupt(step_dir)
             raise CorruptCheckpointError(f"checkpoint {step_dir} cannot be read: {_root_cause(err)}") from err
-        for item in (PARAMS, OPT_STATE, RNG):
+        for item in ORBAX_ITEMS:
             if item in items:
                 try:
-                    _verify_checksums(out[item], record.get("checksums", {}).get(item), step_dir / item)
+                    verify_checksums(out[item], record.get("checksums", {}).get(item), step_dir / item)
                 except CorruptCheckpointError:
-                    _raise_if_a_file_is_corrupt(step_dir)  # name the damaged file when it is known
+                    raise_if_a_file_is_corrupt(step_dir)  # name the damaged file when it is known
                     raise
         rng = out[RNG]["key"] if RNG in items else None
         return Restored(step=step, params=out[PARAMS], opt_state=out[OPT_STATE] if OPT_STATE in items else None,
@@ -441,64 +443,6 @@ def _root_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[:600]}"
 
 
-def _leaf_bytes(x: Any) -> Optional[np.ndarray]:
-    """The C-order bytes of an array leaf (zero-copy for host arrays), None for other leaves."""
-    if not isinstance(x, (np.ndarray, np.generic, jax.Array)):
-        return None
-    return np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8)
-
-
-def tree_checksums(tree: Any) -> dict:
-    """``{leaf name: crc32c of its bytes}`` for every array leaf of ``tree``."""
-    out = {}
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        data = _leaf_bytes(x)
-        if data is not None:
-            out[_leaf_name(path)] = _native.crc32c(data)
-    return out
-
-
-def _verify_checksums(tree: Any, expected: Optional[dict], item_dir: Path) -> None:
-    if expected is None:
-        return
-    for name, crc in tree_checksums(tree).items():
-        if name in expected and crc != expected[name]:
-            raise CorruptCheckpointError(
-                f"checkpoint item {item_dir} is corrupt: leaf {name!r} restored with crc32c {crc:#010x}, "
-                f"saved with {expected[name]:#010x} (its data files are under {item_dir})")
-
-
-def _write_file_checksums(step_dir: Path) -> None:
-    """Records the crc32c of every file of the Orbax items (params, opt_state, rng) of a complete
-    step, so that a damaged one can be named on restore (the leaf checksums in the meta item only
-    say which array came back wrong). A step whose record is missing is still restored."""
-    sums = {}
-    for item in (PARAMS, OPT_STATE, RNG):
-        for path in sorted((step_dir / item).rglob("*")):
-            if path.is_file():
-                sums[str(path.relative_to(step_dir))] = _native.crc32c(np.fromfile(path, np.uint8))
-    tmp = step_dir / (FILE_CHECKSUMS + ".tmp")
-    tmp.write_text(json.dumps(sums, indent=0, sort_keys=True))
-    tmp.replace(step_dir / FILE_CHECKSUMS)
-
-
-def _raise_if_a_file_is_corrupt(step_dir: Path) -> None:
-    """Raises :class:`CorruptCheckpointError` naming the first file of ``step_dir`` whose crc32c
-    differs from the one recorded when the step was saved (or which is gone)."""
-    try:
-        sums = json.loads((step_dir / FILE_CHECKSUMS).read_text())
-    except (OSError, ValueError):
-        return
-    for rel, crc in sums.items():
-        path = step_dir / rel
-        if not path.is_file():
-            raise CorruptCheckpointError(f"checkpoint file {path} is missing")
-        actual = _native.crc32c(np.fromfile(path, np.uint8))
-        if actual != crc:
-            raise CorruptCheckpointError(f"checkpoint file {path} is corrupt: its data has crc32c {actual:#010x}, "
-                                         f"{step_dir / FILE_CHECKSUMS} recorded {crc:#010x}")
-
-
 def _standard_restore(like: Any) -> ocp.args.StandardRestore:
     if like is None:
         return ocp.args.StandardRestore()
@@ -508,27 +452,16 @@ def _standard_restore(like: Any) -> ocp.args.StandardRestore:
     return ocp.args.StandardRestore(abstract)
 
 
-def _leaf_name(path) -> str:
-    """Orbax's name of a leaf: its keys joined with '.'."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-    return ".".join(parts)
-
-
 def _check_tree_matches(item_dir: Path, like: Any, what: str) -> None:
     """Refuses a restore whose leaves, shapes or dtypes differ from the saved item."""
     try:
         saved_tree = ocp.StandardCheckpointHandler().metadata(item_dir).tree
     except Exception as err:  # a garbled/truncated _METADATA or OCDBT manifest: the cause names it
-        _raise_if_a_file_is_corrupt(item_dir.parent)
+        raise_if_a_file_is_corrupt(item_dir.parent)
         raise CorruptCheckpointError(f"checkpoint item {item_dir} cannot be read: {_root_cause(err)}") from err
-    saved = {_leaf_name(p): (tuple(m.shape), np.dtype(m.dtype))
+    saved = {leaf_name(p): (tuple(m.shape), np.dtype(m.dtype))
              for p, m in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
-    current = {_leaf_name(p): (tuple(np.shape(x)), np.dtype(x.dtype))
+    current = {leaf_name(p): (tuple(np.shape(x)), np.dtype(x.dtype))
                for p, x in jax.tree_util.tree_flatten_with_path(like)[0]}
     missing, extra = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
     if missing or extra:

@@ -22,7 +22,8 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from jaxascend.checkpoint.errors import CorruptCheckpointError
-from jaxascend.checkpoint.manager import OFFLOADED, PARAMS, _verify_checksums, read_meta
+from jaxascend.checkpoint.checksums import verify_checksums
+from jaxascend.checkpoint.manager import OFFLOADED, PARAMS, read_meta
 from jaxascend.checkpoint.ssd_arrays import MANIFEST_FILE, _ChunkReader, read_manifest
 from jaxascend.checkpoint.zarr_layout import chunk_grid, numpy_dtype, zarr_spec
 from jaxascend.config import ModelConfig
@@ -98,7 +99,7 @@ class CheckpointWeights:
                 tree = ocp.StandardCheckpointer().restore(item)
             except Exception as err:  # Orbax/tensorstore: the innermost error names the file
                 raise CorruptCheckpointError(f"checkpoint item {item} cannot be read ({err})") from None
-            _verify_checksums(tree, self._record.get("checksums", {}).get(PARAMS), item)
+            verify_checksums(tree, self._record.get("checksums", {}).get(PARAMS), item)
             self._params = {_dotted(name): np.asarray(v) for name, v in _flat(tree).items()}
         return self._params
 

@@ -1,0 +1,177 @@
+"""Loading a run config: YAML (safe loader), ``--set section.field=value`` overrides, typed
+coercion with one-line errors, and the checks that need several sections at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from jaxascend.config.sections import Config
+from jaxascend.config.values import ConfigError
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return "any value"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false",
+            dict: "a mapping"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp, name: str) -> Any:
+    """Checks ``value`` against the annotation ``tp``; returns it (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in typing.get_args(tp) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):  # a single path is a list of one
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+        return [_coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 reads "1e-3" (no dot) as a string; accept plain numeric strings.
+        if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", value.strip()):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict:
+        if isinstance(value, dict):
+            return value
+    elif dataclasses.is_dataclass(tp):
+        return _build(tp, value, name)
+    raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls, data: Any, prefix: str):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(f"{full}: unknown key (allowed: {', '.join(names)})")
+        kwargs[key] = _coerce(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # pragma: no cover - dataclass signature mismatch
+        raise ConfigError(f"{prefix or 'config'}: {err}") from None
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parses the value of a ``--set a.b=value`` override as YAML (so 1e-3, true, [a, b] work)."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Applies ``section.field=value`` strings to a nested dict (in place) and returns it."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.field=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"--set {key!r}: expected section.field (e.g. train.steps)")
+        section, fld = parts
+        if section not in {f.name for f in dataclasses.fields(Config)}:
+            allowed = ", ".join(f.name for f in dataclasses.fields(Config))
+            raise ConfigError(f"{section}: unknown section (allowed: {allowed})")
+        data.setdefault(section, {})
+        if data[section] is None:
+            data[section] = {}
+        data[section][fld] = _parse_scalar(text)
+    return data
+
+
+def config_from_dict(data: dict) -> Config:
+    """Builds and validates a :class:`Config` from plain nested dicts."""
+    cfg = _build(Config, data, "")
+    _validate_cross_fields(cfg)
+    return cfg
+
+
+def _validate_cross_fields(cfg: Config) -> None:
+    if cfg.offload.dir is None:
+        cfg.offload.dir = os.path.join(cfg.train.out_dir, "offload")
+    if not cfg.data.paths:
+        raise ConfigError("data.paths: missing; give at least one .txt/.jsonl file or directory")
+    for p in cfg.data.paths:
+        if p != "@stdlib" and not os.path.exists(os.path.expanduser(p)):
+            raise ConfigError(f"data.paths: {p!r} does not exist")
+    tok = cfg.data.tokenizer
+    if tok == "model" and cfg.model.path is None:
+        raise ConfigError("data.tokenizer: 'model' needs model.path to be set")
+    if tok not in ("auto", "byte", "model") and not os.path.isdir(os.path.expanduser(tok)):
+        raise ConfigError(f"data.tokenizer: expected 'auto', 'byte', 'model' or a tokenizer folder, got {tok!r}")
+    if cfg.model.path is not None and not os.path.isdir(os.path.expanduser(cfg.model.path)):
+        raise ConfigError(f"model.path: {cfg.model.path!r} is not a directory")
+    if cfg.data.seq_len > cfg.model.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len: {cfg.data.seq_len} exceeds model.max_position_embeddings="
+            f"{cfg.model.max_position_embeddings}")
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    """Reads a YAML config (safe loader), applies ``--set`` overrides and validates."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: file {str(p)!r} not found")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            first = str(err).splitlines()[0] if str(err) else "parse error"
+            raise ConfigError(f"{p}: invalid YAML ({first})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: expected a mapping of sections at the top level")
+    apply_overrides(data, overrides or [])
+    return config_from_dict(data)

@@ -1,0 +1,225 @@
+"""The other sections of a run config (data, optimizer, offload, checkpoint, export, train) and
+:class:`Config`, which holds one of each."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from jaxascend.config.model import ModelConfig
+from jaxascend.config.values import ConfigError, DType, _check_range, parse_bytes
+
+
+@dataclass
+class DataConfig:
+    """Where text comes from, how it is tokenized and packed into batches."""
+
+    # Files or directories of .txt / .jsonl (and, for the tiny default, .py) files.
+    # "@stdlib" stands for the running Python's standard library folder.
+    paths: list[str] = field(default_factory=list)
+    include: list[str] = field(default_factory=lambda: ["*.txt", "*.jsonl"])  # globs inside directories
+    text_field: str = "text"  # JSONL field holding the text
+    # "auto": the model folder's tokenizer when model.path is set, else "byte"; "byte"; "model"
+    # (model.path's); or a local Hugging Face tokenizer folder.
+    tokenizer: str = "auto"
+    seq_len: int = 256
+    batch_size: int = 8
+    seed: int = 0
+    max_documents: Optional[int] = None  # cap on documents read (None: all)
+
+    def __post_init__(self):
+        _check_range("data.seq_len", self.seq_len, lo=2)
+        _check_range("data.batch_size", self.batch_size, lo=1)
+        _check_range("data.max_documents", self.max_documents, lo=1)
+        if not self.text_field:
+            raise ConfigError("data.text_field: must be a non-empty field name")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with an optional warmup + decay schedule and global-norm clipping."""
+
+    learning_rate: float = 3e-4
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # final lr = learning_rate * min_lr_ratio for cosine/linear
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: Optional[float] = 1.0  # None: no clipping
+    # Loss scaling: "dynamic" scales fp16 compute only (bf16/fp32 need none), "always" scales any
+    # dtype, "none" never. Overflowing steps are skipped and the scale multiplied by backoff.
+    loss_scale: Literal["dynamic", "always", "none"] = "dynamic"
+    loss_scale_init: float = 2.0**15
+    loss_scale_growth: float = 2.0
+    loss_scale_backoff: float = 0.5
+    loss_scale_growth_interval: int = 2000  # finite steps in a row before the scale grows
+    loss_scale_min: float = 1.0
+    loss_scale_max: float = 2.0**24
+
+    def __post_init__(self):
+        _check_range("optimizer.learning_rate", self.learning_rate, lo=0)
+        _check_range("optimizer.warmup_steps", self.warmup_steps, lo=0)
+        _check_range("optimizer.min_lr_ratio", self.min_lr_ratio, lo=0, hi=1)
+        _check_range("optimizer.b1", self.b1, lo=0, hi=1, hi_open=True)
+        _check_range("optimizer.b2", self.b2, lo=0, hi=1, hi_open=True)
+        _check_range("optimizer.eps", self.eps, lo=0, lo_open=True)
+        _check_range("optimizer.weight_decay", self.weight_decay, lo=0)
+        _check_range("optimizer.grad_clip_norm", self.grad_clip_norm, lo=0, lo_open=True)
+        _check_range("optimizer.loss_scale_init", self.loss_scale_init, lo=0, lo_open=True)
+        _check_range("optimizer.loss_scale_growth", self.loss_scale_growth, lo=1)
+        _check_range("optimizer.loss_scale_backoff", self.loss_scale_backoff, lo=0, hi=1, lo_open=True, hi_open=True)
+        _check_range("optimizer.loss_scale_growth_interval", self.loss_scale_growth_interval, lo=1)
+        _check_range("optimizer.loss_scale_min", self.loss_scale_min, lo=0, lo_open=True)
+        if self.loss_scale_max < self.loss_scale_min:
+            raise ConfigError(f"optimizer.loss_scale_max: {self.loss_scale_max} is below "
+                              f"optimizer.loss_scale_min={self.loss_scale_min}")
+
+
+@dataclass
+class OffloadConfig:
+    """Optimizer state and gradients on SSD, streamed through a preallocated host arena.
+
+    Sizes accept integers or strings like ``"64MiB"``. The SSD engine needs
+    ``block_bytes`` to be a multiple of 4096 and ``chunk_bytes``, ``shard_bytes`` and
+    ``staging_bytes`` to be multiples of ``block_bytes`` (I/O addresses whole blocks).
+    """
+
+    enabled: bool = False
+    dir: Optional[str] = None  # shard files live here (locked while a run uses it); None: <train.out_dir>/offload
+    arena_bytes: Optional[Any] = None  # e.g. "2GiB"; None: exactly what the arena plan needs
+    host_memory_budget: Optional[Any] = None  # e.g. "16GiB"; the arena must fit in it
+    chunk_bytes: Any = "64MiB"  # streaming granularity of the optimizer step
+    io_threads: int = 8  # pread/pwrite workers = requests in flight
+    direct_io: bool = True  # O_DIRECT; falls back to buffered + fadvise where refused
+    block_bytes: Any = "1MiB"  # checksum block = I/O request size
+    shard_bytes: Any = "1GiB"  # largest shard file
+    staging_bytes: Any = "8MiB"  # each arena staging slot (copies in/out, gradient writes)
+    staging_slots: int = 2  # staging slots: copy one while another is written
+    stream_depth: int = 3  # pipeline stages: 1 in use, depth-2 read ahead, 1 written behind
+    lock_memory: bool = True  # mlock the arena (warns and continues unlocked if refused)
+    pin_memory: bool = True  # cudaHostRegister the arena when a CUDA device is present
+    preallocate: bool = True  # fallocate shard space up front, so a full disk fails early
+    kernel_threads: int = 1  # threads of the fused AdamW kernel per chunk (the step is I/O bound)
+    # Buffered I/O only (direct_io false, or the O_DIRECT fallback): drop each block from the
+    # page cache after it is read or written. False is ZeRO-Infinity's page-cache I/O: the kernel
+    # keeps (and writes back, when it likes) every page it has seen, up to 14 B/param.
+    drop_page_cache: bool = True
+    # Ablation switches: each brings back one host-memory habit of a ZeRO-Infinity-style
+    # offload, so its cost can be measured (docs/architecture.md, "Ablation switches"). All
+    # false is jaxascend; all true (with direct_io and drop_page_cache false) is the baseline.
+    # None changes the arithmetic: the losses and the SSD state stay the same.
+    pow2_buffers: bool = False  # every arena buffer rounded up to a power of two bytes
+    single_pool: bool = False  # one pool of step buffers, each sized for the largest tensor
+    fp32_grad_buffer: bool = False  # gradients land in a full fp32 host buffer (4 B/param)
+    post_backward_overflow_check: bool = False  # full gradient tree, then a scan with temporaries
+
+    def __post_init__(self):
+        if self.arena_bytes is not None:
+            self.arena_bytes = parse_bytes(self.arena_bytes, "offload.arena_bytes")
+            _check_range("offload.arena_bytes", self.arena_bytes, lo=4096)
+        if self.host_memory_budget is not None:
+            self.host_memory_budget = parse_bytes(self.host_memory_budget, "offload.host_memory_budget")
+            _check_range("offload.host_memory_budget", self.host_memory_budget, lo=4096)
+        _check_range("offload.io_threads", self.io_threads, lo=1, hi=64)
+        _check_range("offload.staging_slots", self.staging_slots, lo=1, hi=64)
+        _check_range("offload.stream_depth", self.stream_depth, lo=2, hi=64)
+        _check_range("offload.kernel_threads", self.kernel_threads, lo=1, hi=256)
+        self.block_bytes = parse_bytes(self.block_bytes, "offload.block_bytes")
+        _check_range("offload.block_bytes", self.block_bytes, lo=4096)
+        if self.block_bytes % 4096:
+            raise ConfigError(f"offload.block_bytes: must be a multiple of 4096, got {self.block_bytes}")
+        for name in ("chunk_bytes", "shard_bytes", "staging_bytes"):
+            value = parse_bytes(getattr(self, name), f"offload.{name}")
+            _check_range(f"offload.{name}", value, lo=self.block_bytes)
+            if value % self.block_bytes:
+                raise ConfigError(f"offload.{name}: must be a multiple of offload.block_bytes="
+                                  f"{self.block_bytes}, got {value}")
+            setattr(self, name, value)
+
+
+@dataclass
+class CheckpointConfig:
+    """Orbax checkpoints of the whole training state (see :mod:`jaxascend.checkpoint.manager`)."""
+
+    dir: Optional[str] = None  # None: <train.out_dir>/checkpoints
+    every_steps: int = 0  # 0: only at the end
+    keep_last: int = 2
+    async_save: bool = True  # small items (params, meta) are written in the background
+    compression: Literal["none", "zstd"] = "none"  # of the streamed optimizer-state arrays
+    cleanup_partial: bool = True  # remove half-written saves (Orbax tmp dirs) when opening dir
+
+    def __post_init__(self):
+        _check_range("checkpoint.every_steps", self.every_steps, lo=0)
+        _check_range("checkpoint.keep_last", self.keep_last, lo=1)
+        if self.compression not in ("none", "zstd"):
+            raise ConfigError(f"checkpoint.compression: expected one of 'none', 'zstd', got {self.compression!r}")
+
+
+@dataclass
+class ExportConfig:
+    """Hugging Face export of the trained weights (later: ``python -m jaxascend.export``)."""
+
+    enabled: bool = False  # write a Hugging Face folder at the end of the run
+    dir: Optional[str] = None  # None: <train.out_dir>/hf
+    # dtype the exported weights are stored in; "source": that of the checkpoint the run started
+    # from (model.path), or model.param_dtype for a run from scratch.
+    dtype: Union[Literal["source"], DType] = "source"
+    shard_bytes: Any = "5GB"  # largest safetensors shard (transformers' default)
+    save_params: bool = True  # write <train.out_dir>/params.safetensors so a run can be exported later
+
+    def __post_init__(self):
+        self.shard_bytes = parse_bytes(self.shard_bytes, "export.shard_bytes")
+        _check_range("export.shard_bytes", self.shard_bytes, lo=1)
+
+
+@dataclass
+class TrainConfig:
+    """The loop: how long, how often to log, where outputs go."""
+
+    steps: int = 100
+    seed: int = 0
+    grad_accum: int = 1  # micro-batches per optimizer step
+    log_every: int = 10
+    out_dir: str = "runs/default"  # metrics.jsonl and checkpoints go here
+    progress: bool = True  # show a progress bar
+    # "auto": newest complete checkpoint in checkpoint.dir (fresh start if none); "none": fresh
+    # start; an integer: that step's checkpoint (an error if it is missing).
+    resume: Union[Literal["auto", "none"], int] = "auto"
+    # Stop after this step (saving a checkpoint there) as if interrupted: a time-boxed job that a
+    # later run with the same config resumes. None: run to train.steps.
+    stop_at_step: Optional[int] = None
+
+    def __post_init__(self):
+        self.resume = validate_resume(self.resume)
+        _check_range("train.steps", self.steps, lo=1)
+        _check_range("train.stop_at_step", self.stop_at_step, lo=1, hi=self.steps)
+        _check_range("train.grad_accum", self.grad_accum, lo=1)
+        _check_range("train.log_every", self.log_every, lo=1)
+
+
+def validate_resume(value: Any, name: str = "train.resume") -> Union[str, int]:
+    """``"auto"``, ``"none"`` or a step number >= 0 (a string of digits is read as one)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not (value in ("auto", "none") or isinstance(value, int)):
+        raise ConfigError(f"{name}: expected 'auto', 'none' or a step number, got {value!r}")
+    if isinstance(value, int) and value < 0:
+        raise ConfigError(f"{name}: a step number must be >= 0, got {value!r}")
+    return value
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,47 @@
+"""Shared pieces of every config section: the error type, byte sizes, range checks, dtype names."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field and what is allowed."""
+
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+def parse_bytes(value: Any, name: str) -> int:
+    """Parses ``1073741824``, ``"512MiB"`` or ``"2GB"`` into a byte count."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a byte size like 4096 or '512MiB', got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _BYTE_UNITS:
+            return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+    raise ConfigError(f"{name}: expected a byte size like 4096 or '512MiB', got {value!r}")
+
+
+def _check_range(name: str, value, *, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
+    if value is None:
+        return
+    bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (
+        hi is not None and (value >= hi if hi_open else value > hi)
+    )
+    if bad:
+        lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo}"
+        hi_s = "" if hi is None else f"{'<' if hi_open else '<='} {hi}"
+        allowed = " and ".join(s for s in (lo_s, hi_s) if s)
+        raise ConfigError(f"{name}: must be {allowed}, got {value!r}")
+
+
+DType = Literal["bfloat16", "float16", "float32"]
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "offload"]
+HiddenAct = Literal["silu", "gelu_new", "gelu_pytorch_tanh", "gelu"]
