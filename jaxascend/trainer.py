@@ -134,8 +134,8 @@ def run(cfg: Config) -> TrainResult:
     stream = BatchStream(cfg.data, tokenizer)
     vocab_size = vocabulary_size(cfg, model_cfg, tokenizer)
     start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
-    with contextlib.ExitStack() as opened:
-        source = opened.enter_context(HFParamReader(cfg.model.path, model_cfg)) if cfg.model.path else None
+    # The checkpoint's tensors (names, shapes, dtypes) are checked when the reader opens.
+    with HFParamReader(cfg.model.path, model_cfg) if cfg.model.path else contextlib.nullcontext() as source:
         origin = Provenance(dataclasses.replace(model_cfg, vocab_size=vocab_size), tokenizer_source(cfg),
                             cfg.model.path, source.source_dtype if source else model_cfg.param_dtype)
 
