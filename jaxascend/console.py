@@ -70,6 +70,20 @@ class _Tail(io.StringIO):
         return n
 
 
+def _stderr_handlers() -> list[logging.StreamHandler]:
+    """Log handlers made before the CLI started (``logging.basicConfig``'s on the root logger,
+    absl's) that write to the real stderr: they hold the stream object itself."""
+    loggers = [logging.getLogger()] + [log for log in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(log, logging.Logger)]
+    found = []
+    for log in loggers:
+        for h in log.handlers:
+            inner = getattr(h, "python_handler", h)  # absl wraps a StreamHandler
+            if isinstance(inner, logging.StreamHandler) and inner.stream in (sys.stderr, sys.__stderr__):
+                found.append(inner)
+    return found
+
+
 @contextlib.contextmanager
 def one_line_output() -> Iterator[None]:
     """The CLI's output discipline (see the module doc); does nothing under ``JAXASCEND_DEBUG``."""
@@ -77,16 +91,18 @@ def one_line_output() -> Iterator[None]:
     if debugging():
         yield
         return
+    buffer = _Tail()
     package_log = logging.getLogger("jaxascend")
-    # absl's handler holds the stderr of its import time, so its records are switched off.
-    absl_log = logging.getLogger("absl")
-    handler = _NoteHandler()
-    saved = sys.stderr, package_log.propagate, absl_log.disabled
+    note_handler = _NoteHandler()
+    handlers = _stderr_handlers()
+    saved_streams = [h.stream for h in handlers]
+    saved = sys.stderr, package_log.propagate
     _terminal = sys.stderr
-    sys.stderr = _Tail()
-    package_log.addHandler(handler)
+    sys.stderr = buffer
+    for h in handlers:
+        h.setStream(buffer)
+    package_log.addHandler(note_handler)
     package_log.propagate = False
-    absl_log.disabled = True
     with warnings.catch_warnings():
         # Left behind by a background save that failed; the failure itself is reported.
         warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
@@ -97,6 +113,8 @@ def one_line_output() -> Iterator[None]:
             # A failed background save leaves tasks whose "exception was never retrieved" records
             # would be logged when they are collected: collect them while stderr is the buffer.
             gc.collect()
-            sys.stderr, package_log.propagate, absl_log.disabled = saved
-            package_log.removeHandler(handler)
+            sys.stderr, package_log.propagate = saved
+            for h, stream in zip(handlers, saved_streams):
+                h.setStream(stream)
+            package_log.removeHandler(note_handler)
             _terminal = None
