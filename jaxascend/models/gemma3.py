@@ -48,6 +48,7 @@ from flax import nnx
 from jaxascend.config import ModelConfig
 from jaxascend.models import layers as L
 from jaxascend.models.llama import LlamaAttention, LlamaMLP, check_llama_config
+from jaxascend.models.rope import Rotary
 
 GEMMA3_ARCHS = ("gemma3",)
 DEFAULT_HIDDEN_ACT = "gelu_pytorch_tanh"  # HF Gemma3TextConfig.hidden_activation
@@ -78,7 +79,7 @@ class Gemma3Attention(LlamaAttention):
         self.q_norm = _norm(cfg, head_dim)
         self.k_norm = _norm(cfg, head_dim)
         self.qk_norm = True
-        self.local_rope = L.Rotary(head_dim, cfg.rope_local_theta or DEFAULT_LOCAL_THETA, None,
+        self.local_rope = Rotary(head_dim, cfg.rope_local_theta or DEFAULT_LOCAL_THETA, None,
                                    cfg.max_position_embeddings)
         self.scale = (cfg.query_pre_attn_scalar or head_dim) ** -0.5
 

@@ -19,8 +19,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxascend.config import ModelConfig
-# Re-exported: the models use them as L.apply_rope etc.
-from jaxascend.models.rope import Rotary, apply_rope, rope_angles, rope_inverse_frequencies  # noqa: F401
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload")

@@ -50,12 +50,12 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxascend.config import ModelConfig, validate_rope_scaling
 from jaxascend.models import layers as L
+from jaxascend.models.rope import Rotary, apply_rope
 
 LLAMA_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3")
 QK_NORM_ARCHS = ("qwen3",)  # RMSNorm over head_dim on q and k, before RoPE
@@ -117,7 +117,7 @@ class LlamaAttention(nnx.Module):
         self.qk_norm = cfg.arch in QK_NORM_ARCHS
         self.num_heads, self.num_kv_heads, self.head_dim = n, k, head_dim
         # Frozen and hashable: static module data is part of the graphdef.
-        self.rope = L.Rotary(head_dim, cfg.rope_theta, L.Rotary.freeze(cfg.rope_scaling),
+        self.rope = Rotary(head_dim, cfg.rope_theta, Rotary.freeze(cfg.rope_scaling),
                              cfg.max_position_embeddings, cfg.partial_rotary_factor)
         self.sliding_window = cfg.sliding_window
         self.scale = None  # head_dim ** -0.5 (Gemma 3 sets its own)
@@ -138,8 +138,8 @@ class LlamaAttention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         sin, cos = self.rope_angles(positions, is_sliding)
-        q = checkpoint_name(L.apply_rope(q, sin, cos), "query")
-        k = checkpoint_name(L.apply_rope(k, sin, cos), "key")
+        q = checkpoint_name(apply_rope(q, sin, cos), "query")
+        k = checkpoint_name(apply_rope(k, sin, cos), "key")
         v = checkpoint_name(v, "value")
         context = L.causal_attention(q, k, v, sliding_window=self.sliding_window, scale=self.scale,
                                      is_sliding=is_sliding)

@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxascend.config import ConfigError, ModelConfig
 from jaxascend.models import build_model, count_params
-from jaxascend.models.layers import rope_inverse_frequencies
+from jaxascend.models.rope import rope_inverse_frequencies
 from jaxascend.models.rope import rope_attention_factor
 
 VOCAB = 97
