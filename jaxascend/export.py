@@ -28,6 +28,7 @@ import yaml
 from jaxascend import console
 from jaxascend.checkpoint import CheckpointError, CheckpointWeights, complete_steps
 from jaxascend.config import ConfigError, parse_bytes
+from jaxascend.data import tokenizer_folder
 from jaxascend.hf import DEFAULT_SHARD_BYTES, DTYPE_NAMES, NO_TOKENIZER_NOTE, PARAMS_FILE, ParamsFile, export_hf
 
 META_DIR = "meta"  # present in every complete step directory
@@ -66,9 +67,7 @@ def _from_step(step_dir: Path) -> _Weights:
     run = w.run_config
     if w.origin is None:  # a checkpoint made before the provenance was saved: from its run config
         data, model = run.get("data", {}), run.get("model", {})
-        spec = data.get("tokenizer", "byte")
-        spec = ("model" if model.get("path") else "byte") if spec == "auto" else spec
-        origin = {"tokenizer": None if spec == "byte" else (model.get("path") if spec == "model" else spec),
+        origin = {"tokenizer": tokenizer_folder(data.get("tokenizer", "byte"), model.get("path")),
                   "model_source": model.get("path"), "source_dtype": model.get("param_dtype", "float32")}
     return _Weights(w.read, w.model_config, origin["tokenizer"], origin["model_source"], origin["source_dtype"],
                     f"checkpoint {step_dir}", w.close)

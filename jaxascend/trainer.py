@@ -21,7 +21,7 @@ from flax import nnx
 from jaxascend import console
 from jaxascend.checkpoint import Checkpointer, resume_target
 from jaxascend.config import Config, ConfigError, ModelConfig
-from jaxascend.data import BatchStream, load_tokenizer, resolve_tokenizer_spec
+from jaxascend.data import BatchStream, load_tokenizer, tokenizer_folder
 from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, export_hf, load_hf_model,
                           model_config_from_hf, save_params)
 from jaxascend.in_memory_engine import InMemoryEngine
@@ -61,14 +61,6 @@ def resolve_model_config(cfg: Config) -> ModelConfig:
         raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_position_embeddings="
                           f"{model_cfg.max_position_embeddings} ({cfg.model.path}/config.json)")
     return model_cfg
-
-
-def tokenizer_source(cfg: Config) -> str | None:
-    """The folder whose tokenizer files an export should copy (None for the byte tokenizer)."""
-    spec = resolve_tokenizer_spec(cfg.data.tokenizer, cfg.model.path)
-    if spec == "byte":
-        return None
-    return cfg.model.path if spec == "model" else spec
 
 
 def vocabulary_size(cfg: Config, model_cfg: ModelConfig, tokenizer) -> int:
@@ -136,8 +128,9 @@ def run(cfg: Config) -> TrainResult:
     start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
     # The checkpoint's tensors (names, shapes, dtypes) are checked when the reader opens.
     with HFParamReader(cfg.model.path, model_cfg) if cfg.model.path else contextlib.nullcontext() as source:
-        origin = Provenance(dataclasses.replace(model_cfg, vocab_size=vocab_size), tokenizer_source(cfg),
-                            cfg.model.path, source.source_dtype if source else model_cfg.param_dtype)
+        origin = Provenance(dataclasses.replace(model_cfg, vocab_size=vocab_size),
+                            tokenizer_folder(cfg.data.tokenizer, cfg.model.path), cfg.model.path,
+                            source.source_dtype if source else model_cfg.param_dtype)
 
         # Build: model, engine (optimizer state in RAM or on SSD).
         out_dir.mkdir(parents=True, exist_ok=True)

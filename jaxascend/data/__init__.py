@@ -16,9 +16,10 @@ Imports only :mod:`jaxascend.config`.
 from jaxascend.data.documents import STDLIB, DocumentIndex, build_document_index, discover_files
 from jaxascend.data.packing import BatchStream, StreamState
 from jaxascend.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer,
-                                       resolve_tokenizer_spec, write_hf_tokenizer)
+                                       resolve_tokenizer_spec, tokenizer_folder, write_hf_tokenizer)
 
 __all__ = [
     "STDLIB", "BatchStream", "ByteTokenizer", "DocumentIndex", "HFTokenizer", "StreamState", "Tokenizer",
-    "build_document_index", "discover_files", "load_tokenizer", "resolve_tokenizer_spec", "write_hf_tokenizer",
+    "build_document_index", "discover_files", "load_tokenizer", "resolve_tokenizer_spec", "tokenizer_folder",
+    "write_hf_tokenizer",
 ]

@@ -182,6 +182,14 @@ def resolve_tokenizer_spec(spec: str, model_path: Optional[str] = None) -> str:
     return spec
 
 
+def tokenizer_folder(spec: str, model_path: Optional[str] = None) -> Optional[str]:
+    """The folder holding the tokenizer ``spec`` names (what an export copies), None for bytes."""
+    spec = resolve_tokenizer_spec(spec, model_path)
+    if spec == "byte":
+        return None
+    return model_path if spec == "model" else spec
+
+
 def load_tokenizer(spec: str, model_path: Optional[str] = None) -> Tokenizer:
     """Builds the tokenizer named by ``DataConfig.tokenizer``.
 
