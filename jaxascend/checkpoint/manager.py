@@ -145,27 +145,36 @@ def resume_target(cfg: CheckpointConfig, run_config: Union[Config, dict], resume
                                   f"{steps}); resume from them (train.resume=auto), or give this run another "
                                   f"train.out_dir or checkpoint.dir")
         return None
-    if resume == "auto":
-        if not steps:
-            return None
-        step = steps[-1]
-    else:
-        step = int(resume)
-        if not directory.is_dir():
-            raise CheckpointNotFoundError(f"train.resume={step}: checkpoint directory {directory} does not exist")
-        if step not in steps:
-            raise CheckpointNotFoundError(f"train.resume={step}: no complete checkpoint for step {step} in "
-                                          f"{directory} (available steps: {steps or 'none'})")
+    step = _requested_step(directory, directory.is_dir(), steps, resume)
+    if step is None:
+        return None
     try:
         record = read_meta(directory / str(step))
     except CorruptCheckpointError as err:
         earlier = [s for s in steps if s < step]
         if resume == "auto" and earlier:
             raise CorruptCheckpointError(f"{err}; to resume from the newest earlier checkpoint instead, set "
-                                         f"train.resume={earlier[-1]} (steps after it are then replaced), or "
-                                         f"train.resume=none to start afresh") from None
+                                         f"train.resume={earlier[-1]} (steps after it are then replaced)") from None
         raise
     check_compatible(record["config"], run_config, directory / str(step))
+    return step
+
+
+def _requested_step(directory: Path, existed: bool, steps: list[int], resume: Union[str, int]) -> Optional[int]:
+    """``train.resume`` against the complete ``steps`` of ``directory`` (``existed``: before this
+    run opened it): ``"none"`` -> None,
+    ``"auto"`` -> the newest (None if there is none), a number -> that step, or
+    :class:`CheckpointNotFoundError` naming the directory and the steps it holds."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return steps[-1] if steps else None
+    step = int(resume)
+    if not existed:
+        raise CheckpointNotFoundError(f"train.resume={step}: checkpoint directory {directory} does not exist")
+    if step not in steps:
+        raise CheckpointNotFoundError(f"train.resume={step}: no complete checkpoint for step {step} in "
+                                      f"{directory} (available steps: {steps or 'none'})")
     return step
 
 
@@ -243,21 +252,13 @@ class Checkpointer:
         """The step ``train.resume`` asks for: ``"none"`` -> None; ``"auto"`` -> the newest
         complete checkpoint (None if there is none); a number -> that step, or
         :class:`CheckpointNotFoundError` naming the directory and the steps it holds."""
-        if resume == "none":
-            return None
-        steps = self.all_steps()
-        if resume == "auto":
-            return steps[-1] if steps else None
-        step = int(resume)
-        if not self.existed:
-            raise CheckpointNotFoundError(f"train.resume={step}: checkpoint directory {self.directory} does not exist")
-        if step not in steps:
-            raise CheckpointNotFoundError(f"train.resume={step}: no complete checkpoint for step {step} in "
-                                          f"{self.directory} (available steps: {steps or 'none'})")
-        newer = [s for s in steps if s > step]
+        steps = [] if resume == "none" else self.all_steps()
+        step = _requested_step(self.directory, self.existed, steps, resume)
+        newer = [s for s in steps if step is not None and s > step]
         if newer:
             log.warning("checkpoint: resuming from step %d while %s holds later steps %s; saving one of those "
-                        "steps again will fail", step, self.directory, newer)
+                        "steps again will fail unless discard_after(%d) replaces them", step, self.directory,
+                        newer, step)
         return step
 
     def discard_after(self, step: int) -> list[int]:
