@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from jaxascend.checkpoint.checksums import leaf_name, raise_if_a_file_is_corrupt, verify_checksums
 from jaxascend.checkpoint.errors import CorruptCheckpointError
-from jaxascend.checkpoint.checksums import verify_checksums
-from jaxascend.checkpoint.manager import OFFLOADED, PARAMS, read_meta
+from jaxascend.checkpoint.manager import OFFLOADED, PARAMS, _root_cause, read_meta
 from jaxascend.checkpoint.ssd_arrays import MANIFEST_FILE, _ChunkReader, read_manifest
 from jaxascend.checkpoint.zarr_layout import chunk_grid, numpy_dtype, zarr_spec
 from jaxascend.config import ModelConfig
@@ -95,12 +96,16 @@ class CheckpointWeights:
     def _in_memory_params(self) -> dict[str, np.ndarray]:
         if self._params is None:
             item = self.directory / PARAMS
-            try:
+            try:  # checked as Checkpointer.restore checks: the damaged file named when it is known
                 tree = ocp.StandardCheckpointer().restore(item)
-            except Exception as err:  # Orbax/tensorstore: the innermost error names the file
-                raise CorruptCheckpointError(f"checkpoint item {item} cannot be read ({err})") from None
-            verify_checksums(tree, self._record.get("checksums", {}).get(PARAMS), item)
-            self._params = {_dotted(name): np.asarray(v) for name, v in _flat(tree).items()}
+                verify_checksums(tree, self._record.get("checksums", {}).get(PARAMS), item)
+            except Exception as err:
+                raise_if_a_file_is_corrupt(self.directory)
+                if isinstance(err, CorruptCheckpointError):
+                    raise
+                raise CorruptCheckpointError(f"checkpoint item {item} cannot be read: {_root_cause(err)}") from None
+            self._params = {_dotted(leaf_name(path)): np.asarray(v)
+                            for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
         return self._params
 
     def close(self) -> None:
@@ -121,11 +126,3 @@ def _dotted(name: str) -> str:
         parts = parts[1:]
     return ".".join(parts[:-1] if parts[-1] == "value" else parts)
 
-
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
