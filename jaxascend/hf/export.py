@@ -41,16 +41,16 @@ ParamSource = Union[nnx.Module, nnx.State, dict, ParamReader]
 _FLOAT_NUMPY = tuple(DTYPES[name] for name in FLOAT_DTYPES)
 DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' historical max_shard_size="5GB"
 
+GENERATION_CONFIG = "generation_config.json"
 # Files copied from tokenizer_src when present (tokenizers, vocabularies, chat templates,
 # generation defaults).
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "tiktoken.model",
-    "chat_template.jinja", "chat_template.json", "generation_config.json",
+    "chat_template.jinja", "chat_template.json", GENERATION_CONFIG,
 )
-GENERATION_CONFIG = "generation_config.json"
-# What the CLIs tell the user (one line) when an export has no tokenizer to copy.
-NO_TOKENIZER_NOTE = ("note: the run used the byte tokenizer, which has no Hugging Face files; "
+# What the CLIs tell the user (a one-line note) when an export has no tokenizer to copy.
+NO_TOKENIZER_NOTE = ("the run used the byte tokenizer, which has no Hugging Face files; "
                      "the export holds no tokenizer")
 
 
@@ -75,7 +75,8 @@ def reader_from_params(params: ParamSource) -> ParamReader:
     return read
 
 
-def _vocab_size(model_cfg: ModelConfig, vocab_size: Optional[int], read: ParamReader) -> int:
+def vocab_size_of(model_cfg: ModelConfig, vocab_size: Optional[int], read: ParamReader) -> int:
+    """``vocab_size``, else the config's, else the rows of the embedding ``read`` returns."""
     if vocab_size:
         return vocab_size
     if model_cfg.vocab_size:
@@ -117,7 +118,7 @@ def export_hf(params: ParamSource, model_cfg: ModelConfig, out_dir: str | os.Pat
         raise HFCheckpointError(f"{out_dir}: export folder already exists and is not empty; "
                                 "choose a new folder or remove it")
     read = reader_from_params(params)
-    vocab = _vocab_size(model_cfg, vocab_size, read)
+    vocab = vocab_size_of(model_cfg, vocab_size, read)
     plan = param_plan(model_cfg, vocab)
     prefix = HF_PREFIX[model_cfg.arch]
     hf_dtype = DTYPE_NAMES[dtype]

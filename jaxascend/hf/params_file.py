@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxascend.config import ConfigError, ModelConfig
 from jaxascend.hf.errors import CorruptFileError, HFCheckpointError, MissingTensorError
-from jaxascend.hf.export import ParamSource, reader_from_params
+from jaxascend.hf.export import ParamSource, reader_from_params, vocab_size_of
 from jaxascend.hf.names import param_plan
 from jaxascend.hf.safetensors_io import DTYPES, SafetensorsFile, TensorSpec, dominant_dtype, write_safetensors
 
@@ -46,11 +46,7 @@ def save_params(path: str | os.PathLike, params: ParamSource, model_cfg: ModelCo
     checkpoint's dtype (``source_dtype``, what ``export.dtype: source`` means) and the
     optimizer ``step`` the weights are from."""
     read = reader_from_params(params)
-    vocab = vocab_size or model_cfg.vocab_size
-    if not vocab:
-        table = ("wte" if model_cfg.arch == "gpt2" else "embed_tokens", "embedding")
-        vocab = int(np.shape(read(table, None))[0])
-    cfg = dataclasses.replace(model_cfg, vocab_size=vocab)
+    cfg = dataclasses.replace(model_cfg, vocab_size=vocab_size_of(model_cfg, vocab_size, read))
     plan = param_plan(cfg)
     specs = []
     for m in plan:
