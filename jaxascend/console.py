@@ -44,8 +44,7 @@ def error(message: str) -> None:
 
 
 def note(message: str) -> None:
-    text = message if message.startswith("note: ") else f"note: {message}"
-    print(" ".join(text.split()), file=terminal(), flush=True)
+    print("note: " + " ".join(message.split()), file=terminal(), flush=True)
 
 
 class _NoteHandler(logging.Handler):

@@ -167,7 +167,7 @@ def test_byte_tokenizer_export_keeps_the_sources_generation_config_and_token_ids
     assert not (hf / "tokenizer.json").exists()
     # A successful run's note is one clean line: no raw Python warning with a source line.
     assert "Warning" not in proc.stderr and "warn(" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().splitlines() == [NO_TOKENIZER_NOTE]
+    assert proc.stderr.strip().splitlines() == [f"note: {NO_TOKENIZER_NOTE}"]
 
 
 # ----------------------------------------------------------------------------- exports
