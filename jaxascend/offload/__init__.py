@@ -28,9 +28,10 @@ from jaxascend.offload.step import (SinkRouting, make_accumulating_offload_step,
 from jaxascend.offload.store_sink import SinkTarget, StoreGradientSink, register_store_sink
 
 __all__ = [
-    "GRAD_SLOT_CLASS", "STATE_SLOT_CLASS", "GradientSinkError", "MemorySink", "OffloadEngine", "OffloadLayout", "OffloadedAdamState",
-    "PostBackwardCheckedStep", "SinkRouting", "SinkTarget", "SsdAdamWState", "StepStats", "StoreGradientSink",
-    "adamw_on_ssd", "fetch_step_outputs", "make_accumulating_offload_step", "make_full_gradient_step", "make_offload_step",
+    "GRAD_SLOT_CLASS", "STATE_SLOT_CLASS", "GradientSinkError", "MemorySink", "OffloadEngine", "OffloadLayout",
+    "OffloadedAdamState", "PostBackwardCheckedStep", "SinkRouting", "SinkTarget", "SsdAdamWState", "StepStats",
+    "StoreGradientSink", "adamw_on_ssd", "fetch_step_outputs", "make_accumulating_offload_step",
+    "make_full_gradient_step", "make_offload_step",
     "offload_on_backward", "post_backward_stats", "register_memory_sink", "register_store_sink",
     "sink_gradient", "ssd_adamw", "ssd_adamw_state", "ssd_adamw_step", "stacked_as_bits", "total_stats",
     "unregister_sink",
