@@ -53,13 +53,30 @@ void WidenToFloat(ffi::DataType type, const void* src, float* dst, int64_t n) {
   }
 }
 
+// dst[i] = widen(round(dst[i] + widen(src[i]))): the sum of two arrivals in the compute dtype
+// (dst holds the first one widened), as AddGradients computes it.
+void AddWidened(ffi::DataType type, const void* src, float* dst, int64_t n) {
+  if (type == ffi::F32) {
+    const float* in = static_cast<const float*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] += in[i];
+    return;
+  }
+  const uint16_t* in = static_cast<const uint16_t*>(src);
+  if (type == ffi::BF16) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(FloatToBFloat16(dst[i] + BFloat16ToFloat(in[i])));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = HalfToFloat(FloatToHalf(dst[i] + HalfToFloat(in[i])));
+  }
+}
+
 class Fp32BufferSink : public GradientSink {
  public:
   explicit Fp32BufferSink(Fp32Buffer buffer) : buffer_(buffer), base_(buffer.data()), size_(buffer.shape(0)) {}
 
   // Routes tensor id `tensor`: `layers` layers of `layer_elements` each, from element `offset`.
   void AddTensor(int64_t tensor, int64_t offset, int64_t layers, int64_t layer_elements,
-                 const std::string& dtype_name) {
+                 const std::string& dtype_name, int64_t arrivals) {
+    if (arrivals < 1) throw nb::value_error("Fp32BufferSink.add_tensor: arrivals must be >= 1");
     const std::string what = "Fp32BufferSink.add_tensor(" + std::to_string(tensor) + ")";
     ffi::DataType dtype;
     if (!ParseGradDtype(dtype_name, &dtype)) {
@@ -82,6 +99,7 @@ class Fp32BufferSink : public GradientSink {
     target->layers = layers;
     target->layer_elements = layer_elements;
     target->dtype = dtype;
+    target->arrivals = arrivals;
     target->received.reset(new std::atomic<int64_t>[layers]);
     for (int64_t i = 0; i < layers; ++i) target->received[i].store(0);
     std::lock_guard<std::mutex> lock(mu_);
@@ -91,15 +109,24 @@ class Fp32BufferSink : public GradientSink {
   }
 
   std::string Consume(int64_t tensor, int64_t layer, ffi::DataType dtype, const void* data,
-                      size_t bytes) override {
+                      size_t bytes, GradStats* stats) override {
     std::shared_ptr<Target> t = FindTarget(tensor);
     if (!t) return "grad_sink: the fp32 buffer sink has no tensor " + std::to_string(tensor);
     std::string bad = CheckGradientLayer(tensor, layer, t->layers, "takes", t->dtype, dtype,
                                          static_cast<size_t>(t->layer_elements) * ItemSize(t->dtype), bytes);
     if (!bad.empty()) return bad;
-    // Layers of different (tensor, layer) pairs never overlap, so no lock is held while copying.
-    WidenToFloat(dtype, data, base_ + t->offset + layer * t->layer_elements, t->layer_elements);
-    t->received[layer].fetch_add(1, std::memory_order_relaxed);
+    float* dst = base_ + t->offset + layer * t->layer_elements;
+    const int64_t seen = t->received[layer].fetch_add(1, std::memory_order_relaxed);
+    if (seen % t->arrivals == 0) {
+      // Layers of different (tensor, layer) pairs never overlap, so no lock is held while copying.
+      WidenToFloat(dtype, data, dst, t->layer_elements);
+    } else {
+      // A later arrival of a tied table's gradient: summed in the compute dtype's arithmetic
+      // (what the SSD sink stores), one element at a time, then widened back in place.
+      AddWidened(dtype, data, dst, t->layer_elements);
+      if ((seen + 1) % t->arrivals == 0) *stats = ComputeGradStats(dst, t->layer_elements, [](float v) { return v; });
+    }
+    if ((seen + 1) % t->arrivals != 0) *stats = GradStats();
     return "";
   }
 
@@ -124,6 +151,7 @@ class Fp32BufferSink : public GradientSink {
     int64_t offset = 0;
     int64_t layers = 0;
     int64_t layer_elements = 0;
+    int64_t arrivals = 1;
     ffi::DataType dtype = ffi::F32;
     std::unique_ptr<std::atomic<int64_t>[]> received;
   };
@@ -146,7 +174,7 @@ void BindFp32BufferSink(nb::module_& m) {
                              "Gradient sink that widens each layer into its place in one float32 host buffer.")
       .def(nb::new_([](Fp32Buffer buffer) { return std::make_shared<Fp32BufferSink>(buffer); }), nb::arg("buffer"))
       .def("add_tensor", &Fp32BufferSink::AddTensor, nb::arg("tensor"), nb::arg("offset"), nb::arg("layers"),
-           nb::arg("layer_elements"), nb::arg("dtype"),
+           nb::arg("layer_elements"), nb::arg("dtype"), nb::arg("arrivals") = 1,
            "Routes tensor id `tensor` (layers x layer_elements, dtype) to the buffer from element `offset`.")
       .def("received", &Fp32BufferSink::Received, nb::arg("tensor"),
            "Per layer, how many times the sink consumed it since reset().")

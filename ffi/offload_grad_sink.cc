@@ -68,7 +68,8 @@ namespace {
 class MemorySink : public GradientSink {
  public:
   void AddTensor(int64_t tensor, nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig> buffer,
-                 int64_t layer_bytes) {
+                 int64_t layer_bytes, int64_t arrivals) {
+    if (arrivals < 1) throw nb::value_error("MemorySink.add_tensor: arrivals must be >= 1");
     if (layer_bytes <= 0 || buffer.shape(0) % static_cast<size_t>(layer_bytes) != 0) {
       throw nb::value_error(("MemorySink.add_tensor: buffer of " + std::to_string(buffer.shape(0)) +
                              " bytes is not a whole number of layers of " +
@@ -76,11 +77,12 @@ class MemorySink : public GradientSink {
                                 .c_str());
     }
     std::lock_guard<std::mutex> lock(mu_);
-    tensors_[tensor] = Target{buffer, buffer.data(), buffer.shape(0), static_cast<size_t>(layer_bytes)};
+    tensors_[tensor] = Target{buffer, buffer.data(), buffer.shape(0), static_cast<size_t>(layer_bytes), arrivals,
+                              std::vector<int64_t>(buffer.shape(0) / static_cast<size_t>(layer_bytes), 0)};
   }
 
-  std::string Consume(int64_t tensor, int64_t layer, ffi::DataType, const void* data,
-                      size_t bytes) override {
+  std::string Consume(int64_t tensor, int64_t layer, ffi::DataType dtype, const void* data,
+                      size_t bytes, GradStats* stats) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = tensors_.find(tensor);
     if (it == tensors_.end()) return "grad_sink: memory sink has no tensor " + std::to_string(tensor);
@@ -94,7 +96,16 @@ class MemorySink : public GradientSink {
       return "grad_sink: layer " + std::to_string(layer) + " is out of range for tensor " +
              std::to_string(tensor);
     }
-    std::memcpy(t.base + offset, data, bytes);
+    // Several arrivals of one layer (a tied table's uses) are summed, as the sink on SSD sums them.
+    const int64_t seen = t.seen[static_cast<size_t>(layer)]++;
+    if (seen % t.arrivals == 0) {
+      std::memcpy(t.base + offset, data, bytes);
+    } else {
+      const int64_t n = static_cast<int64_t>(bytes) / (dtype == ffi::DataType::F32 ? 4 : 2);
+      AddGradients(dtype, t.base + offset, data, t.base + offset, n);
+      if ((seen + 1) % t.arrivals == 0) GradStatsOf(dtype, t.base + offset, n, stats);
+    }
+    if ((seen + 1) % t.arrivals != 0) *stats = GradStats();
     ++t.writes;
     return "";
   }
@@ -111,6 +122,8 @@ class MemorySink : public GradientSink {
     uint8_t* base;
     size_t total;
     size_t layer_bytes;
+    int64_t arrivals = 1;
+    std::vector<int64_t> seen;
     int64_t writes = 0;
   };
   std::mutex mu_;
@@ -134,7 +147,7 @@ ffi::Error GradSinkDispatch(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer,
         "grad_sink: unsupported gradient dtype (expected float16, bfloat16 or float32)");
   }
   std::string err = target->Consume(tensor, layer.typed_data()[0], x.element_type(),
-                                    x.untyped_data(), x.size_bytes());
+                                    x.untyped_data(), x.size_bytes(), &s);
   if (!err.empty()) return ffi::Error::Internal(err);
   sumsq->typed_data()[0] = static_cast<float>(s.sumsq);
   const int64_t cap = std::numeric_limits<int32_t>::max();
@@ -160,7 +173,8 @@ void BindGradSink(nb::module_& m) {
   nb::class_<MemorySink>(m, "MemorySink", "Gradient sink that copies layers into host byte buffers.")
       .def(nb::new_([]() { return std::make_shared<MemorySink>(); }))
       .def("add_tensor", &MemorySink::AddTensor, nb::arg("tensor"), nb::arg("buffer"),
-           nb::arg("layer_bytes"), "Routes tensor id `tensor` into `buffer` (uint8, layers back to back).")
+           nb::arg("layer_bytes"), nb::arg("arrivals") = 1,
+           "Routes tensor id `tensor` into `buffer` (uint8, layers back to back); `arrivals` per layer are summed.")
       .def("writes", &MemorySink::Writes, nb::arg("tensor"), "Number of layers consumed for a tensor.");
   m.def(
       "register_memory_sink",
@@ -188,7 +202,7 @@ void BindGradSink(nb::module_& m) {
         std::string err;
         {
           nb::gil_scoped_release release;
-          err = target->Consume(tensor, layer, type, g.data(), g.size());
+          err = target->Consume(tensor, layer, type, g.data(), g.size(), &s);
         }
         if (!err.empty()) throw std::runtime_error(err);
         return std::make_pair(static_cast<float>(s.sumsq), s.nonfinite);

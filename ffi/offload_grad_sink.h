@@ -12,6 +12,8 @@
 #include <memory>
 #include <string>
 
+#include "dtypes.h"
+#include "optim_grad_stats.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxascend {
@@ -20,10 +22,33 @@ class GradientSink {
  public:
   virtual ~GradientSink() = default;
   // Takes `bytes` bytes of gradient `tensor` (a sink-defined id) for layer `layer` (0 for
-  // tensors outside the layer stack). Returns an empty string on success, else an error message.
+  // tensors outside the layer stack). `stats` holds the statistics of `data` on entry; a sink
+  // that sums several arrivals of one layer (a tied table's uses) sets them to zero for all but
+  // the last arrival and to those of the sum for the last, so the step's totals are the summed
+  // gradient's. Returns an empty string on success, else an error message.
   virtual std::string Consume(int64_t tensor, int64_t layer, xla::ffi::DataType dtype,
-                              const void* data, size_t bytes) = 0;
+                              const void* data, size_t bytes, GradStats* stats) = 0;
 };
+
+// out[i] = prev[i] + add[i] for n elements of `dtype`, as XLA adds two 16-bit arrays on the CPU:
+// in float32, rounded back to nearest even; float32 adds directly. `out` may alias `prev`.
+inline void AddGradients(xla::ffi::DataType dtype, const void* prev, const void* add, void* out, int64_t n) {
+  if (dtype == xla::ffi::DataType::F32) {
+    const float* a = static_cast<const float*>(prev);
+    const float* b = static_cast<const float*>(add);
+    float* o = static_cast<float*>(out);
+    for (int64_t i = 0; i < n; ++i) o[i] = a[i] + b[i];
+    return;
+  }
+  const uint16_t* a = static_cast<const uint16_t*>(prev);
+  const uint16_t* b = static_cast<const uint16_t*>(add);
+  uint16_t* o = static_cast<uint16_t*>(out);
+  if (dtype == xla::ffi::DataType::BF16) {
+    for (int64_t i = 0; i < n; ++i) o[i] = FloatToBFloat16(BFloat16ToFloat(a[i]) + BFloat16ToFloat(b[i]));
+  } else {
+    for (int64_t i = 0; i < n; ++i) o[i] = FloatToHalf(HalfToFloat(a[i]) + HalfToFloat(b[i]));
+  }
+}
 
 // Gradient dtypes by the names Python passes ("float32", "float16", "bfloat16").
 inline bool ParseGradDtype(const std::string& name, xla::ffi::DataType* type) {

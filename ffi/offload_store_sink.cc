@@ -18,6 +18,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <memory>
@@ -47,8 +48,9 @@ class StoreSink : public GradientSink {
 
   // Routes tensor id `tensor` to `regions` (one per layer, each `layer_bytes` long).
   void AddTensor(int64_t tensor, const std::vector<int32_t>& regions, int64_t layer_bytes,
-                 const std::string& dtype_name) {
+                 const std::string& dtype_name, int64_t arrivals) {
     const std::string what = "StoreSink.add_tensor(" + std::to_string(tensor) + ")";
+    if (arrivals < 1) throw nb::value_error((what + ": arrivals must be >= 1").c_str());
     ffi::DataType dtype;
     if (!ParseGradDtype(dtype_name, &dtype)) {
       throw nb::value_error((what + ": dtype '" + dtype_name + "' is not float32, float16 or bfloat16").c_str());
@@ -73,6 +75,7 @@ class StoreSink : public GradientSink {
     target->regions = regions;
     target->layer_bytes = layer_bytes;
     target->dtype = dtype;
+    target->arrivals = arrivals;
     target->received.reset(new std::atomic<int64_t>[regions.size()]);
     for (size_t i = 0; i < regions.size(); ++i) target->received[i].store(0);
     std::lock_guard<std::mutex> lock(mu_);
@@ -82,7 +85,7 @@ class StoreSink : public GradientSink {
   }
 
   std::string Consume(int64_t tensor, int64_t layer, ffi::DataType dtype, const void* data,
-                      size_t bytes) override {
+                      size_t bytes, GradStats* stats) override {
     std::shared_ptr<Target> t = FindTarget(tensor);
     if (!t) return "grad_sink: the SSD store sink has no tensor " + std::to_string(tensor);
     std::string bad = CheckGradientLayer(tensor, layer, static_cast<int64_t>(t->regions.size()), "stores", t->dtype,
@@ -90,13 +93,20 @@ class StoreSink : public GradientSink {
     if (!bad.empty()) return bad;
     std::shared_ptr<ShardStore> store = Store();
     if (!store) return "grad_sink: " + ClosedMessage();
-    // Copies into a staging slot before returning; the disk write completes in the background.
-    const Status s = store->WriteFromHost(t->regions[layer], 0, data, t->layer_bytes, /*wait=*/false);
+    const int64_t seen = t->received[layer].fetch_add(1, std::memory_order_relaxed);
+    const bool last = (seen + 1) % t->arrivals == 0;
+    Status s;
+    if (seen % t->arrivals == 0) {
+      // Copies into a staging slot before returning; the disk write completes in the background.
+      s = store->WriteFromHost(t->regions[layer], 0, data, t->layer_bytes, /*wait=*/false);
+    } else {
+      s = AddToStored(*store, *t, layer, data, stats);  // a later use of a tied table
+    }
     if (!s.ok()) {
       return "grad_sink: writing layer " + std::to_string(layer) + " of tensor " + std::to_string(tensor) +
              " to the SSD store: " + s.message();
     }
-    t->received[layer].fetch_add(1, std::memory_order_relaxed);
+    if (!last) *stats = GradStats();  // the sum's statistics come with the last arrival
     return "";
   }
 
@@ -122,9 +132,35 @@ class StoreSink : public GradientSink {
   struct Target {
     std::vector<int32_t> regions;
     int64_t layer_bytes = 0;
+    int64_t arrivals = 1;  // uses of the tensor whose gradients are summed (2 for a tied table)
     ffi::DataType dtype = ffi::F32;
     std::unique_ptr<std::atomic<int64_t>[]> received;
   };
+
+  // Adds `data` to what the region holds, piece by piece through a staging-sized buffer (read
+  // back, add as XLA adds 16-bit arrays, write), and sets `stats` to those of the sum.
+  Status AddToStored(ShardStore& store, const Target& t, int64_t layer, const void* data, GradStats* stats) {
+    const int64_t piece = store.options().staging_bytes;
+    const int64_t item = t.dtype == ffi::F32 ? 4 : 2;
+    std::lock_guard<std::mutex> lock(add_mu_);
+    add_buffer_.resize(static_cast<size_t>(std::min(piece, t.layer_bytes)));
+    GradStats total;
+    for (int64_t offset = 0; offset < t.layer_bytes; offset += piece) {
+      const int64_t n = std::min(piece, t.layer_bytes - offset);
+      Status s = store.ReadToHost(t.regions[layer], offset, add_buffer_.data(), n);
+      if (!s.ok()) return s;
+      AddGradients(t.dtype, add_buffer_.data(), static_cast<const uint8_t*>(data) + offset, add_buffer_.data(),
+                   n / item);
+      GradStats part;
+      GradStatsOf(t.dtype, add_buffer_.data(), n / item, &part);
+      total.sumsq += part.sumsq;
+      total.nonfinite += part.nonfinite;
+      s = store.WriteFromHost(t.regions[layer], offset, add_buffer_.data(), n, /*wait=*/false);
+      if (!s.ok()) return s;
+    }
+    *stats = total;
+    return Status::Ok();
+  }
 
   std::shared_ptr<Target> FindTarget(int64_t tensor) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -146,6 +182,8 @@ class StoreSink : public GradientSink {
   int64_t store_handle_;
   std::weak_ptr<ShardStore> store_;
   std::mutex mu_;  // guards targets_ (AddTensor may run while a backward pass consumes)
+  std::mutex add_mu_;  // guards add_buffer_
+  std::vector<uint8_t> add_buffer_;
   std::map<int64_t, std::shared_ptr<Target>> targets_;
 };
 
@@ -154,7 +192,9 @@ void BindStoreSink(nb::module_& m) {
       .def(nb::new_([](int64_t store_handle) { return std::make_shared<StoreSink>(store_handle); }),
            nb::arg("store_handle"))
       .def("add_tensor", &StoreSink::AddTensor, nb::arg("tensor"), nb::arg("regions"), nb::arg("layer_bytes"),
-           nb::arg("dtype"), "Routes tensor id `tensor` to one region id per layer, each layer_bytes long.")
+           nb::arg("dtype"), nb::arg("arrivals") = 1,
+           "Routes tensor id `tensor` to one region id per layer, each layer_bytes long; `arrivals` per layer "
+           "are summed (a tied table's uses).")
       .def("received", &StoreSink::Received, nb::arg("tensor"),
            "Per layer, how many times the sink consumed it since reset().")
       .def("reset", &StoreSink::Reset, "Zeroes the receipt counters.")

@@ -22,12 +22,13 @@ from jaxascend import console
 from jaxascend.checkpoint import Checkpointer, resume_target
 from jaxascend.config import Config, ConfigError, ModelConfig
 from jaxascend.data import BatchStream, load_tokenizer, tokenizer_folder
-from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, export_hf, load_hf_model,
-                          model_config_from_hf, save_params)
+from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, export_hf, lean_init_reader,
+                          load_hf_model, model_config_from_hf, save_params)
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.models import count_params
 from jaxascend.offload import OffloadEngine
+from jaxascend.offload import resolve as plan_resolve
 from jaxascend.optim import learning_rate_schedule
 from jaxascend.ssd import MemorySampler
 
@@ -125,6 +126,11 @@ def run(cfg: Config) -> TrainResult:
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     stream = BatchStream(cfg.data, tokenizer)
     vocab_size = vocabulary_size(cfg, model_cfg, tokenizer)
+    # Plan: host memory, disk; offload.params auto -> resident or ssd. A run that cannot fit
+    # the budget or the disk stops here, naming the part and by how much.
+    cfg, plan = plan_resolve(cfg, dataclasses.replace(model_cfg, vocab_size=vocab_size))
+    plan.check()
+    streamed = cfg.offload.enabled and cfg.offload.params == "ssd"
     start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
     # The checkpoint's tensors (names, shapes, dtypes) are checked when the reader opens.
     with HFParamReader(cfg.model.path, model_cfg) if cfg.model.path else contextlib.nullcontext() as source:
@@ -134,13 +140,18 @@ def run(cfg: Config) -> TrainResult:
 
         # Build: model, engine (optimizer state in RAM or on SSD).
         out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+        # Streamed weights (offload.params: ssd): the layer stack is never loaded whole; the
+        # engine reads it layer by layer into the SSD regions (with the master weights).
         if source is not None:
-            model = load_hf_model(cfg.model.path, model_cfg)  # tensor by tensor, cast to param_dtype
+            model = load_hf_model(cfg.model.path, model_cfg, layer_stack=not streamed)  # tensor by tensor
         else:
-            model = build_model_lean(model_cfg, vocab_size, cfg.train.seed)  # one tensor at a time
+            model = build_model_lean(model_cfg, vocab_size, cfg.train.seed, layer_stack=not streamed)
         num_params = count_params(model)
         # fp32 master weights from the checkpoint's own values, not from the rounded compute copy.
-        engine = build_engine(cfg, model, model_cfg, master=source.read if source else None)
+        master = source.read if source else (lean_init_reader(origin.model_config, cfg.train.seed)
+                                             if streamed else None)
+        engine = build_engine(cfg, model, model_cfg, master=master)
         del model  # the engine holds what it needs (compute params; master weights on SSD)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     tokens_per_step = cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len

@@ -83,7 +83,7 @@ TMP_MARKER = ".orbax-checkpoint-tmp"
 COMPATIBILITY_FIELDS = (
     "model.arch", "model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_hidden_layers",
     "model.num_attention_heads", "model.num_key_value_heads", "model.head_dim", "model.tie_word_embeddings",
-    "model.attention_bias", "model.dtype", "model.param_dtype", "offload.enabled",
+    "model.attention_bias", "model.dtype", "model.param_dtype", "offload.enabled", "offload.params",
 )
 
 

@@ -175,7 +175,8 @@ def checkpoint_arena_requests(cfg: OffloadConfig, chunk_bytes: Optional[int] = N
 def specs_for_offload_layout(layout, tensors: Sequence[str] = ("master", "m", "v")) -> list[ArraySpec]:
     """Array specs for :class:`jaxascend.offload.layout.OffloadLayout`'s state regions: per leaf
     and tensor an fp32 array ``"<tensor>/<leaf path>"`` of the leaf's shape, gathered from the
-    chunk-interleaved ``master[n] | m[n] | v[n]`` pieces of every layer's state region."""
+    chunk-interleaved ``master[n] | m[n] | v[n]`` pieces of every layer's state region; a leaf
+    whose compute weights are streamed from SSD adds ``"params/<leaf path>"`` in its dtype."""
     specs = []
     chunk = layout.chunk_elements
     for leaf in layout.leaves:
@@ -187,6 +188,11 @@ def specs_for_offload_layout(layout, tensors: Sequence[str] = ("master", "m", "v
                     n = min(chunk, per_layer - start)
                     spans.append(Span(region, 4 * len(tensors) * start + 4 * k * n, 4 * n))
             specs.append(ArraySpec(f"{tensor}/{leaf.path}", leaf.shape, np.float32, tuple(spans)))
+        if getattr(leaf, "param_regions", ()):  # offload.params: ssd: the compute weights live on SSD too
+            size = leaf.dtype.itemsize
+            spans = [Span(region, size * start, size * min(chunk, per_layer - start))
+                     for region in leaf.param_regions for start in range(0, per_layer, chunk)]
+            specs.append(ArraySpec(f"params/{leaf.path}", leaf.shape, leaf.dtype, tuple(spans)))
     return specs
 
 

@@ -11,7 +11,7 @@ Every problem (unknown key, wrong type, out-of-range value, missing file) raises
 * :mod:`~jaxascend.config.loading` -- YAML, ``--set`` overrides, coercion, cross-section checks.
 """
 
-from jaxascend.config.loading import apply_overrides, config_from_dict, load_config
+from jaxascend.config.loading import apply_overrides, check_param_placement, config_from_dict, load_config
 from jaxascend.config.model import GEMMA3_FIELDS, LAYER_TYPES, ROPE_TYPES, ModelConfig, validate_rope_scaling
 from jaxascend.config.sections import (CheckpointConfig, Config, DataConfig, ExportConfig, OffloadConfig,
                                        OptimizerConfig, TrainConfig, validate_resume)
@@ -20,5 +20,5 @@ from jaxascend.config.values import ConfigError, DType, HiddenAct, RematPolicy, 
 __all__ = [
     "GEMMA3_FIELDS", "LAYER_TYPES", "ROPE_TYPES", "CheckpointConfig", "Config", "ConfigError", "DType", "DataConfig",
     "ExportConfig", "HiddenAct", "ModelConfig", "OffloadConfig", "OptimizerConfig", "RematPolicy", "TrainConfig",
-    "apply_overrides", "config_from_dict", "load_config", "parse_bytes", "validate_resume", "validate_rope_scaling",
+    "apply_overrides", "check_param_placement", "config_from_dict", "load_config", "parse_bytes", "validate_resume", "validate_rope_scaling",
 ]

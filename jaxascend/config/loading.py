@@ -153,10 +153,30 @@ def _validate_cross_fields(cfg: Config) -> None:
         raise ConfigError(f"data.tokenizer: expected 'auto', 'byte', 'model' or a tokenizer folder, got {tok!r}")
     if cfg.model.path is not None and not os.path.isdir(os.path.expanduser(cfg.model.path)):
         raise ConfigError(f"model.path: {cfg.model.path!r} is not a directory")
+    check_param_placement(cfg)
     if cfg.data.seq_len > cfg.model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len: {cfg.data.seq_len} exceeds model.max_position_embeddings="
             f"{cfg.model.max_position_embeddings}")
+
+
+def check_param_placement(cfg: Config) -> None:
+    """``offload.params: ssd`` streams the layer stack's weights through the layer scan; what
+    that cannot serve is refused here, by name."""
+    if cfg.offload.params != "ssd":
+        return
+    if not cfg.offload.enabled:
+        raise ConfigError("offload.params: 'ssd' needs offload.enabled: true (the weights live beside the "
+                          "optimizer state on SSD)")
+    if cfg.model.remat == "none":
+        raise ConfigError("offload.params: 'ssd' needs model.remat other than 'none' (without recomputation the "
+                          "backward pass would keep every layer's weights in memory); use remat: full")
+    if cfg.train.grad_accum != 1:
+        raise ConfigError(f"offload.params: 'ssd' needs train.grad_accum: 1, got {cfg.train.grad_accum} (gradient "
+                          "accumulation keeps a float32 copy of every gradient in memory); raise data.batch_size")
+    if cfg.offload.post_backward_overflow_check:
+        raise ConfigError("offload.params: 'ssd' cannot be combined with offload.post_backward_overflow_check "
+                          "(that ablation materializes the whole gradient tree)")
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:

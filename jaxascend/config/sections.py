@@ -78,6 +78,9 @@ class OptimizerConfig:
                               f"optimizer.loss_scale_min={self.loss_scale_min}")
 
 
+PARAM_PLACEMENTS = ("auto", "resident", "ssd")
+
+
 @dataclass
 class OffloadConfig:
     """Optimizer state and gradients on SSD, streamed through a preallocated host arena.
@@ -103,6 +106,12 @@ class OffloadConfig:
     pin_memory: bool = True  # cudaHostRegister the arena when a CUDA device is present
     preallocate: bool = True  # fallocate shard space up front, so a full disk fails early
     kernel_threads: int = 1  # threads of the fused AdamW kernel per chunk (the step is I/O bound)
+    # Where the compute-dtype weights of the layer stack live: "resident" (device memory; on a
+    # CPU machine, RAM: 2 B/param), "ssd" (shard store regions beside master/m/v, read layer by
+    # layer during the step: a few layers in RAM), "auto" (resident if the plan fits
+    # host_memory_budget, else ssd; resident without a budget). See `python -m jaxascend.plan`.
+    params: str = "auto"
+    param_prefetch: int = 2  # layers the parameter source reads ahead (arena slots of one layer each)
     # Buffered I/O only (direct_io false, or the O_DIRECT fallback): drop each block from the
     # page cache after it is read or written. False is ZeRO-Infinity's page-cache I/O: the kernel
     # keeps (and writes back, when it likes) every page it has seen, up to 14 B/param.
@@ -127,6 +136,9 @@ class OffloadConfig:
         _check_range("offload.staging_slots", self.staging_slots, lo=1, hi=64)
         _check_range("offload.stream_depth", self.stream_depth, lo=2, hi=64)
         _check_range("offload.kernel_threads", self.kernel_threads, lo=1, hi=256)
+        if self.params not in PARAM_PLACEMENTS:
+            raise ConfigError(f"offload.params: {self.params!r} is not one of {', '.join(PARAM_PLACEMENTS)}")
+        _check_range("offload.param_prefetch", self.param_prefetch, lo=1, hi=64)
         self.block_bytes = parse_bytes(self.block_bytes, "offload.block_bytes")
         _check_range("offload.block_bytes", self.block_bytes, lo=4096)
         if self.block_bytes % 4096:

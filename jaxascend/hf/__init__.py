@@ -20,7 +20,7 @@ from jaxascend.hf.config_map import (CONFIG_FILE, detect_arch, hf_config_dict, m
 from jaxascend.hf.errors import (CorruptFileError, DTypeMismatchError, HFCheckpointError, MissingTensorError,
                                  ShapeMismatchError, UnexpectedTensorError, UnsupportedModelError)
 from jaxascend.hf.export import DEFAULT_SHARD_BYTES, NO_TOKENIZER_NOTE, export_hf
-from jaxascend.hf.lean_init import build_model_lean
+from jaxascend.hf.lean_init import build_model_lean, lean_init_reader
 from jaxascend.hf.load import HFParamReader, iter_hf_params, load_hf_model, load_hf_params
 from jaxascend.hf.names import ParamMapping, abstract_params, param_plan, tree_path_to_dotted
 from jaxascend.hf.params_file import PARAMS_FILE, ParamsFile, save_params
@@ -33,7 +33,7 @@ __all__ = [
     "PUBLISHED_PARAMS", "SINGLE_FILE", "CheckpointFiles", "CorruptFileError", "DTypeMismatchError",
     "HFCheckpointError", "HFParamReader", "MissingTensorError", "ParamMapping", "ParamsFile", "SafetensorsFile",
     "ShapeMismatchError", "TensorSpec", "UnexpectedTensorError", "UnsupportedModelError", "abstract_params",
-    "build_model_lean", "detect_arch", "export_hf", "hf_config_dict", "iter_hf_params", "load_hf_model",
+    "build_model_lean", "lean_init_reader", "detect_arch", "export_hf", "hf_config_dict", "iter_hf_params", "load_hf_model",
     "load_hf_params", "make_hf_checkpoint", "model_config_from_hf", "model_config_from_hf_dict", "param_plan",
     "preset_config", "read_hf_config", "save_params", "tree_path_to_dotted", "write_safetensors", "write_sharded",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxascend.config import ModelConfig
@@ -22,15 +23,37 @@ from jaxascend.hf.presets import random_reader
 from jaxascend.models import DTYPES, norm_scale_init
 
 
-def build_model_lean(cfg: ModelConfig, vocab_size: int, seed: int) -> nnx.Module:
+def lean_init_reader(cfg: ModelConfig, seed: int):
+    """``read(path, layer)`` of the initial weights :func:`build_model_lean` gives (one layer of a
+    stacked tensor, or a whole other one), rounded to ``param_dtype`` and held in float32: the master weights of a run whose
+    layer stack is streamed from SSD start from it, one layer at a time."""
+    read = random_reader(seed, cfg.init_std, random_norms=False, norm_scale=norm_scale_init(cfg.arch))
+    plan = {m.path: m for m in param_plan(cfg)}
+    dtype = DTYPES[cfg.param_dtype]
+
+    def read_layer(path, layer, rows=None):
+        m = plan[tuple(path)]
+        # float32 holding param_dtype values: what the resident model's weights widen to.
+        values = read(m.path, layer if m.stacked else None, m.layer_shape)
+        if rows is not None:  # a block of a large table (its values depend on the whole tensor's seed)
+            values = values[rows[0]:rows[1]]
+        return values.astype(dtype).astype(np.float32)
+
+    return read_layer
+
+
+def build_model_lean(cfg: ModelConfig, vocab_size: int, seed: int, *, layer_stack: bool = True) -> nnx.Module:
     """The model of ``cfg`` with random weights, built one tensor at a time; each tensor's
-    values depend only on ``seed``, its path and layer."""
+    values depend only on ``seed``, its path and layer. ``layer_stack=False``: the stacked
+    leaves stay ``jax.ShapeDtypeStruct`` (see :func:`lean_init_reader` for their values)."""
     cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
     graphdef, state = abstract_params(cfg)
     read = random_reader(seed, cfg.init_std, random_norms=False, norm_scale=norm_scale_init(cfg.arch))
     dtype = DTYPES[cfg.param_dtype]
     values: dict = {}
     for m in param_plan(cfg):
+        if m.stacked and not layer_stack:
+            continue
         out = aligned_empty(m.shape, dtype)
         for layer in range(m.shape[0]) if m.stacked else (None,):
             dst = out if layer is None else out[layer]

@@ -122,9 +122,10 @@ def check_checkpoint(ckpt: CheckpointFiles, plan: list[ParamMapping], cfg: Model
 
 
 def iter_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] = None, *,
-                   dtype: Optional[str] = None) -> Iterator[tuple[ParamMapping, np.ndarray]]:
+                   dtype: Optional[str] = None, layer_stack: bool = True) -> Iterator[tuple[ParamMapping, np.ndarray]]:
     """Yields ``(mapping, array)`` for each of our parameters, in tree order, read from the
-    checkpoint in ``folder`` and cast to ``dtype`` (default: ``model_cfg.param_dtype``).
+    checkpoint in ``folder`` and cast to ``dtype`` (default: ``model_cfg.param_dtype``);
+    ``layer_stack=False`` skips the stacked ones (their weights are streamed from SSD).
 
     Each array is a fresh 64-byte-aligned numpy buffer in our layout (stacked layers, ``[in, out]``
     kernels) that the caller owns; only the scratch buffer is kept between parameters. This is the
@@ -136,6 +137,7 @@ def iter_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] =
     plan = param_plan(cfg)
     with CheckpointFiles(folder) as ckpt:
         prefix = check_checkpoint(ckpt, plan, cfg)
+        plan = [m for m in plan if layer_stack or not m.stacked]
 
         def sources(m: ParamMapping):
             return [(layer, source_entry(ckpt.entries, m, layer, prefix))
@@ -216,11 +218,16 @@ class HFParamReader:
         # The checkpoint's own dtype (what export.dtype "source" exports in).
         self.source_dtype = dominant_dtype(self._ckpt.entries.values())
 
-    def read(self, path: tuple[str, ...], layer: Optional[int] = None) -> np.ndarray:
-        """Our parameter ``path`` (the whole tensor, or one ``layer`` of a stacked one)."""
+    def read(self, path: tuple[str, ...], layer: Optional[int] = None,
+             rows: Optional[tuple[int, int]] = None) -> np.ndarray:
+        """Our parameter ``path`` (the whole tensor, or one ``layer`` of a stacked one; ``rows``:
+        only rows ``[start, stop)`` of an unstacked, untransposed one, e.g. a block of a large
+        vocabulary table, so that the table is never whole in float32)."""
         m = self.plan.get(tuple(path))
         if m is None:
             raise KeyError(f"{self.folder}: the model has no parameter {'.'.join(path)!r}")
+        if rows is not None:
+            return self._read_rows(m, *rows)
         if m.stacked and layer is None:
             out = aligned_empty(m.shape, self.dtype)
             for i in range(m.shape[0]):
@@ -231,6 +238,19 @@ class HFParamReader:
             self._scratch = np.empty(entry.nbytes, np.uint8)
         out = aligned_empty(m.layer_shape, self.dtype)
         _read_converted(self._ckpt, m, entry, out, self._scratch)
+        return out
+
+    def _read_rows(self, m: ParamMapping, start: int, stop: int) -> np.ndarray:
+        if m.stacked or m.transpose or m.hf_rows or not 0 <= start < stop <= m.shape[0]:
+            raise ValueError(f"{self.folder}: cannot read rows [{start}, {stop}) of {'.'.join(m.path)!r}")
+        entry = source_entry(self._ckpt.entries, m, None, self._prefix)
+        row = entry.nbytes // entry.shape[0]
+        part = dataclasses.replace(entry, shape=(stop - start,) + tuple(entry.shape[1:]),
+                                   begin=entry.begin + start * row, end=entry.begin + stop * row)
+        if self._scratch.nbytes < part.nbytes:
+            self._scratch = np.empty(part.nbytes, np.uint8)
+        out = aligned_empty(part.shape, self.dtype)
+        _read_converted(self._ckpt, m, part, out, self._scratch)
         return out
 
     def close(self) -> None:
@@ -245,18 +265,20 @@ class HFParamReader:
 
 
 def load_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] = None, *,
-                   device: Optional[jax.Device] = None) -> nnx.State:
+                   device: Optional[jax.Device] = None, layer_stack: bool = True) -> nnx.State:
     """The ``nnx.State`` (all ``nnx.Param``) of ``model_cfg``'s model, read from ``folder``.
 
     ``model_cfg`` defaults to :func:`model_config_from_hf(folder)`; pass
     ``model_config_from_hf(folder, base=cfg.model)`` to keep the run's dtype/remat settings.
     Arrays are in ``model_cfg.param_dtype`` on ``device`` (default: the default device).
+    ``layer_stack=False``: the layer stack's leaves stay ``jax.ShapeDtypeStruct`` (nothing read or
+    allocated for them; ``offload.params: ssd`` reads them layer by layer instead).
     """
     folder = os.path.expanduser(str(folder))
     cfg = _resolve(folder, model_cfg)
     _, state = abstract_params(cfg)
     values: dict = {}
-    for m, array in iter_hf_params(folder, cfg):
+    for m, array in iter_hf_params(folder, cfg, layer_stack=layer_stack):
         node = values
         for key in m.path[:-1]:
             node = node.setdefault(key, {})
@@ -268,9 +290,9 @@ def load_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] =
 
 
 def load_hf_model(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] = None, *,
-                  device: Optional[jax.Device] = None) -> nnx.Module:
+                  device: Optional[jax.Device] = None, layer_stack: bool = True) -> nnx.Module:
     """The model of ``model_cfg`` with the weights in ``folder``; see :func:`load_hf_params`."""
     folder = os.path.expanduser(str(folder))
     cfg = _resolve(folder, model_cfg)
     graphdef, _ = abstract_params(cfg)
-    return nnx.merge(graphdef, load_hf_params(folder, cfg, device=device))
+    return nnx.merge(graphdef, load_hf_params(folder, cfg, device=device, layer_stack=layer_stack))

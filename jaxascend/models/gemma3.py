@@ -129,17 +129,17 @@ class Gemma3ForCausalLM(nnx.Module):
         self.remat = cfg.remat
         self.dtype = dtype
 
-    def embed(self, input_ids: jax.Array) -> jax.Array:
+    def embed(self, input_ids: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
         """The scaled embedding, in the compute dtype: HF multiplies by ``sqrt(hidden_size)``
         rounded to the weight dtype first (bf16 34.0 for Gemma 3 1B, not 33.94)."""
-        return self.embed_tokens(input_ids) * jnp.asarray(self.embed_scale, self.dtype)
+        return self.embed_tokens(input_ids, table_hook) * jnp.asarray(self.embed_scale, self.dtype)
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-                 layer_hook: Optional[L.LayerHook] = None) -> jax.Array:
+                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None) -> jax.Array:
         positions = L.default_positions(input_ids, positions)
-        hidden = L.scan_layers(self.layers, self.embed(input_ids), positions, self.remat, layer_hook,
+        hidden = L.scan_layers(self.layers, self.embed(input_ids, table_hook), positions, self.remat, layer_hook,
                                self.layer_flags)
-        logits = L.lm_logits(self.norm(hidden), self.embed_tokens, self.lm_head)
+        logits = L.lm_logits(self.norm(hidden), self.embed_tokens, self.lm_head, table_hook)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = jnp.tanh(logits / cap) * cap

@@ -165,12 +165,12 @@ class GPT2LMHeadModel(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-                 layer_hook: Optional[L.LayerHook] = None) -> jax.Array:
+                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None) -> jax.Array:
         if positions is None and input_ids.ndim == 2 and input_ids.shape[1] > self.max_positions:
             raise ValueError(f"input_ids: length {input_ids.shape[1]} exceeds "
                              f"model.max_position_embeddings={self.max_positions}")
         positions = L.default_positions(input_ids, positions)
-        hidden = self.wte(input_ids) + self.wpe(positions)
+        hidden = self.wte(input_ids, table_hook) + self.wpe(positions)
         hidden = L.scan_layers(self.h, hidden, positions, self.remat, layer_hook)
         hidden = self.ln_f(hidden)
-        return L.lm_logits(hidden, self.wte, self.lm_head)
+        return L.lm_logits(hidden, self.wte, self.lm_head, table_hook)

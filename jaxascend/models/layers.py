@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxascend.config import ModelConfig
+from jaxascend.models import vocab
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload")
@@ -50,6 +51,14 @@ def check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name}: {value!r} is not supported (allowed: {', '.join(map(str, allowed))})")
 
 
+# The token table is used by the lookup and, when tied, by the head. ``hook(block, use, k)``, with
+# use "lookup" or "head", lets a caller wrap each block of rows of each use on its own (the whole
+# table is block 0 when it is not computed in blocks, see models.vocab): the offloaded step sends
+# each one's gradient to the SSD as soon as it exists (the sink sums a tied table's two uses),
+# instead of JAX building the whole table's gradient in memory.
+TableHook = Callable[[jax.Array, str, int], jax.Array]
+
+
 # ----------------------------------------------------------------------------- parameter layers
 
 class Linear(nnx.Module):
@@ -71,6 +80,11 @@ class Linear(nnx.Module):
         return y
 
 
+def _is_bits(table: jax.Array) -> bool:
+    """The offloaded step hands a large table over as raw bits (see models.vocab)."""
+    return not jnp.issubdtype(table.dtype, jnp.floating)
+
+
 class Embed(nnx.Module):
     """Token (or position) table ``embedding [V, D]``; ``attend`` is the tied output head."""
 
@@ -82,13 +96,34 @@ class Embed(nnx.Module):
         self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype))
         self.dtype = dtype
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        # mode="fill": an out-of-range id gives NaN rows instead of silently clamping.
-        return jnp.take(self.embedding[...], ids, axis=0, mode="fill").astype(self.dtype)
+    @property
+    def blocks(self) -> int:
+        """Blocks of rows a large table is computed in (1: the plain ops); see models.vocab."""
+        return vocab.table_blocks(*self.embedding.shape)
 
-    def attend(self, x: jax.Array) -> jax.Array:
-        """float32 logits ``x @ embedding.T`` (matmul in the compute dtype, fp32 accumulation)."""
-        table = self.embedding[...].astype(self.dtype)
+    def __call__(self, ids: jax.Array, hook: Optional[TableHook] = None) -> jax.Array:
+        """Rows of ``ids``; ``hook(block, "lookup", k)`` may wrap each block of the table (the
+        whole table, k=0, when it is not computed in blocks)."""
+        table = self.embedding[...]
+        blocks = self.blocks
+        if blocks > 1 or vocab.is_large(table) or _is_bits(table):
+            rows = vocab.lookup(table, ids, blocks, hook, dtype=self.dtype if _is_bits(table) else None)
+            return rows.astype(self.dtype)
+        if hook is not None:
+            table = hook(table, "lookup", 0)
+        # mode="fill": an out-of-range id gives NaN rows instead of silently clamping.
+        return jnp.take(table, ids, axis=0, mode="fill").astype(self.dtype)
+
+    def attend(self, x: jax.Array, hook: Optional[TableHook] = None) -> jax.Array:
+        """float32 logits ``x @ embedding.T`` (matmul in the compute dtype, fp32 accumulation);
+        ``hook(block, "head", k)`` may wrap each block of the table, as in ``__call__``."""
+        table = self.embedding[...]
+        table = table if _is_bits(table) else table.astype(self.dtype)
+        blocks = self.blocks
+        if blocks > 1 or vocab.is_large(table) or _is_bits(table):
+            return vocab.head_logits(x.astype(self.dtype), table, blocks, hook)
+        if hook is not None:
+            table = hook(table, "head", 0)
         return jnp.einsum("BTD,VD->BTV", x.astype(self.dtype), table,
                           preferred_element_type=jnp.float32)
 
@@ -146,11 +181,14 @@ def output_head(cfg: ModelConfig, vocab_size: int, rngs: nnx.Rngs) -> Optional[L
                   dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype], rngs=rngs)
 
 
-def lm_logits(hidden: jax.Array, embed: Embed, lm_head: Optional[Linear]) -> jax.Array:
+def lm_logits(hidden: jax.Array, embed: Embed, lm_head: Optional[Linear],
+              table_hook: Optional[TableHook] = None) -> jax.Array:
     """float32 logits ``[B, T, V]`` from the tied table (``lm_head`` None) or the separate head;
-    the matmul runs in the compute dtype with float32 accumulation either way."""
+    the matmul runs in the compute dtype with float32 accumulation either way (a large tied
+    table in blocks of rows, see :mod:`jaxascend.models.vocab`; a separate head is one matmul).
+    ``table_hook``: passed to the tied table's head use (see :data:`TableHook`)."""
     if lm_head is None:
-        return embed.attend(hidden)
+        return embed.attend(hidden, table_hook)
     return jnp.einsum("BTD,DV->BTV", hidden, lm_head.kernel[...].astype(lm_head.dtype),
                       preferred_element_type=jnp.float32)
 
@@ -261,11 +299,24 @@ def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, rem
     ``layer_flags`` (one bool per layer, e.g. Gemma 3's sliding-window layers) travel through the
     scan beside the parameters and reach each layer as a traced bool scalar: layers that differ
     only in such a switch still share one scanned body instead of being unrolled.
+
+    Streamed weights: when every stacked parameter is a ``jax.ShapeDtypeStruct`` (the weights
+    are not in memory), nothing is scanned over but the layer index; ``layer_hook`` then receives
+    the layer's *abstract* parameters (layer shapes) and must return real ones, e.g. read from
+    SSD by :func:`jaxascend.offload.param_source.fetch_layer`. Under remat the hook's work is
+    recomputed in the backward, so the weights are fetched again there, last layer first.
     """
     use_checkpoint, policy = remat_policy(remat)
     graphdef, stacked_params = nnx.split(layers)
 
-    num_layers = jax.tree.leaves(stacked_params)[0].shape[0]
+    leaves = jax.tree.leaves(stacked_params)
+    num_layers = leaves[0].shape[0]
+    abstract = all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    if abstract:
+        if layer_hook is None:
+            raise ValueError("scan_layers: the stacked parameters are abstract (streamed weights) and no "
+                             "layer_hook provides them")
+        layer_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked_params)
     flags = None
     if layer_flags is not None:
         if len(layer_flags) != num_layers:
@@ -274,6 +325,8 @@ def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, rem
 
     def step(carry, xs):
         layer_params, index, flag = xs  # flag is None without layer_flags (an empty pytree)
+        if abstract:
+            layer_params = layer_spec
         if layer_hook is not None:
             layer_params = layer_hook(layer_params, index)
         return layer_forward(graphdef, layer_params, carry, positions, flag), None
@@ -281,7 +334,7 @@ def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, rem
     if use_checkpoint:
         # prevent_cse=False: inside scan CSE cannot merge the recomputation with the forward.
         step = jax.checkpoint(step, policy=policy, prevent_cse=False)
-    xs = (stacked_params, jnp.arange(num_layers, dtype=jnp.int32), flags)
+    xs = (None if abstract else stacked_params, jnp.arange(num_layers, dtype=jnp.int32), flags)
     hidden, _ = jax.lax.scan(step, hidden, xs)
     return hidden
 

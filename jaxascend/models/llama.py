@@ -203,10 +203,10 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-                 layer_hook: Optional[L.LayerHook] = None) -> jax.Array:
+                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None) -> jax.Array:
         positions = L.default_positions(input_ids, positions)
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed_tokens(input_ids, table_hook)
         hidden = L.scan_layers(self.layers, hidden, positions, self.remat, layer_hook)
         hidden = self.norm(hidden)
-        return L.lm_logits(hidden, self.embed_tokens, self.lm_head)
+        return L.lm_logits(hidden, self.embed_tokens, self.lm_head, table_hook)
 

@@ -9,16 +9,22 @@
   gradients go to a sink (:func:`register_store_sink`, :class:`MemorySink`) layer by layer;
 * :func:`ssd_adamw` -- AdamW on SSD as an optax ``GradientTransformation``;
   :func:`ssd_adamw_step` -- the trainer's fast path without an update tree;
-* :func:`make_full_gradient_step` -- the ZeRO-Infinity-style post-backward overflow check (ablation).
+* :func:`make_full_gradient_step` -- the ZeRO-Infinity-style post-backward overflow check (ablation);
+* :class:`ParamSource` / :func:`fetch_layer` -- ``offload.params: ssd``: the layer scan's weights
+  read from SSD layer by layer, ahead of the ask;
+* :func:`plan_run` / :func:`resolve` / :class:`RunPlan` -- the run planner (host memory by part,
+  SSD footprint and traffic, the step-time floor; ``offload.params: auto``).
 
 Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.hf` (parameter names),
 :mod:`jaxascend.ssd`, :mod:`jaxascend.optim` and :mod:`jaxascend.checkpoint`.
 """
 
 from jaxascend.offload.engine import OffloadEngine
-from jaxascend.offload.grad_sink import (MemorySink, offload_on_backward, register_memory_sink, sink_gradient,
-                                         unregister_sink)
-from jaxascend.offload.layout import GRAD_SLOT_CLASS, STATE_SLOT_CLASS, OffloadLayout
+from jaxascend.offload.grad_sink import (GradientSinkError, MemorySink, fetch_step_outputs, offload_on_backward,
+                                         register_memory_sink, sink_gradient, unregister_sink)
+from jaxascend.offload.layout import GRAD_SLOT_CLASS, PARAM_SLOT_CLASS, SOURCE_SLOT_CLASS, STATE_SLOT_CLASS, OffloadLayout
+from jaxascend.offload.param_source import ParamSource, ParamSourceError, fetch_layer
+from jaxascend.offload.planner import PlanError, RunPlan, deepspeed_zero3_estimate, plan_run, resolve
 from jaxascend.offload.post_backward_check import (PostBackwardCheckedStep, make_full_gradient_step,
                                                    post_backward_stats)
 from jaxascend.offload.ssd_adamw import SsdAdamWState, adamw_on_ssd, ssd_adamw, ssd_adamw_state, ssd_adamw_step
@@ -28,11 +34,11 @@ from jaxascend.offload.step import (SinkRouting, make_accumulating_offload_step,
 from jaxascend.offload.store_sink import SinkTarget, StoreGradientSink, register_store_sink
 
 __all__ = [
-    "GRAD_SLOT_CLASS", "STATE_SLOT_CLASS", "GradientSinkError", "MemorySink", "OffloadEngine", "OffloadLayout",
-    "OffloadedAdamState", "PostBackwardCheckedStep", "SinkRouting", "SinkTarget", "SsdAdamWState", "StepStats",
-    "StoreGradientSink", "adamw_on_ssd", "fetch_step_outputs", "make_accumulating_offload_step",
-    "make_full_gradient_step", "make_offload_step",
-    "offload_on_backward", "post_backward_stats", "register_memory_sink", "register_store_sink",
-    "sink_gradient", "ssd_adamw", "ssd_adamw_state", "ssd_adamw_step", "stacked_as_bits", "total_stats",
-    "unregister_sink",
+    "GRAD_SLOT_CLASS", "PARAM_SLOT_CLASS", "SOURCE_SLOT_CLASS", "STATE_SLOT_CLASS", "GradientSinkError",
+    "MemorySink", "OffloadEngine", "OffloadLayout", "OffloadedAdamState", "ParamSource", "ParamSourceError",
+    "PlanError", "PostBackwardCheckedStep", "RunPlan", "SinkRouting", "SinkTarget", "SsdAdamWState", "StepStats",
+    "StoreGradientSink", "adamw_on_ssd", "deepspeed_zero3_estimate", "fetch_layer", "fetch_step_outputs",
+    "make_accumulating_offload_step", "make_full_gradient_step", "make_offload_step", "offload_on_backward",
+    "plan_run", "post_backward_stats", "register_memory_sink", "register_store_sink", "resolve", "sink_gradient",
+    "ssd_adamw", "ssd_adamw_state", "ssd_adamw_step", "stacked_as_bits", "total_stats", "unregister_sink",
 ]

@@ -14,11 +14,18 @@ One step, top to bottom:
 Host memory: the compute params (2 B/param for bf16/fp16), the fixed-size arena, and one leaf
 being filled by the step. With ``train.grad_accum > 1`` a float32 accumulator (4 B/param)
 lives in the device memory kind during the backward passes.
+
+With ``offload.params: ssd`` the layer stack's compute params live on SSD instead: the step
+writes them there, and the forward/backward reads them layer by layer through the parameter
+source (:mod:`jaxascend.offload.param_source`); only the embeddings, final norm and head stay in
+memory. ``model`` may then hold the stack as ``jax.ShapeDtypeStruct`` leaves (never
+materialized) when ``master`` reads the weights layer by layer.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Callable, Optional
 
 import jax
@@ -31,9 +38,10 @@ from jaxascend.checkpoint import (CHECKPOINT_SHAPE_CLASS, Checkpointer, SsdArray
 from jaxascend.config import Config, ModelConfig
 from jaxascend.hf import tree_path_to_dotted
 from jaxascend.kill_points import kill_point
-from jaxascend.models import DTYPES, next_token_loss
+from jaxascend.models import DTYPES, LARGE_TABLE_ELEMENTS, next_token_loss, table_blocks
 from jaxascend.offload.grad_sink import fetch_step_outputs
 from jaxascend.offload.layout import STATE_SLOT_CLASS, OffloadLayout
+from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
 from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
 from jaxascend.offload.ssd_adamw import ssd_adamw_state, ssd_adamw_step
 from jaxascend.offload.state import OffloadedAdamState
@@ -46,8 +54,35 @@ def stack_key_of(arch: str) -> str:
     return "h" if arch == "gpt2" else "layers"
 
 
-def _loss_with_hook(model, tokens, layer_hook):
-    return next_token_loss(model(tokens[:, :-1], layer_hook=layer_hook), tokens)
+def _loss_with_hook(model, tokens, layer_hook, table_hook=None):
+    return next_token_loss(model(tokens[:, :-1], layer_hook=layer_hook, table_hook=table_hook), tokens)
+
+
+def _read_master(master, path: tuple, leaf, layer: Optional[int]) -> np.ndarray:
+    """One layer (or one block of rows of a table stored in blocks) of a leaf from ``master``."""
+    if leaf.row_blocks > 1:
+        rows = leaf.layer_shape[0]
+        return master(path, None, rows=(layer * rows, (layer + 1) * rows))
+    return master(path, layer)
+
+
+def token_table_of(model_cfg: ModelConfig) -> tuple[str, ...]:
+    """The path of the token embedding table (also the output head when tied)."""
+    return ("wte", "embedding") if model_cfg.arch == "gpt2" else ("embed_tokens", "embedding")
+
+
+def table_layout(params, model_cfg: ModelConfig) -> tuple[list[int], int, bool]:
+    """(blocks of rows per leaf in flattening order, the token table's blocks, whether the table
+    is large): a large table's gradient arrives, and is stored, in the blocks of rows the model
+    computes it in (see models.vocab)."""
+    table = token_table_of(model_cfg)
+    blocks, large = [], False
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
+        is_table = keys[:len(table)] == table and len(leaf.shape) == 2
+        blocks.append(table_blocks(*leaf.shape) if is_table else 1)
+        large = large or (is_table and int(np.prod(leaf.shape)) >= LARGE_TABLE_ELEMENTS)
+    return blocks, max(blocks), large
 
 
 class OffloadEngine:
@@ -62,26 +97,38 @@ class OffloadEngine:
         """``master``: where the fp32 master weights start, as a reader ``read(path, layer)`` of
         one layer at a time (e.g. :class:`~jaxascend.hf.load.HFParamReader` over the checkpoint
         the run fine-tunes, whose values the compute copy in ``model`` only approximates);
-        None: from ``model``'s parameters."""
+        None: from ``model``'s parameters. ``cfg.offload.params`` must be resolved ("auto" is
+        taken as "resident"; the trainer resolves it with :func:`jaxascend.plan.resolve`)."""
         self.cfg = cfg
         self.compute_dtype = compute_dtype = model_cfg.dtype
         dtype = DTYPES[compute_dtype]
+        self.streams_params = stream = cfg.offload.params == "ssd"
+        param_dtype = DTYPES[model_cfg.param_dtype]
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.graphdef, self.rest = graphdef, rest
         self.stack_key = stack_key_of(model_cfg.arch)
         spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
-        routing = SinkRouting.for_params(params, self.stack_key)
+        # The instant-offload step has each use of the token table (the lookup and, tied, the head)
+        # send its gradient block by block (the sink sums the uses); the accumulating and
+        # post-backward steps differentiate the whole tree and send the table's blocks at the end.
+        per_use = cfg.train.grad_accum == 1 and not cfg.offload.post_backward_overflow_check
+        row_blocks, blocks, large_table = table_layout(params, model_cfg)
+        uses = (("lookup",) + (("head",) if model_cfg.tie_word_embeddings else ())) if per_use else ()
+        routing = SinkRouting.for_params(params, self.stack_key, token_table_of(model_cfg), uses, blocks,
+                                         table_as_bits=large_table)
         stacked = jax.tree.unflatten(jax.tree.structure(params), [r.layers > 0 for r in routing.routes])
         # Checkpoints stream master/m/v through the step's state slots, which are idle between
         # steps; a model so small that those slots hold under 3 SSD blocks gets a few of its own.
-        layout = OffloadLayout.plan(spec, cfg.offload, stacked)
+        layout = OffloadLayout.plan(spec, cfg.offload, stacked, stream, row_blocks)
         self._checkpoint_slots = STATE_SLOT_CLASS
         extra = ()
         if layout.state_slot_bytes < 3 * cfg.offload.block_bytes:
             extra = tuple(checkpoint_arena_requests(cfg.offload, chunk_bytes=cfg.offload.block_bytes))
             self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS
-        self.state = OffloadedAdamState.create(spec, cfg.offload, stacked=stacked,
+        self.state = OffloadedAdamState.create(spec, cfg.offload, stacked=stacked, stream_params=stream,
+                                               row_blocks=row_blocks,
                                                kernel_threads=cfg.offload.kernel_threads, extra_requests=extra)
+        self._source = None
         tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
         # Our parameter path of every leaf, in the layout's leaf order.
         self._paths = [tuple(tree_path_to_dotted(path).split("."))
@@ -90,17 +137,27 @@ class OffloadEngine:
             if master is None:
                 self.state.init(params)  # fp32 master weights from the loaded/initialised params
             else:
-                self.state.init_from(lambda leaf, layer: master(self._paths[leaf.index], layer))
-            # The compute copy; the param_dtype copy is dropped once the master weights are on SSD.
-            self.params = jax.tree.map(lambda x: x.astype(dtype), params)
-            del params
-            sink = self.state.gradient_sink()
+                # A streamed leaf's compute weights are the reader's values as the resident copy
+                # gets them: cast to param_dtype (the model's), then to the compute dtype.
+                self.state.init_from(lambda leaf, layer: _read_master(master, self._paths[leaf.index], leaf, layer),
+                                     compute=lambda leaf, x: np.asarray(x).astype(param_dtype).astype(dtype))
+            # The compute copy (without the streamed leaves, which are on SSD now); the
+            # param_dtype copy is dropped once the master weights are on SSD.
+            leaves = [None if leaf.streamed else x.astype(dtype)
+                      for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
+            self.params = self.state.layout.treedef.unflatten(leaves)
+            del params, leaves
+            sink = self.state.gradient_sink(routing.arrivals())
             ids = jax.tree.leaves(self.state.tensor_ids())
             if ids != [r.tensor for r in routing.routes]:
                 raise RuntimeError("offload: gradient-sink tensor ids disagree with the optimizer's leaf order")
             if cfg.offload.post_backward_overflow_check:  # ablation: full tree, then a scan
                 full_step = make_full_gradient_step(graphdef, rest, cfg.train.grad_accum, _loss_with_hook)
                 self._fwd_bwd = PostBackwardCheckedStep(full_step, self.state)
+            elif stream:
+                self._source = self.state.param_source()
+                self._fwd_bwd = make_offload_step(graphdef, rest, routing, sink.handle, _loss_with_hook,
+                                                  source=self._source)
             else:
                 make = make_offload_step if cfg.train.grad_accum == 1 else make_accumulating_offload_step
                 self._fwd_bwd = make(graphdef, rest, routing, sink.handle, _loss_with_hook)
@@ -109,6 +166,7 @@ class OffloadEngine:
             self.loss_scale = LossScaleState.initial(cfg.optimizer, compute_dtype)
             self.ssd_bytes_read = 0
             self.ssd_bytes_written = 0
+            self._source_bytes = 0
         except BaseException:
             self.state.close()
             raise
@@ -117,11 +175,23 @@ class OffloadEngine:
         """One optimizer step over ``tokens[A, B, T+1]``; returns host scalars."""
         scale = self.loss_scale.scale
         micro = tokens[0] if self.cfg.train.grad_accum == 1 else tokens
-        loss, stats = self._fwd_bwd(self.params, micro, jnp.float32(scale))
-        kill_point("backward")  # tests: the backward pass is running and writing gradients
-        # SYNC: the overflow check and the clip factor need the statistics, and the optimizer may
-        # read the gradient regions only once the backward pass has written all of them.
-        loss, (sumsq, nonfinite) = fetch_step_outputs((loss, total_stats(stats)))
+        started = time.perf_counter()
+        waited = self._source.stats()["wait_seconds"] if self._source is not None else 0.0
+        if self._source is not None:
+            self._source.begin_step()  # reads layer 0, 1, ... while the step is dispatched
+        try:
+            loss, stats = self._fwd_bwd(self.params, micro, jnp.float32(scale))
+            kill_point("backward")  # tests: the backward pass is running and writing gradients
+            # SYNC: the overflow check and the clip factor need the statistics, and the optimizer
+            # may read the gradient regions only once the backward pass has written all of them.
+            loss, (sumsq, nonfinite) = fetch_step_outputs((loss, total_stats(stats)), PARAM_SOURCE_ERRORS)
+        finally:
+            if self._source is not None:
+                self._source.end_step()
+        timing = {"fwd_bwd_seconds": time.perf_counter() - started}
+        if self._source is not None:
+            source = self._source.stats()
+            timing["param_wait_seconds"] = source["wait_seconds"] - waited  # the scan waited for the disk
         self.loss_scale, skip = update_loss_scale(self.loss_scale, bool(nonfinite > 0), self.cfg.optimizer,
                                                   self.compute_dtype)
         grad_norm = math.sqrt(float(sumsq)) / scale
@@ -138,8 +208,13 @@ class OffloadEngine:
             last = self.state.last_step
             self.ssd_bytes_read += last.bytes_read
             self.ssd_bytes_written += last.bytes_written
+            timing.update(grad_flush_seconds=last.flush_seconds, optimizer_seconds=last.seconds - last.flush_seconds)
+        if self._source is not None:  # the weights read during the forward/backward
+            fetched = self._source.stats()["bytes_read"]
+            self.ssd_bytes_read += fetched - self._source_bytes
+            self._source_bytes = fetched
         return {"loss": float(loss), "grad_norm": grad_norm if not skip else float("nan"),
-                "skipped": bool(skip), "loss_scale": scale}
+                "skipped": bool(skip), "loss_scale": scale, **timing}
 
     def _ssd_arrays(self) -> SsdArrays:
         # The step's state slots are idle between steps; checkpoints stream through them.
@@ -190,6 +265,10 @@ class OffloadEngine:
             "optimizer_seconds_step": last.seconds if last else 0.0,
             "loss_scale": self.loss_scale.scale,
             "skipped_steps": self.loss_scale.skipped_steps,
+            "params": "ssd" if self.streams_params else "resident",
+            "resident_param_bytes": self.state.layout.resident_param_bytes,
+            "streamed_param_bytes": self.state.layout.streamed_param_bytes,
+            **({"param_source_" + k: v for k, v in self._source.stats().items()} if self._source else {}),
         }
 
     def shard_files(self) -> list[str]:

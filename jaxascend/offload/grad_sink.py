@@ -38,19 +38,22 @@ class GradientSinkError(OSError):
     message is the sink's, naming the tensor, layer, file and offset."""
 
 
-def fetch_step_outputs(outputs):
+def fetch_step_outputs(outputs, more_errors=()):
     """``jax.device_get(outputs)`` of a step whose backward pass fed a gradient sink. A sink that
     failed makes the step fail with an XLA runtime error; it becomes a :class:`GradientSinkError`
-    with the sink's own message. The failed step's ordered-effect tokens are then dropped: JAX
-    would otherwise raise the same error again, as tracebacks, from its exit handlers."""
+    with the sink's own message (``more_errors``: further ``(message prefix, exception class)``
+    pairs of native calls inside the step, e.g. the parameter source's). The failed step's
+    ordered-effect tokens are then dropped: JAX would otherwise raise the same error again, as
+    tracebacks, from its exit handlers."""
     try:
         return jax.device_get(outputs)
     except jax.errors.JaxRuntimeError as err:
         text = str(err)
-        if _SINK_PREFIX not in text:
-            raise
-        _forget_failed_effects()
-        raise GradientSinkError(text[text.index(_SINK_PREFIX):].splitlines()[0]) from None
+        for prefix, error in ((_SINK_PREFIX, GradientSinkError),) + tuple(more_errors):
+            if prefix in text:
+                _forget_failed_effects()
+                raise error(text[text.index(prefix):].splitlines()[0]) from None
+        raise
 
 
 def _forget_failed_effects() -> None:

@@ -11,6 +11,12 @@ every (leaf, layer) there are two store regions:
   store's rule (a write starts on a block boundary and is whole blocks or ends at the region's
   end) whatever the layer size. Chunk j reads bytes ``[j*C*g, (j*C + n)*g)``.
 
+With ``offload.params: ssd`` every leaf of the layer stack has a third region per layer,
+``param``: the layer's compute-dtype weights, laid out like ``grad``. The step writes chunk j's
+new weights to bytes ``[j*C*g, (j*C + n)*g)`` of it (a third, write-only segment per chunk,
+slot class ``adam_param``), and the parameter source reads whole layers of it during the next
+forward/backward. Leaves outside the stack stay resident.
+
 Regions are added leaf by leaf, layer by layer (state then grad), so a step reads the disk
 front to back. ``C`` (``chunk_elements``) comes from ``offload.chunk_bytes`` (bytes of one fp32
 state tensor per chunk), rounded so that a full chunk of every gradient dtype is whole blocks.
@@ -28,16 +34,18 @@ instead of the store, so no ``adam_grad`` slots are planned.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
 from jaxascend.config import OffloadConfig
-from jaxascend.ssd import SlotRequest
+from jaxascend.ssd import SlotRequest, round_to_alignment
 
 STATE_SLOT_CLASS = "adam_state"
 GRAD_SLOT_CLASS = "adam_grad"
+PARAM_SLOT_CLASS = "adam_param"  # the new compute weights of a streamed chunk, on their way to SSD
+SOURCE_SLOT_CLASS = "param_source"  # one layer of every streamed leaf, read ahead of the layer scan
 STATE_BYTES_PER_ELEMENT = 12  # fp32 master + m + v
 STATE_TENSORS = ("master", "m", "v")
 
@@ -60,6 +68,15 @@ class LeafLayout:
     stacked: bool  # axis 0 is a layer axis: one region pair per layer
     state_regions: tuple[str, ...]  # per layer: chunk-interleaved fp32 master | m | v
     grad_regions: tuple[str, ...]  # per layer: the gradient, layer_elements * itemsize bytes
+    param_regions: tuple[str, ...] = ()  # per layer, when streamed: the compute weights, as grad
+    # > 1: an unstacked table split into that many equal blocks of rows, each a "layer" of its
+    # own (its regions, its gradient arrivals): a large vocabulary table (models.vocab)
+    row_blocks: int = 1
+
+    @property
+    def streamed(self) -> bool:
+        """The compute weights live on SSD (offload.params: ssd), not in memory."""
+        return bool(self.param_regions)
 
     @property
     def layers(self) -> int:
@@ -67,7 +84,11 @@ class LeafLayout:
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
-        return self.shape[1:] if self.stacked else self.shape
+        if self.stacked:
+            return self.shape[1:]
+        if self.row_blocks > 1:
+            return (self.shape[0] // self.row_blocks,) + self.shape[1:]
+        return self.shape
 
     @property
     def size(self) -> int:
@@ -159,11 +180,15 @@ class OffloadLayout:
     stream_depth: int
     single_pool: bool = False  # every step slot sized for the largest tensor's state (ablation)
     grads_on_ssd: bool = True  # False: gradients live in a host fp32 buffer (ablation)
+    param_prefetch: int = 2  # layers the parameter source reads ahead (streamed weights only)
 
     @classmethod
-    def plan(cls, params_spec, cfg: OffloadConfig, stacked: StackedSpec = None) -> "OffloadLayout":
+    def plan(cls, params_spec, cfg: OffloadConfig, stacked: StackedSpec = None,
+             stream_params: bool = False, row_blocks: Optional[Sequence[int]] = None) -> "OffloadLayout":
         """Lays out ``params_spec`` (a pytree of arrays or ``jax.ShapeDtypeStruct`` in the compute
-        dtype). ``stacked`` says which leaves are layer stacks (see :data:`StackedSpec`)."""
+        dtype). ``stacked`` says which leaves are layer stacks (see :data:`StackedSpec`);
+        ``stream_params``: their compute weights get SSD regions too (``offload.params: ssd``);
+        ``row_blocks``: per leaf (flattening order), blocks of rows of an unstacked table (1: none)."""
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params_spec)
         flags = []
         if not (stacked is None or isinstance(stacked, bool) or callable(stacked)):
@@ -181,11 +206,18 @@ class OffloadLayout:
             is_stacked = _is_stacked(stacked, flags, index, path, shape)
             if is_stacked and len(shape) < 1:
                 raise ValueError(f"offloaded AdamW: parameter {path!r} is marked stacked but is a scalar")
-            layers = shape[0] if is_stacked else 1
+            blocks = 1 if row_blocks is None else int(row_blocks[index])
+            if blocks > 1 and (is_stacked or len(shape) < 1 or shape[0] % blocks):
+                raise ValueError(f"offloaded AdamW: parameter {path!r} of shape {shape} cannot be split into "
+                                 f"{blocks} blocks of rows")
+            layers = shape[0] if is_stacked else blocks
             prefix = f"adam/{index}/{path}"
-            names = [f"{prefix}/L{layer}" if is_stacked else prefix for layer in range(layers)]
+            names = [f"{prefix}/L{layer}" if is_stacked else (f"{prefix}/B{layer}" if blocks > 1 else prefix)
+                     for layer in range(layers)]
+            params = tuple(n + "/param" for n in names) if stream_params and is_stacked else ()
             leaves.append(LeafLayout(index, path, shape, dtype, is_stacked,
-                                     tuple(n + "/state" for n in names), tuple(n + "/grad" for n in names)))
+                                     tuple(n + "/state" for n in names), tuple(n + "/grad" for n in names), params,
+                                     blocks))
         itemsizes = [leaf.dtype.itemsize for leaf in leaves]
         chunk = chunk_elements_for(cfg, itemsizes)
         if cfg.single_pool:
@@ -195,7 +227,7 @@ class OffloadLayout:
             largest = max(leaf.layer_elements for leaf in leaves)
             chunk = -(-largest // unit) * unit
         return cls(tuple(leaves), treedef, chunk, cfg.stream_depth, single_pool=cfg.single_pool,
-                   grads_on_ssd=not cfg.fp32_grad_buffer)
+                   grads_on_ssd=not cfg.fp32_grad_buffer, param_prefetch=cfg.param_prefetch)
 
     @property
     def num_parameters(self) -> int:
@@ -232,17 +264,51 @@ class OffloadLayout:
         return max(min(self.chunk_elements, leaf.layer_elements) * leaf.dtype.itemsize for leaf in self.leaves)
 
     @property
+    def streamed_leaves(self) -> tuple[LeafLayout, ...]:
+        return tuple(leaf for leaf in self.leaves if leaf.streamed)
+
+    @property
+    def param_slot_bytes(self) -> int:
+        """One chunk of a streamed leaf's new compute weights (0 when nothing is streamed)."""
+        return max((min(self.chunk_elements, leaf.layer_elements) * leaf.dtype.itemsize
+                    for leaf in self.streamed_leaves), default=0)
+
+    @property
+    def source_slot_bytes(self) -> int:
+        """One slot of the parameter source: one layer of every streamed leaf, each 4096-aligned."""
+        return sum(round_to_alignment(leaf.grad_layer_bytes) for leaf in self.streamed_leaves)
+
+    @property
+    def streamed_param_bytes(self) -> int:
+        """Bytes of compute weights on SSD."""
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in self.streamed_leaves)
+
+    @property
+    def resident_param_bytes(self) -> int:
+        """Bytes of compute weights that stay in memory."""
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in self.leaves if not leaf.streamed)
+
+    @property
     def slot_classes(self) -> list[str]:
-        """The slot class of each segment of a step's chunk (state, then gradient if on SSD)."""
+        """The slot class of each segment of a resident leaf's chunk (state, then gradient if on
+        SSD); a streamed leaf's chunk adds :data:`PARAM_SLOT_CLASS`."""
         return [STATE_SLOT_CLASS, GRAD_SLOT_CLASS] if self.grads_on_ssd else [STATE_SLOT_CLASS]
 
     def arena_requests(self) -> list[SlotRequest]:
         """The arena slots a step needs: ``stream_depth`` of each class in :attr:`slot_classes`
-        (with ``single_pool``, all of one size: the largest tensor's state)."""
+        (with ``single_pool``, all of one size: the largest tensor's state), plus the streamed
+        weights' slots when there are any."""
         sizes = {STATE_SLOT_CLASS: self.state_slot_bytes, GRAD_SLOT_CLASS: self.grad_slot_bytes}
         if self.single_pool:
             sizes = dict.fromkeys(sizes, max(sizes.values()))
-        return [SlotRequest(c, sizes[c], self.stream_depth) for c in self.slot_classes]
+        classes = list(self.slot_classes)
+        if self.streamed_leaves:
+            sizes[PARAM_SLOT_CLASS] = max(sizes.values()) if self.single_pool else self.param_slot_bytes
+            classes.append(PARAM_SLOT_CLASS)
+        requests = [SlotRequest(c, sizes[c], self.stream_depth) for c in classes]
+        if self.streamed_leaves:
+            requests.append(SlotRequest(SOURCE_SLOT_CLASS, self.source_slot_bytes, self.param_prefetch))
+        return requests
 
     def flatten(self, tree, what: str) -> list:
         """The leaves of ``tree`` (any pytree with the parameters' leaves in the same order,

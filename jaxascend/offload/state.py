@@ -46,7 +46,9 @@ import numpy as np
 
 from jaxascend.config import OffloadConfig
 from jaxascend.kill_points import kill_point
-from jaxascend.offload.layout import STATE_SLOT_CLASS, STATE_TENSORS, LeafLayout, OffloadLayout, StackedSpec
+from jaxascend.offload.layout import (PARAM_SLOT_CLASS, STATE_SLOT_CLASS, STATE_TENSORS, LeafLayout, OffloadLayout,
+                                     StackedSpec)
+from jaxascend.offload.param_source import ParamSource
 from jaxascend.offload.store_sink import (BufferTarget, Fp32BufferGradientSink, SinkTarget, StoreGradientSink,
                                           register_store_sink)
 from jaxascend.optim import AdamHyperParams, fused_adamw_update_numpy
@@ -70,6 +72,7 @@ class StepStats:
     read_busy_seconds: float  # time with at least one read in flight
     write_busy_seconds: float
     chunks: int
+    flush_seconds: float = 0.0  # waiting, before the first chunk, for the backward's gradient writes
 
     @property
     def ssd_gbps(self) -> float:
@@ -112,28 +115,33 @@ class OffloadedAdamState:
     **compute dtype** (float32, float16 or bfloat16: the dtype of the gradients the step reads
     and of the parameters it emits). ``stacked``: which leaves are layer stacks ``[L, ...]``
     (True/False for all, a pytree of bools, or ``f(path, shape) -> bool``); each layer then gets
-    its own gradient region, so the backward pass can write layer by layer. ``kernel_threads``:
+    its own gradient region, so the backward pass can write layer by layer (``row_blocks``: per
+    leaf, blocks of rows of a large table, handled the same way). ``kernel_threads``:
     threads of the fused kernel per chunk (the step is I/O bound; 1 leaves the other cores to
     the I/O workers).
     """
 
     @staticmethod
-    def arena_requests(params_spec, cfg: OffloadConfig, stacked: StackedSpec = None) -> list[SlotRequest]:
+    def arena_requests(params_spec, cfg: OffloadConfig, stacked: StackedSpec = None,
+                       stream_params: bool = False, row_blocks=None) -> list[SlotRequest]:
         """The arena slots a step over ``params_spec`` needs (add them to the arena plan)."""
-        return OffloadLayout.plan(params_spec, cfg, stacked).arena_requests()
+        return OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks).arena_requests()
 
     @classmethod
     def create(cls, params_spec, cfg: OffloadConfig, *, stacked: StackedSpec = None, kernel_threads: int = 1,
-               extra_requests: tuple[SlotRequest, ...] = ()) -> "OffloadedAdamState":
+               extra_requests: tuple[SlotRequest, ...] = (), stream_params: bool = False,
+               row_blocks=None) -> "OffloadedAdamState":
         """Builds the arena (store staging + step slots + ``extra_requests``), opens the store in
         ``cfg.dir`` and lays out the state; :meth:`close` then closes all three."""
         plan = (ArenaPlan().extend(SsdStore.arena_requests(cfg))
-                .extend(OffloadLayout.plan(params_spec, cfg, stacked).arena_requests()).extend(extra_requests))
+                .extend(OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks).arena_requests())
+                .extend(extra_requests))
         arena = HostArena(plan, cfg)
         store = None
         try:
             store = SsdStore(cfg, arena)
-            owner = cls(store, params_spec, stacked=stacked, kernel_threads=kernel_threads)
+            owner = cls(store, params_spec, stacked=stacked, kernel_threads=kernel_threads,
+                        stream_params=stream_params, row_blocks=row_blocks)
         except BaseException:
             if store is not None:
                 store.close()
@@ -142,11 +150,12 @@ class OffloadedAdamState:
         owner._owned = (store, arena)
         return owner
 
-    def __init__(self, store: SsdStore, params_spec, *, stacked: StackedSpec = None, kernel_threads: int = 1):
+    def __init__(self, store: SsdStore, params_spec, *, stacked: StackedSpec = None, kernel_threads: int = 1,
+                 stream_params: bool = False, row_blocks=None):
         if int(kernel_threads) < 1:
             raise ValueError(f"offloaded AdamW: kernel_threads must be >= 1, got {kernel_threads}")
         self.store = store
-        self.layout = OffloadLayout.plan(params_spec, store.cfg, stacked)
+        self.layout = OffloadLayout.plan(params_spec, store.cfg, stacked, stream_params, row_blocks)
         self.kernel_threads = int(kernel_threads)
         self.state_id = next(_owner_ids)  # what an optax state names to find this owner
         self.updates_applied = 0  # AdamW updates the SSD state has had since init (or restore)
@@ -154,10 +163,12 @@ class OffloadedAdamState:
         self._check_arena()
         grads_on_ssd = self.layout.grads_on_ssd
         for leaf in self.layout.leaves:
-            for state_region, grad_region in zip(leaf.state_regions, leaf.grad_regions):
+            for layer, (state_region, grad_region) in enumerate(zip(leaf.state_regions, leaf.grad_regions)):
                 store.add_region(state_region, leaf.state_layer_bytes)
                 if grads_on_ssd:
                     store.add_region(grad_region, leaf.grad_layer_bytes)
+                if leaf.streamed:
+                    store.add_region(leaf.param_regions[layer], leaf.grad_layer_bytes)
         # The fp32_grad_buffer ablation: every gradient in one float32 host buffer for the whole
         # run. Filled with zeros now, so its 4 B/param are resident from the start, as a pinned
         # buffer would be.
@@ -172,14 +183,23 @@ class OffloadedAdamState:
         self._step_segments = [
             [Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes, read=True, write=True)] +
             ([Segment(regions[c.leaf.grad_regions[c.layer]], c.grad_offset, c.grad_bytes, read=True, write=False)]
-             if grads_on_ssd else [])
+             if grads_on_ssd else []) +
+            # a streamed leaf's new compute weights go to SSD (same offsets as the gradient's)
+            ([Segment(regions[c.leaf.param_regions[c.layer]], c.grad_offset, c.grad_bytes, read=False, write=True)]
+             if c.leaf.streamed else [])
             for c in self._chunks]
+        # A pass needs one segment count for all its chunks: runs of chunks of resident leaves
+        # and of streamed leaves are streamed one after the other, in disk order.
+        self._step_passes = [list(g) for _, g in itertools.groupby(range(len(self._chunks)),
+                                                                     key=lambda i: self._chunks[i].leaf.streamed)]
         self._init_segments = [[Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes,
                                         read=False, write=True)] for c in self._chunks]
         self._initialized = False
         self._broken: Optional[str] = None  # why the SSD state can no longer be trusted
         self._grads_written = False  # write_grads() ran since the last step
         self._sink: Optional[Union[StoreGradientSink, Fp32BufferGradientSink]] = None
+        self._source: Optional[ParamSource] = None
+        self._arrivals: dict[int, int] = {}
         self._owned: tuple = ()  # (store, arena) when made by create()
         self._lock = threading.RLock()
         log.info("offloaded AdamW: %d leaves, %d parameters, %s of state on SSD, %d chunks of %d elements",
@@ -187,9 +207,8 @@ class OffloadedAdamState:
                  len(self._chunks), self.layout.chunk_elements)
 
     def _check_arena(self) -> None:
-        depth = self.layout.stream_depth
         for request in self.layout.arena_requests():
-            shape_class, nbytes = request.shape_class, request.nbytes
+            shape_class, nbytes, depth = request.shape_class, request.nbytes, request.count
             slots = self.store.arena.slots(shape_class)
             fitting = [s for s in slots if s.capacity >= round_to_alignment(nbytes)]
             if len(fitting) < depth:
@@ -230,18 +249,24 @@ class OffloadedAdamState:
             if dtype != np.float32 and dtype != leaf.dtype:
                 raise ValueError(f"offloaded AdamW: init params leaf {leaf.path!r} has dtype {dtype}; "
                                  f"expected float32 or the compute dtype {leaf.dtype}")
-        # One leaf on the host at a time (a copy only if it is on a device).
-        self._write_initial(lambda leaf, layer: leaves[leaf.index], whole_leaves=True)
+        # One leaf on the host at a time (a copy only if it is on a device). A streamed leaf's
+        # compute weights are the leaf in the compute dtype.
+        self._write_initial(lambda leaf, layer: leaves[leaf.index], whole_leaves=True,
+                            compute=lambda leaf, x: x.astype(leaf.dtype))
 
     @_serialized
-    def init_from(self, read: Callable[[LeafLayout, Optional[int]], np.ndarray]) -> None:
+    def init_from(self, read: Callable[[LeafLayout, Optional[int]], np.ndarray],
+                  compute: Optional[Callable[[LeafLayout, np.ndarray], np.ndarray]] = None) -> None:
         """:meth:`init` from a reader instead of arrays: ``read(leaf, layer)`` returns one layer of
-        a stacked leaf (``layer`` None: the whole unstacked leaf) in the layer's shape, in float32
+        a stacked leaf, or block ``layer`` of rows of a table stored in blocks (``layer`` None:
+        the whole leaf) in the layer's shape, in float32
         or the compute dtype. The master weights then start from the reader's values (e.g. an fp32
-        checkpoint's own, not a rounded compute copy), and only one layer is on the host at a time."""
+        checkpoint's own, not a rounded compute copy), and only one layer is on the host at a time.
+        ``compute(leaf, values)``: a streamed leaf's initial compute weights from the same values
+        (default: cast to the compute dtype), written to its parameter regions in the same pass."""
         def checked(leaf: LeafLayout, layer: Optional[int]) -> np.ndarray:
-            x = np.asarray(read(leaf, layer if leaf.stacked else None))
-            where = f"{leaf.path!r}" + (f" layer {layer}" if leaf.stacked else "")
+            x = np.asarray(read(leaf, layer if leaf.layers > 1 else None))
+            where = f"{leaf.path!r}" + (f" layer {layer}" if leaf.layers > 1 else "")
             if tuple(x.shape) != tuple(leaf.layer_shape):
                 raise ValueError(f"offloaded AdamW: init reader returned shape {list(x.shape)} for {where}; "
                                  f"expected {list(leaf.layer_shape)}")
@@ -250,11 +275,13 @@ class OffloadedAdamState:
                                  f"expected float32 or the compute dtype {leaf.dtype}")
             return x
 
-        self._write_initial(checked, whole_leaves=False)
+        self._write_initial(checked, whole_leaves=False,
+                            compute=compute or (lambda leaf, x: np.asarray(x).astype(leaf.dtype)))
 
-    def _write_initial(self, source: Callable, whole_leaves: bool) -> None:
+    def _write_initial(self, source: Callable, whole_leaves: bool, compute: Callable) -> None:
         """The init pass: every chunk's master weights from ``source(leaf, layer)`` (the whole
-        leaf when ``whole_leaves``, else one layer), zero m and v."""
+        leaf when ``whole_leaves``, else one layer), zero m and v; a streamed leaf's compute
+        weights from ``compute(leaf, values)``, layer by layer."""
         self._check_open(allow_broken=True)
         self._broken = "init() was interrupted; call init(params) again"
         values = None
@@ -263,6 +290,8 @@ class OffloadedAdamState:
                 ref = self._chunks[chunk.index]
                 if ref.first_of_leaf if whole_leaves else ref.start == 0:
                     values = np.asarray(source(ref.leaf, ref.layer)).reshape(-1)
+                    if ref.leaf.streamed:
+                        self._write_compute_params(ref.leaf, values, compute, whole_leaves, ref.layer)
                 start = ref.flat_start if whole_leaves else ref.start
                 n = ref.count
                 state = chunk.arrays[0].view(np.float32)
@@ -270,9 +299,20 @@ class OffloadedAdamState:
                 state[n:] = 0.0
                 if ref.last_of_leaf:
                     values = None
+        self.store.flush()  # the compute weights' writes are on disk (or their error raises here)
         self._broken = None
         self._initialized = True
         self.updates_applied = 0
+
+    def _write_compute_params(self, leaf: LeafLayout, values: np.ndarray, compute: Callable, whole_leaf: bool,
+                              layer: int) -> None:
+        """Writes a streamed leaf's compute weights: every layer of ``values`` (the whole leaf) or
+        layer ``layer`` (one layer's values)."""
+        layers = range(leaf.layers) if whole_leaf else (layer,)
+        for i in layers:
+            part = values[i * leaf.layer_elements:(i + 1) * leaf.layer_elements] if whole_leaf else values
+            weights = np.ascontiguousarray(compute(leaf, part.reshape(leaf.layer_shape)), dtype=leaf.dtype)
+            self.store.write(leaf.param_regions[i], weights.reshape(-1), wait=False)
 
     @_serialized
     def restored(self, updates_applied: int) -> None:
@@ -311,22 +351,46 @@ class OffloadedAdamState:
         self._grads_written = True
 
     @_serialized
-    def gradient_sink(self) -> Union[StoreGradientSink, Fp32BufferGradientSink]:
+    def gradient_sink(self, arrivals: Optional[dict[int, int]] = None) -> Union[StoreGradientSink,
+                                                                                 Fp32BufferGradientSink]:
         """The gradient sink for this state (created and registered once): pass ``sink.handle``
         and :meth:`tensor_ids` to :func:`jaxascend.offload.grad_sink.offload_on_backward` (``layer=``
         the index within a stacked leaf). Store-backed, or the fp32 host buffer's with
-        ``offload.fp32_grad_buffer``. Closed with this owner."""
+        ``offload.fp32_grad_buffer``. ``arrivals``: tensor id -> gradients per layer the sink sums
+        (2 for a tied table whose lookup and head send their gradients separately; default 1).
+        Closed with this owner."""
         self._check_open()
         if self._sink is None or self._sink.closed:
+            self._arrivals = dict(arrivals or {})
+            n = self._arrivals.get
             if self.grad_buffer is not None:
-                buffer_targets = [BufferTarget(leaf.index, offset, leaf.layers, leaf.layer_elements, leaf.dtype)
+                buffer_targets = [BufferTarget(leaf.index, offset, leaf.layers, leaf.layer_elements, leaf.dtype,
+                                               n(leaf.index, 1))
                                   for leaf, offset in zip(self.layout.leaves, self._grad_offsets)]
                 self._sink = Fp32BufferGradientSink(self.grad_buffer, buffer_targets)
             else:
-                targets = [SinkTarget(leaf.index, leaf.grad_regions, leaf.grad_layer_bytes, leaf.dtype)
-                           for leaf in self.layout.leaves]
+                targets = [SinkTarget(leaf.index, leaf.grad_regions, leaf.grad_layer_bytes, leaf.dtype,
+                                      n(leaf.index, 1)) for leaf in self.layout.leaves]
                 self._sink = register_store_sink(self.store, targets)
         return self._sink
+
+    @_serialized
+    def param_source(self) -> ParamSource:
+        """The parameter source over the streamed leaves (created once, closed with this owner):
+        the layer scan reads their weights through it (``offload.params: ssd``)."""
+        self._check_open()
+        if self._source is None or self._source.closed:
+            self._source = ParamSource(self.store, self.layout.streamed_leaves, self.layout.param_prefetch)
+        return self._source
+
+    @_serialized
+    def read_params(self, leaf: LeafRef, layer: int) -> np.ndarray:
+        """Layer ``layer`` of a streamed leaf's compute weights, as the next step will read them."""
+        self._check_open()
+        leaf = self.leaf(leaf)
+        if not leaf.streamed or not 0 <= layer < leaf.layers:
+            raise ValueError(f"offloaded AdamW: leaf {leaf.path!r} has no streamed layer {layer}")
+        return self.store.read(leaf.param_regions[layer], dtype=leaf.dtype).reshape(leaf.layer_shape)
 
     def _grad_view(self, leaf: LeafLayout) -> np.ndarray:
         """The leaf's flat float32 gradient in the host buffer (fp32_grad_buffer only)."""
@@ -370,26 +434,33 @@ class OffloadedAdamState:
         before = self.store.stats()
         start = time.perf_counter()
         self.store.flush()  # every gradient write (sink or write_grads) is on disk; raises its error
+        flushed = time.perf_counter() - start
         self._broken = "a step failed midway, so some chunks are updated and others are not; restore a checkpoint"
         host = None
-        with self.store.stream(self._step_segments, self.layout.slot_classes) as stream:
-            for chunk in stream:
-                kill_point("optimizer_chunk")
-                ref = self._chunks[chunk.index]
-                leaf, n = ref.leaf, ref.count
-                if ref.first_of_leaf:
-                    host = np.empty(leaf.size, leaf.dtype)
-                state = chunk.arrays[0].view(np.float32)
-                if self.grad_buffer is None:
-                    grad = chunk.arrays[1].view(leaf.dtype)
-                else:
-                    grad = self._grad_view(leaf)[ref.flat_start:ref.flat_start + n]
-                fused_adamw_update_numpy(state[:n], state[n:2 * n], state[2 * n:], grad,
-                                         host[ref.flat_start:ref.flat_start + n], scalars,
-                                         threads=self.kernel_threads)
-                if ref.last_of_leaf:
-                    on_leaf(leaf, host.reshape(leaf.shape))
-                    host = None
+        for chunk_ids in self._step_passes:
+            streamed = self._chunks[chunk_ids[0]].leaf.streamed
+            classes = self.layout.slot_classes + ([PARAM_SLOT_CLASS] if streamed else [])
+            with self.store.stream([self._step_segments[i] for i in chunk_ids], classes) as stream:
+                for chunk in stream:
+                    kill_point("optimizer_chunk")
+                    ref = self._chunks[chunk_ids[chunk.index]]
+                    leaf, n = ref.leaf, ref.count
+                    if ref.first_of_leaf and not streamed:
+                        host = np.empty(leaf.size, leaf.dtype)
+                    state = chunk.arrays[0].view(np.float32)
+                    if self.grad_buffer is None:
+                        grad = chunk.arrays[1].view(leaf.dtype)
+                    else:
+                        grad = self._grad_view(leaf)[ref.flat_start:ref.flat_start + n]
+                    # The new compute weights: into the leaf's host array, or (streamed) into the
+                    # chunk's parameter slot, written back to SSD behind the kernel.
+                    out = chunk.arrays[-1].view(leaf.dtype)[:n] if streamed else \
+                        host[ref.flat_start:ref.flat_start + n]
+                    fused_adamw_update_numpy(state[:n], state[n:2 * n], state[2 * n:], grad[:n], out, scalars,
+                                             threads=self.kernel_threads)
+                    if ref.last_of_leaf and not streamed:
+                        on_leaf(leaf, host.reshape(leaf.shape))
+                        host = None
         self._broken = None
         seconds = time.perf_counter() - start
         after = self.store.stats()
@@ -397,7 +468,8 @@ class OffloadedAdamState:
             bytes_read=after["bytes_read"] - before["bytes_read"],
             bytes_written=after["bytes_written"] - before["bytes_written"], seconds=seconds,
             read_busy_seconds=after["read_seconds"] - before["read_seconds"],
-            write_busy_seconds=after["write_seconds"] - before["write_seconds"], chunks=len(self._chunks))
+            write_busy_seconds=after["write_seconds"] - before["write_seconds"], chunks=len(self._chunks),
+            flush_seconds=flushed)
         self.updates_applied += 1
         self._forget_gradients()
         return self.last_step
@@ -416,8 +488,9 @@ class OffloadedAdamState:
         problems = []
         for leaf in self.layout.leaves:
             counts = self._sink.received(leaf.index)
-            missing = [layer for layer, c in enumerate(counts) if c == 0]
-            repeated = [layer for layer, c in enumerate(counts) if c > 1]
+            want = self._arrivals.get(leaf.index, 1)
+            missing = [layer for layer, c in enumerate(counts) if c < want]
+            repeated = [layer for layer, c in enumerate(counts) if c > want]
             if missing:
                 problems.append(f"{leaf.path!r} (tensor {leaf.index}) never arrived for layers {missing}")
             if repeated:
@@ -476,6 +549,8 @@ class OffloadedAdamState:
         """Unregisters the gradient sink; closes the store and arena if :meth:`create` made them."""
         if self._sink is not None:
             self._sink.close()
+        if self._source is not None:
+            self._source.close()
         for owned in self._owned:
             owned.close()
         self._owned = ()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,9 @@ import numpy as np
 from flax import nnx
 
 from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward, sink_gradient
+from jaxascend.offload.param_source import fetch_layer
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +50,19 @@ class SinkRouting:
 
     stack_key: str
     routes: tuple[LeafRoute, ...]
+    table_key: Optional[str] = None  # the token table, when its uses send their gradients themselves
+    table_uses: tuple[str, ...] = ()  # ("lookup",) or, tied, ("lookup", "head"): the sink sums them
+    table_blocks: int = 1  # blocks of rows the table's gradient arrives in (models.vocab)
+    table_as_bits: bool = False  # large: on CPU the step hands it to the model as raw bits
 
     @classmethod
-    def for_params(cls, params: nnx.State, stack_key: str) -> "SinkRouting":
+    def for_params(cls, params: nnx.State, stack_key: str, table: Optional[tuple[str, ...]] = None,
+                   table_uses: tuple[str, ...] = (), table_blocks: int = 1, table_as_bits: bool = False) -> "SinkRouting":
         """``stack_key`` is the attribute holding the scanned layers ('layers' for the Llama
-        family, 'h' for GPT-2); its leaves have a leading layer axis."""
+        family, 'h' for GPT-2); its leaves have a leading layer axis. ``table``: the path of the
+        token table, whose gradient arrives in ``table_blocks`` blocks of rows; with
+        ``table_uses`` each use (the lookup and, tied, the head) wraps its blocks itself through
+        the model's ``table_hook`` and the sink sums the uses."""
         flat, _ = jax.tree_util.tree_flatten_with_path(params)
         routes = []
         for tensor, (path, leaf) in enumerate(flat):
@@ -60,12 +71,33 @@ class SinkRouting:
                                     int(leaf.shape[0]) if stacked else 0, tuple(leaf.shape), leaf.dtype))
         if not any(r.layers for r in routes):
             raise ValueError(f"model parameters have no layer stack under {stack_key!r}")
-        return cls(stack_key, tuple(routes))
+        table_key = None
+        if table is not None:
+            prefix = "".join(f"[{k!r}]" for k in table)  # a Variable's key may add ".value"
+            found = [r.key for r in routes if r.key == prefix or r.key.startswith(prefix + ".")]
+            if len(found) != 1:
+                raise ValueError(f"model parameters have no table {'.'.join(table)!r}")
+            table_key = found[0]
+        uses = tuple(table_uses) if table_key else ()
+        return cls(stack_key, tuple(routes), table_key, uses, int(table_blocks), bool(table_as_bits and uses))
+
+    @property
+    def table_tensor(self) -> Optional[int]:
+        return self.by_key()[self.table_key].tensor if self.table_key else None
+
+    def arrivals(self) -> Optional[dict[int, int]]:
+        """Gradients per layer the sink sums, for the table whose uses send them (else None)."""
+        return {self.table_tensor: len(self.table_uses)} if self.table_uses else None
 
     def probes(self) -> dict[str, jax.Array]:
-        """Zero probes: f32[L, 2] per stacked leaf, f32[2] per other leaf."""
-        return {r.key: jnp.zeros(((r.layers,) if r.layers else ()) + (PROBE_SIZE,), jnp.float32)
-                for r in self.routes}
+        """Zero probes: f32[L, 2] per stacked leaf, f32[2] per other leaf; a table whose uses
+        send their own gradients has one probe per use, f32[blocks, 2] when in blocks."""
+        probes = {r.key: jnp.zeros(((r.layers,) if r.layers else ()) + (PROBE_SIZE,), jnp.float32)
+                  for r in self.routes if not (r.key == self.table_key and self.table_uses)}
+        blocks = (self.table_blocks,) if self.table_blocks > 1 else ()
+        probes.update({f"{self.table_key}|{use}": jnp.zeros(blocks + (PROBE_SIZE,), jnp.float32)
+                       for use in self.table_uses})
+        return probes
 
     def by_key(self) -> dict[str, LeafRoute]:
         return {r.key: r for r in self.routes}
@@ -82,41 +114,82 @@ def _layer_key(path) -> str:
 
 
 def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
-                      loss_fn) -> Any:
+                      loss_fn, source=None) -> Any:
     """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)`` (with ``step.lower``).
 
-    ``loss_fn(model, tokens, layer_hook)`` returns the scalar loss of one batch. ``stats`` maps each
+    ``loss_fn(model, tokens, layer_hook)`` returns the scalar loss of one batch (with a tied table
+    in the routing: ``loss_fn(model, tokens, layer_hook, table_hook)``, passing ``table_hook`` to
+    the model, and the sink must sum 2 arrivals of that tensor). ``stats`` maps each
     leaf key to its probe's gradient (``[..., 2]``: sum of squares, non-finite count) of the
     *scaled* gradient. ``loss`` is unscaled. On the CPU backend the layer stack's 16-bit leaves
-    enter the jitted function as uint16 views of the same buffers (see :func:`stacked_as_bits`).
+    enter the jitted function as uint16 (float32: uint32) views of the same buffers (see
+    :func:`stacked_as_bits`).
+
+    ``source``: a :class:`~jaxascend.offload.param_source.ParamSource` over every leaf of the layer
+    stack (``offload.params: ssd``). The stacked leaves of ``params`` are then None: the scan
+    fetches each layer's weights from the source (and, under remat, again in the backward).
     """
     routes = routing.by_key()
+    stacked_keys = [r.key for r in routing.routes if r.layers]
+    abstract = None
+    if source is not None:
+        if len(source.specs) != len(stacked_keys):
+            raise ValueError(f"offload step: the parameter source serves {len(source.specs)} leaves, the layer "
+                             f"stack has {len(stacked_keys)}")
+        specs = iter(source.specs)
+        abstract = tuple(_stacked_spec(r.layers, next(specs)) if r.layers else None for r in routing.routes)
 
     def hook_leaf(key, x, probe, layer=0):
         route = routes[key]
         return offload_on_backward(x, probe, sink=sink, tensor=route.tensor, layer=layer)
 
     def scaled_loss(probes, params, tokens, loss_scale, bit_dtypes):
+        if abstract is not None:
+            params = _with_abstract_stack(params, abstract)
+
         def top(path, x):
             if _first_key(path) == routing.stack_key:
                 return x
             key = jax.tree_util.keystr(path)
+            if key == routing.table_key and routing.table_uses:  # wrapped per use and block by table_hook
+                return x
             return hook_leaf(key, x, probes[key])
 
         params = jax.tree_util.tree_map_with_path(top, params)
         float_dtypes = dict(bit_dtypes)
 
         def layer_hook(layer_params, index):
+            fetched = {}
+            if source is not None:  # this layer's weights, read from SSD ahead of the ask
+                fetched = dict(zip(stacked_keys, fetch_layer(source.handle, index, source.specs)))
+
             def one(path, x):
                 key = "layer:" + jax.tree_util.keystr(path)
-                if key in float_dtypes:  # this layer's slice, back from raw bits
+                if key in fetched:
+                    x = fetched[key]
+                elif key in float_dtypes:  # this layer's slice, back from raw bits
                     x = jax.lax.bitcast_convert_type(x, float_dtypes[key])
+                if source is None:
+                    # A value of its own, as a fetched layer is: XLA then computes with resident
+                    # and streamed weights alike (bit for bit), instead of fusing the slice into
+                    # the layer's ops.
+                    x = jax.lax.optimization_barrier(x)
                 return hook_leaf(key, x, probes[key][index], layer=index)
 
             return jax.tree_util.tree_map_with_path(one, layer_params)
 
+        def table_hook(block, use, index):  # each block of each use sends its own gradient
+            if routing.table_key in float_dtypes:  # this block, back from raw bits
+                block = jax.lax.bitcast_convert_type(block, float_dtypes[routing.table_key])
+            probe = probes[f"{routing.table_key}|{use}"]
+            return offload_on_backward(block, probe[index] if routing.table_blocks > 1 else probe, sink=sink,
+                                       tensor=routes[routing.table_key].tensor, layer=index)
+
         model = nnx.merge(graphdef, params, rest)
-        loss = loss_fn(model, tokens, layer_hook)
+        if routing.table_uses:
+            loss = loss_fn(model, tokens, layer_hook, table_hook)
+        else:
+            loss = loss_fn(model, tokens, layer_hook)
         return loss * loss_scale.astype(loss.dtype), loss
 
     grad_of_probes = jax.value_and_grad(scaled_loss, has_aux=True)
@@ -127,6 +200,19 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
         return loss, stats
 
     return _OffloadStep(jitted, routing, use_bits=jax.default_backend() == "cpu")
+
+
+def _stacked_spec(layers: int, layer: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((layers,) + tuple(layer.shape), layer.dtype)
+
+
+def _with_abstract_stack(params, abstract):
+    """``params`` with each None leaf (a streamed leaf of the layer stack) replaced by its
+    ``jax.ShapeDtypeStruct`` from ``abstract``: the model sees the stack's shapes, not its values."""
+    leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
+    if len(leaves) != len(abstract):
+        raise ValueError(f"offload step: params have {len(leaves)} leaves, the routing has {len(abstract)}")
+    return treedef.unflatten([a if x is None else x for x, a in zip(leaves, abstract)])
 
 
 class _OffloadStep:
@@ -153,8 +239,9 @@ class _OffloadStep:
 
 
 def stacked_as_bits(params, routing: SinkRouting) -> tuple[Any, tuple[tuple[str, str], ...]]:
-    """The layer stack's 16-bit float leaves as uint16 arrays sharing their buffers, and
-    ``((key, dtype name), ...)`` to turn each layer's slice back inside the scan.
+    """The layer stack's float leaves (and a large token table, see models.vocab) as uint16
+    (float32: uint32) arrays sharing their buffers, and ``((key, dtype name), ...)`` to turn each layer's
+    (block's) slice back inside the scan.
 
     Why: XLA's CPU backend computes in fp32 whatever it cannot do in bf16/fp16, and its
     float-normalization pass treats the layer scan's ``dynamic-slice`` of a stacked bf16 weight
@@ -166,30 +253,38 @@ def stacked_as_bits(params, routing: SinkRouting) -> tuple[Any, tuple[tuple[str,
     parameters are not differentiated by the step (the probes are), so the integer detour
     costs no gradient.
     """
-    leaves, treedef = jax.tree.flatten(params)
+    leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
     if len(leaves) != len(routing.routes):
         raise ValueError(f"offload step: params have {len(leaves)} leaves, the routing has {len(routing.routes)}")
     out, bit_dtypes = [], []
     for x, route in zip(leaves, routing.routes):
+        if x is None:  # a streamed leaf (offload.params: ssd): not an input
+            out.append(x)
+            continue
         dtype = jnp.dtype(x.dtype)
-        if route.layers and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
-            out.append(_uint16_view(x))
+        as_bits = route.layers or (route.key == routing.table_key and routing.table_as_bits)
+        # float32 too: the layer then reaches XLA the same way a fetched one does (an operand of
+        # its own, not a slice fused into its consumers), so resident and streamed weights give
+        # the same bits.
+        if as_bits and dtype.itemsize in (2, 4) and jnp.issubdtype(dtype, jnp.floating):
+            out.append(_bits_view(x))
             bit_dtypes.append((route.key, dtype.name))
         else:
             out.append(x)
     return treedef.unflatten(out), tuple(bit_dtypes)
 
 
-def _uint16_view(x):
+def _bits_view(x):
+    bits = np.uint16 if jnp.dtype(x.dtype).itemsize == 2 else np.uint32
     if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, jnp.uint16)
+        return jax.ShapeDtypeStruct(x.shape, bits)
     if isinstance(x, np.ndarray):
-        return x.view(np.uint16)
+        return x.view(bits)
     devices = x.devices() if isinstance(x, jax.Array) else ()
     if len(devices) == 1 and next(iter(devices)).platform == "cpu":
         device = next(iter(devices))
-        return jax.device_put(np.asarray(x).view(np.uint16), device, may_alias=True)
-    return jax.lax.bitcast_convert_type(x, jnp.uint16)  # elsewhere: a copy, still correct
+        return jax.device_put(np.asarray(x).view(bits), device, may_alias=True)
+    return jax.lax.bitcast_convert_type(x, bits)  # elsewhere: a copy, still correct
 
 
 def total_stats(stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -218,10 +313,12 @@ def make_accumulating_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, rout
 
     def send(key, g):
         route = routes[key]
-        if not route.layers:
+        layers = route.layers or (routing.table_blocks if key == routing.table_key else 1)
+        if layers == 1:
             return sink_gradient(g, 0, sink=sink, tensor=route.tensor)
+        g = g.reshape((layers, -1) + g.shape[1:]) if not route.layers else g  # a table's blocks of rows
         return jax.lax.map(lambda xs: sink_gradient(xs[0], xs[1], sink=sink, tensor=route.tensor),
-                           (g, jnp.arange(route.layers, dtype=jnp.int32)))
+                           (g, jnp.arange(layers, dtype=jnp.int32)))
 
     @jax.jit
     def step(params, tokens, loss_scale):

@@ -50,6 +50,7 @@ class SinkTarget:
     regions: tuple[str, ...]
     layer_bytes: int
     dtype: object  # the gradient dtype the backward pass produces (the compute dtype)
+    arrivals: int = 1  # gradients per layer that the sink sums (2: a tied table's lookup and head)
 
 
 class _RegisteredSink:
@@ -115,7 +116,8 @@ class StoreGradientSink(_RegisteredSink):
         self._tensors = []
         for t in targets:
             region_ids = [store.region(name).id for name in t.regions]
-            self._native.add_tensor(int(t.tensor), region_ids, int(t.layer_bytes), _dtype_name(t.dtype))
+            self._native.add_tensor(int(t.tensor), region_ids, int(t.layer_bytes), _dtype_name(t.dtype),
+                                    int(t.arrivals))
             self._tensors.append(int(t.tensor))
         self._register(self._native, _native.register_store_sink(self._native), self._tensors)
 
@@ -139,6 +141,7 @@ class BufferTarget:
     layers: int
     layer_elements: int
     dtype: object
+    arrivals: int = 1  # as SinkTarget.arrivals
 
 
 class Fp32BufferGradientSink(_RegisteredSink):
@@ -159,6 +162,6 @@ class Fp32BufferGradientSink(_RegisteredSink):
         self._tensors = []
         for t in targets:
             self._native.add_tensor(int(t.tensor), int(t.offset), int(t.layers), int(t.layer_elements),
-                                    _dtype_name(t.dtype))
+                                    _dtype_name(t.dtype), int(t.arrivals))
             self._tensors.append(int(t.tensor))
         self._register(self._native, _native.register_fp32_buffer_sink(self._native), self._tensors)

@@ -1,0 +1,391 @@
+// The parameter source: the layer scan asks it for layer L's compute-dtype weights, and it
+// has read them from their SSD regions into an arena slot ahead of the ask.
+//
+// With offload.params: ssd the weights of the layer stack live in the shard store, one region
+// per (leaf, layer), written by the optimizer step. Before each forward/backward the engine
+// calls Begin(order) with the layers in the order the step will ask for them (0..L-1 for the
+// forward, L-1..0 for the backward's recomputation under remat); the source at once queues
+// reads of the first `depth` layers into arena slots (one slot holds one layer of every leaf,
+// each leaf at a 4096-aligned offset). The FFI target jaxascend_param_source(layer) then waits
+// for that layer's reads, copies the slot into XLA's output buffers, releases the slot and
+// queues the next layer of the order. An ask the order did not foresee is still answered,
+// with a synchronous read (counted as a miss): the order only decides the speed, never the
+// values. Reads go through the store, so every block's crc32c is checked.
+//
+// Layout follows the JAX FFI examples: the typed work in ParamSource::Fetch, the dispatch
+// (ParamSourceDispatch) checks the outputs and turns a failure into an ffi::Error, the handler
+// symbol binds the arguments.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "offload_grad_sink.h"
+#include "registry.h"
+#include "ssd_arena.h"
+#include "ssd_io_queue.h"
+#include "ssd_shard_store.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+namespace nb = nanobind;
+
+namespace jaxascend {
+namespace {
+
+int64_t AlignUp(int64_t n) { return (n + 4095) / 4096 * 4096; }
+
+// The step may ask for a leaf as its float dtype or as raw bits of the same width (it bitcasts).
+bool SameBits(ffi::DataType asked, ffi::DataType leaf) {
+  if (asked == leaf) return true;
+  if (asked == ffi::DataType::U32) return leaf == ffi::DataType::F32;
+  if (asked == ffi::DataType::U16) return leaf == ffi::DataType::F16 || leaf == ffi::DataType::BF16;
+  return false;
+}
+
+class ParamSource {
+ public:
+  ParamSource(int64_t store_handle, std::string slot_class) : slot_class_(std::move(slot_class)) {
+    std::shared_ptr<ShardStore> store = FindStore(store_handle);
+    if (!store) {
+      throw nb::value_error(("ParamSource: no open shard store with handle " + std::to_string(store_handle)).c_str());
+    }
+    store_ = store;
+  }
+
+  ~ParamSource() { Drain(); }
+
+  // Adds one leaf of the layer stack: one region per layer, each `layer_bytes` long.
+  void AddLeaf(const std::vector<int32_t>& regions, int64_t layer_bytes, const std::string& dtype_name) {
+    const std::string what = "ParamSource.add_leaf(" + std::to_string(leaves_.size()) + ")";
+    Leaf leaf;
+    if (!ParseGradDtype(dtype_name, &leaf.dtype)) {
+      throw nb::value_error((what + ": dtype '" + dtype_name + "' is not float32, float16 or bfloat16").c_str());
+    }
+    if (regions.empty()) throw nb::value_error((what + ": at least one region (layer) is needed").c_str());
+    if (!leaves_.empty() && regions.size() != leaves_[0].regions.size()) {
+      throw nb::value_error((what + ": " + std::to_string(regions.size()) + " layers, but the first leaf has " +
+                             std::to_string(leaves_[0].regions.size()))
+                                .c_str());
+    }
+    std::shared_ptr<ShardStore> store = Store();
+    if (!store) throw nb::value_error((what + ": the shard store is closed").c_str());
+    for (size_t layer = 0; layer < regions.size(); ++layer) {
+      const StoreRegion* r = store->region(regions[layer]);
+      if (!r || r->nbytes != layer_bytes) {
+        throw nb::value_error((what + ": layer " + std::to_string(layer) + " names region id " +
+                               std::to_string(regions[layer]) + (r ? " of " + std::to_string(r->nbytes) + " bytes" : "") +
+                               ", expected one of " + std::to_string(layer_bytes) + " bytes")
+                                  .c_str());
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    leaf.regions = regions;
+    leaf.layer_bytes = layer_bytes;
+    leaf.slot_offset = slot_bytes_;
+    slot_bytes_ += AlignUp(layer_bytes);
+    leaves_.push_back(std::move(leaf));
+  }
+
+  // Bytes of one arena slot: one layer of every leaf, each 4096-aligned.
+  int64_t slot_bytes() const { return slot_bytes_; }
+  int64_t num_layers() const { return leaves_.empty() ? 0 : static_cast<int64_t>(leaves_[0].regions.size()); }
+  int64_t num_leaves() const { return static_cast<int64_t>(leaves_.size()); }
+
+  // Forgets what is in flight, then queues the first `depth` layers of `order`.
+  void Begin(const std::vector<int32_t>& order, int depth) {
+    if (depth < 1) throw nb::value_error("ParamSource.begin: depth must be >= 1");
+    for (int32_t layer : order) {
+      if (layer < 0 || layer >= num_layers()) {
+        throw nb::value_error(("ParamSource.begin: layer " + std::to_string(layer) + " is out of range (" +
+                               std::to_string(num_layers()) + " layers)")
+                                  .c_str());
+      }
+    }
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(mu_);
+      DrainLocked();
+      order_ = order;
+      next_ = 0;
+      depth_ = depth;
+      s = IssueLocked();
+    }
+    if (!s.ok()) throw std::runtime_error("param_source: " + s.message());
+  }
+
+  // Waits for what is in flight and releases its slots (after a step, and before closing).
+  void Drain() {
+    std::lock_guard<std::mutex> lock(mu_);
+    DrainLocked();
+    order_.clear();
+    next_ = 0;
+  }
+
+  // Copies layer `layer` of every leaf into outs[k] (sizes[k] bytes, dtypes[k]); "" or the error.
+  std::string Fetch(int64_t layer, const std::vector<void*>& outs, const std::vector<size_t>& sizes,
+                    const std::vector<ffi::DataType>& dtypes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (layer < 0 || layer >= num_layers()) {
+      return "param_source: layer " + std::to_string(layer) + " is out of range (" + std::to_string(num_layers()) +
+             " layers)";
+    }
+    if (outs.size() != leaves_.size()) {
+      return "param_source: the call has " + std::to_string(outs.size()) + " outputs for " +
+             std::to_string(leaves_.size()) + " leaves";
+    }
+    for (size_t k = 0; k < leaves_.size(); ++k) {
+      if (sizes[k] != static_cast<size_t>(leaves_[k].layer_bytes) || !SameBits(dtypes[k], leaves_[k].dtype)) {
+        return "param_source: output " + std::to_string(k) + " is " + std::to_string(sizes[k]) + " bytes of " +
+               GradDtypeName(dtypes[k]) + "; leaf " + std::to_string(k) + " has " +
+               std::to_string(leaves_[k].layer_bytes) + " bytes of " + GradDtypeName(leaves_[k].dtype) + " per layer";
+      }
+    }
+    std::shared_ptr<ShardStore> store = Store();
+    if (!store) return "param_source: the shard store is closed";
+    ++fetches_;
+    auto it = inflight_.begin();
+    while (it != inflight_.end() && (*it)->layer != layer) ++it;
+    if (it == inflight_.end()) {  // not foreseen: read it now, straight into the outputs
+      ++misses_;
+      for (size_t k = 0; k < leaves_.size(); ++k) {
+        const Status s = store->ReadToHost(leaves_[k].regions[layer], 0, outs[k], leaves_[k].layer_bytes);
+        if (!s.ok()) return "param_source: reading layer " + std::to_string(layer) + ": " + s.message();
+        bytes_read_ += leaves_[k].layer_bytes;
+      }
+      return "";
+    }
+    std::unique_ptr<Pending> p = std::move(*it);
+    inflight_.erase(it);
+    const auto start = std::chrono::steady_clock::now();
+    Status s = p->ticket.Wait();
+    wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s.ok()) {
+      const uint8_t* base = store->arena()->slots()[p->slot].data;
+      for (size_t k = 0; k < leaves_.size(); ++k) {
+        std::memcpy(outs[k], base + leaves_[k].slot_offset, static_cast<size_t>(leaves_[k].layer_bytes));
+        bytes_read_ += leaves_[k].layer_bytes;
+      }
+    }
+    store->arena()->Release(p->slot);
+    if (!s.ok()) return "param_source: reading layer " + std::to_string(layer) + ": " + s.message();
+    s = IssueLocked();
+    if (!s.ok()) return "param_source: " + s.message();
+    return "";
+  }
+
+  nb::dict Stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    nb::dict d;
+    d["fetches"] = fetches_;
+    d["misses"] = misses_;
+    d["bytes_read"] = bytes_read_;
+    d["wait_seconds"] = wait_seconds_;
+    return d;
+  }
+
+ private:
+  struct Leaf {
+    std::vector<int32_t> regions;
+    int64_t layer_bytes = 0;
+    int64_t slot_offset = 0;
+    ffi::DataType dtype = ffi::F32;
+  };
+  struct Pending {
+    int32_t layer = 0;
+    int32_t slot = -1;
+    IoTicket ticket;
+  };
+
+  std::shared_ptr<ShardStore> Store() const {
+    std::shared_ptr<ShardStore> s = store_.lock();
+    return s && !s->closed() ? s : nullptr;
+  }
+
+  // Queues layers of the order while fewer than depth_ are in flight. Caller holds mu_.
+  Status IssueLocked() {
+    std::shared_ptr<ShardStore> store = Store();
+    if (!store) return Status::Closed("the shard store is closed");
+    while (static_cast<int>(inflight_.size()) < depth_ && next_ < order_.size()) {
+      auto p = std::make_unique<Pending>();
+      p->layer = order_[next_];
+      Status s = store->arena()->Acquire(slot_class_, slot_bytes_, &p->slot);
+      if (!s.ok()) return s;
+      uint8_t* base = store->arena()->slots()[p->slot].data;
+      for (const Leaf& leaf : leaves_) {
+        s = store->SubmitRead(leaf.regions[p->layer], 0, leaf.layer_bytes, base + leaf.slot_offset,
+                              AlignUp(leaf.layer_bytes), &p->ticket);
+        if (!s.ok()) break;
+      }
+      ++next_;
+      inflight_.push_back(std::move(p));
+      if (!s.ok()) return s;
+    }
+    return Status::Ok();
+  }
+
+  void DrainLocked() {
+    std::shared_ptr<ShardStore> store = store_.lock();
+    for (auto& p : inflight_) {
+      p->ticket.Wait();  // a failed prefetch nobody asked for is moot
+      if (store) store->arena()->Release(p->slot);
+    }
+    inflight_.clear();
+  }
+
+  std::string slot_class_;
+  std::weak_ptr<ShardStore> store_;
+  std::mutex mu_;
+  std::vector<Leaf> leaves_;
+  int64_t slot_bytes_ = 0;
+  std::vector<int32_t> order_;
+  size_t next_ = 0;
+  int depth_ = 1;
+  std::deque<std::unique_ptr<Pending>> inflight_;
+  int64_t fetches_ = 0;
+  int64_t misses_ = 0;
+  int64_t bytes_read_ = 0;
+  double wait_seconds_ = 0.0;
+};
+
+struct SourceTable {
+  std::mutex mu;
+  int64_t next = 1;
+  std::map<int64_t, std::shared_ptr<ParamSource>> sources;
+};
+
+SourceTable& Sources() {
+  static SourceTable* table = new SourceTable();  // never destroyed: FFI calls may outlive Python
+  return *table;
+}
+
+std::shared_ptr<ParamSource> FindSource(int64_t handle) {
+  SourceTable& t = Sources();
+  std::lock_guard<std::mutex> lock(t.mu);
+  auto it = t.sources.find(handle);
+  return it == t.sources.end() ? nullptr : it->second;
+}
+
+// Dispatch: finds the source, collects the output buffers and fetches the layer into them.
+ffi::Error ParamSourceDispatch(ffi::Buffer<ffi::S32> layer, ffi::RemainingRets outs, int64_t source) {
+  if (layer.element_count() != 1) return ffi::Error::InvalidArgument("param_source: layer must be a scalar");
+  std::shared_ptr<ParamSource> target = FindSource(source);
+  if (!target) {
+    return ffi::Error::InvalidArgument("param_source: no open parameter source with handle " + std::to_string(source));
+  }
+  std::vector<void*> data;
+  std::vector<size_t> sizes;
+  std::vector<ffi::DataType> dtypes;
+  for (size_t k = 0; k < outs.size(); ++k) {
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = outs.get<ffi::AnyBuffer>(k);
+    if (out.has_error()) return out.error();
+    data.push_back((*out)->untyped_data());
+    sizes.push_back((*out)->size_bytes());
+    dtypes.push_back((*out)->element_type());
+  }
+  std::string err = target->Fetch(layer.typed_data()[0], data, sizes, dtypes);
+  if (!err.empty()) return ffi::Error::Internal(err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kParamSource, ParamSourceDispatch,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer: index in the stack
+                                  .RemainingRets()               // one layer of every leaf, in leaf order
+                                  .Attr<int64_t>("source"));     // handle from register_param_source
+
+JAXASCEND_REGISTER_FFI("jaxascend_param_source", kParamSource);
+
+namespace {
+void BindParamSource(nb::module_& m) {
+  nb::class_<ParamSource>(m, "ParamSource", "Reads layers of the stacked weights from SSD ahead of the layer scan.")
+      .def(nb::new_([](int64_t store_handle, const std::string& slot_class) {
+             return std::make_shared<ParamSource>(store_handle, slot_class);
+           }),
+           nb::arg("store_handle"), nb::arg("slot_class"))
+      .def("add_leaf", &ParamSource::AddLeaf, nb::arg("regions"), nb::arg("layer_bytes"), nb::arg("dtype"),
+           "Adds one leaf of the stack: one region id per layer, each layer_bytes long.")
+      .def("begin", &ParamSource::Begin, nb::arg("order"), nb::arg("depth"),
+           "Drops what is in flight and starts reading the first `depth` layers of `order`.")
+      .def("drain", &ParamSource::Drain, nb::call_guard<nb::gil_scoped_release>(),
+           "Waits for the reads in flight and releases their slots.")
+      .def("stats", &ParamSource::Stats, "fetches, misses, bytes_read, wait_seconds since creation.")
+      .def_prop_ro("slot_bytes", &ParamSource::slot_bytes)
+      .def_prop_ro("num_layers", &ParamSource::num_layers)
+      .def_prop_ro("num_leaves", &ParamSource::num_leaves);
+  m.def(
+      "register_param_source",
+      [](std::shared_ptr<ParamSource> source) {
+        SourceTable& t = Sources();
+        std::lock_guard<std::mutex> lock(t.mu);
+        const int64_t handle = t.next++;
+        t.sources[handle] = std::move(source);
+        return handle;
+      },
+      nb::arg("source"), "Makes a ParamSource reachable from jaxascend_param_source; returns its handle.");
+  m.def(
+      "unregister_param_source",
+      [](int64_t handle) {
+        std::shared_ptr<ParamSource> source;
+        {
+          SourceTable& t = Sources();
+          std::lock_guard<std::mutex> lock(t.mu);
+          auto it = t.sources.find(handle);
+          if (it == t.sources.end()) return false;
+          source = std::move(it->second);
+          t.sources.erase(it);
+        }
+        nb::gil_scoped_release release;
+        source->Drain();
+        return true;
+      },
+      nb::arg("handle"), "Removes a source (after draining its reads); later calls with its handle fail.");
+  // The host half for backends whose FFI calls cannot run on the host (GPU): a pure_callback
+  // copies layer `layer` of every leaf into `outs` (uint8 views of host buffers, e.g. pinned).
+  m.def(
+      "fetch_params_to_host",
+      [](int64_t handle, int64_t layer, std::vector<nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>> outs,
+         std::vector<std::string> dtype_names) {
+        std::shared_ptr<ParamSource> target = FindSource(handle);
+        if (!target) {
+          throw nb::value_error(("param_source: no open parameter source with handle " + std::to_string(handle)).c_str());
+        }
+        if (dtype_names.size() != outs.size()) throw nb::value_error("param_source: one dtype per output is needed");
+        std::vector<void*> data;
+        std::vector<size_t> sizes;
+        std::vector<ffi::DataType> dtypes(outs.size());
+        for (size_t k = 0; k < outs.size(); ++k) {
+          if (!ParseGradDtype(dtype_names[k], &dtypes[k])) {
+            throw nb::value_error(("param_source: unsupported dtype " + dtype_names[k]).c_str());
+          }
+          data.push_back(outs[k].data());
+          sizes.push_back(outs[k].size());
+        }
+        std::string err;
+        {
+          nb::gil_scoped_release release;
+          err = target->Fetch(layer, data, sizes, dtypes);
+        }
+        if (!err.empty()) throw std::runtime_error(err);
+      },
+      nb::arg("handle"), nb::arg("layer"), nb::arg("outs"), nb::arg("dtypes"),
+      "Copies one layer of every leaf into host byte buffers (the GPU path's host side).");
+}
+}  // namespace
+
+JAXASCEND_REGISTER_BINDINGS(BindParamSource);
+
+}  // namespace jaxascend

@@ -1,0 +1,121 @@
+"""The parameter source: the layer scan's weights, read from SSD layer by layer.
+
+With ``offload.params: ssd`` the compute-dtype weights of the layer stack live in the shard
+store (one ``param`` region per leaf and layer, written by the optimizer step; see
+:mod:`jaxascend.offload.layout`). Inside the jitted step, :func:`fetch_layer` asks the native
+source (``ffi/offload_param_source.cc``) for layer ``L`` of every streamed leaf; native I/O
+threads have read it into an arena slot ahead of the ask, in the order the step asks: layers
+0..L-1 in the forward, L-1..0 when the backward recomputes each layer under remat. The call is
+a *pure* FFI call: ``jax.checkpoint`` recomputes it in the backward like any other value (an
+effectful call is refused by remat's partial evaluation), and the weights it returns do not
+change during a step, so the recomputation returns the same bytes. Nothing differentiates
+through it: the step's probes are its only differentiated inputs.
+
+    source = state.param_source()              # owns the native source and its handle
+    source.begin_step()                        # before each forward/backward: start reading layer 0..
+    loss, stats = step(...)                    # the scan calls fetch_layer(source.handle, i, specs)
+    jax.block_until_ready(loss); source.end_step()
+
+On a GPU backend the FFI target (registered for the CPU platform) cannot run in device code:
+:func:`fetch_layer` then goes through a ``pure_callback`` whose host side copies the layer out
+of the (pinned) arena slot, and the runtime copies it to the device.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxascend import _native
+from jaxascend import native  # noqa: F401  (registers the FFI targets)
+from jaxascend.offload.layout import SOURCE_SLOT_CLASS, LeafLayout
+
+_PREFIX = "param_source:"  # how ffi/offload_param_source.cc starts every error it returns
+
+
+class ParamSourceError(OSError):
+    """The source could not read a layer's weights (an I/O error or a damaged block)."""
+
+
+# What fetch_step_outputs turns into a one-line error when a step's fetch failed.
+PARAM_SOURCE_ERRORS = ((_PREFIX, ParamSourceError),)
+
+
+class ParamSource:
+    """Owns one native parameter source over the streamed leaves of an offloaded state."""
+
+    def __init__(self, store, leaves: Sequence[LeafLayout], depth: int):
+        if not leaves:
+            raise ValueError("param source: no streamed leaves (offload.params is not 'ssd')")
+        self.leaves = tuple(leaves)
+        self.depth = int(depth)
+        self.num_layers = self.leaves[0].layers
+        self._native = _native.ParamSource(store.handle, SOURCE_SLOT_CLASS)
+        for leaf in self.leaves:
+            self._native.add_leaf([store.region(name).id for name in leaf.param_regions], leaf.grad_layer_bytes,
+                                  leaf.dtype.name)
+        self._handle = _native.register_param_source(self._native)
+        # What one fetch returns: one layer of every streamed leaf, in leaf order.
+        self.specs = tuple(jax.ShapeDtypeStruct(leaf.layer_shape, leaf.dtype) for leaf in self.leaves)
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise ValueError("param source: closed")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def step_order(self) -> list[int]:
+        """The layers a forward/backward with remat asks for, in order."""
+        layers = list(range(self.num_layers))
+        return layers + layers[::-1]
+
+    def begin_step(self) -> None:
+        """Starts reading the first layers of the next forward/backward (after the optimizer
+        step that wrote them)."""
+        self._native.begin(self.step_order(), self.depth)
+
+    def end_step(self) -> None:
+        """Waits for any read still in flight and frees its slot (call once the step is done)."""
+        self._native.drain()
+
+    def stats(self) -> dict:
+        """``fetches``, ``misses`` (asks the order did not foresee, read synchronously),
+        ``bytes_read`` and ``wait_seconds`` (time the step waited for the disk), since creation."""
+        return dict(self._native.stats())
+
+    def close(self) -> None:
+        if self._handle is not None:
+            _native.unregister_param_source(self._handle)
+            self._handle = None
+
+
+def fetch_layer(handle: int, layer: jax.Array, specs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+    """Layer ``layer`` (an int32 scalar, may be traced) of every streamed leaf, from source
+    ``handle``; ``specs`` are the leaves' layer shapes and dtypes (:attr:`ParamSource.specs`)."""
+    layer = jnp.asarray(layer, jnp.int32)
+    if jax.default_backend() != "cpu":
+        return list(jax.pure_callback(_host_fetcher(handle, specs), tuple(specs), layer))
+    # Asked for as raw bits and turned back here, as the resident layer stack reaches each layer
+    # (jaxascend.offload.step.stacked_as_bits): XLA then treats both alike, bit for bit.
+    bits = tuple(jax.ShapeDtypeStruct(s.shape, jnp.uint16 if jnp.dtype(s.dtype).itemsize == 2 else jnp.uint32)
+                 for s in specs)
+    raw = jax.ffi.ffi_call("jaxascend_param_source", bits, has_side_effect=False)(layer, source=np.int64(handle))
+    return [jax.lax.bitcast_convert_type(r, s.dtype) for r, s in zip(raw, specs)]
+
+
+def _host_fetcher(handle: int, specs: Sequence[jax.ShapeDtypeStruct]):
+    names = [jnp.dtype(s.dtype).name for s in specs]
+
+    def host(layer):
+        outs = [np.empty(s.shape, s.dtype) for s in specs]
+        _native.fetch_params_to_host(handle, int(layer), [o.reshape(-1).view(np.uint8) for o in outs], names)
+        return tuple(outs)
+
+    return host

@@ -1,0 +1,66 @@
+"""Command-line planner: ``python -m jaxascend.plan --config X [--set a.b=c ...]``.
+
+Prints, before anything is allocated, what the run of that config will need: host memory by part
+(runtime, arena, resident params, activations, temporaries), device memory, the SSD footprint and
+the free space on the offload filesystem, SSD bytes per step and the step-time floor at a given
+(``--disk-gbps``) or measured (``--measure-disk``) disk speed; ``offload.params: auto`` is
+resolved as the trainer resolves it. ``python -m jaxascend.train`` runs the same plan first and
+refuses a run that does not fit. Exit status: 0 when the run fits, 1 when it does not, 2 on bad
+input (one ``error:`` line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jaxascend.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/qwen2.5-3b.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override one config field (repeatable), e.g. --set offload.params=ssd")
+    speed = parser.add_mutually_exclusive_group()
+    speed.add_argument("--disk-gbps", type=float, default=None, help="disk speed for the step-time floor (GB/s)")
+    speed.add_argument("--measure-disk", action="store_true",
+                       help="measure the O_DIRECT speed of the offload filesystem (writes and reads 256 MiB)")
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.disk_gbps is not None and not args.disk_gbps > 0:
+        print("error: --disk-gbps: must be > 0", file=sys.stderr)
+        return 2
+    import dataclasses
+    import json
+
+    from jaxascend import console
+    from jaxascend.config import load_config
+    from jaxascend.data import BatchStream, load_tokenizer
+    from jaxascend.offload import plan_run
+    from jaxascend.ssd import measure_disk_gbps
+    from jaxascend.trainer import resolve_model_config, vocabulary_size
+
+    with console.one_line_output():
+        try:
+            cfg = load_config(args.config, args.overrides)
+            model_cfg = resolve_model_config(cfg)
+            tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
+            data = BatchStream(cfg.data, tokenizer)  # as the trainer has it when it plans (the runtime part)
+            vocab = vocabulary_size(cfg, model_cfg, tokenizer)
+            gbps = measure_disk_gbps(cfg.offload) if args.measure_disk else args.disk_gbps
+            plan = plan_run(cfg, dataclasses.replace(model_cfg, vocab_size=vocab), disk_gbps=gbps)
+            del data
+        except (ValueError, OSError) as err:  # ConfigError is a ValueError
+            if console.debugging():
+                raise
+            console.error(console.first_line(err))
+            return 2
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.format())
+    return 1 if plan.problems() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

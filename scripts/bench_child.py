@@ -1,0 +1,95 @@
+"""One training run in a child process, sampled from outside: RSS, page cache of its offload
+files, and its metrics records (the benchmarks' shared harness).
+
+    run = run_train_child(cmd, offload_dir, metrics_path, steps=3)
+    run.peak_system, run.records, run.samples
+
+System memory = RSS + the page cache held by the run's offload shard files (``mincore``): buffered
+I/O hides its cost in the page cache, outside RSS. The child is stopped once ``steps`` metrics
+records are written (unless ``finish``): the end-of-run checkpoint and export are not part of a
+training step's memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from jaxascend.ssd import page_cache_bytes
+
+
+@dataclass
+class ChildRun:
+    samples: list  # (seconds since start, rss, page cache of the offload files)
+    records: list  # metrics.jsonl records
+    first_step_at: float
+    steps_done_at: float
+    wall_seconds: float
+
+    @property
+    def window(self) -> list:
+        return [s for s in self.samples if s[0] <= self.steps_done_at]
+
+    @property
+    def peak_rss(self) -> int:
+        return max(s[1] for s in self.window)
+
+    @property
+    def peak_page_cache(self) -> int:
+        return max(s[2] for s in self.window)
+
+    @property
+    def peak_system(self) -> int:
+        return max(s[1] + s[2] for s in self.window)
+
+
+def _lines(path: Path) -> int:
+    try:
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+    except FileNotFoundError:
+        return 0
+
+
+def run_train_child(cmd: list[str], offload_dir: Path, metrics_path: Path, log_path: Path, *, steps: int,
+                    cwd: Path, interval: float = 0.1, timeout: float = 3600, finish: bool = False) -> ChildRun:
+    """Runs ``cmd`` (a ``python -m jaxascend.train ...`` line) until it wrote ``steps`` records."""
+    log = log_path.open("w")
+    start = time.perf_counter()
+    child = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    proc = psutil.Process(child.pid)
+    samples, first_step_at, steps_done_at = [], None, None
+    try:
+        while child.poll() is None:
+            t = time.perf_counter() - start
+            try:
+                rss = proc.memory_info().rss
+            except psutil.NoSuchProcess:
+                break
+            samples.append((round(t, 3), rss, page_cache_bytes(glob.glob(str(offload_dir / "*.bin")))))
+            lines = _lines(metrics_path)
+            if first_step_at is None and lines >= 1:
+                first_step_at = t
+            if steps_done_at is None and lines >= steps:
+                steps_done_at = t
+                if not finish:
+                    child.terminate()  # the steps are measured; skip the end checkpoint and exports
+            if t > timeout:
+                child.kill()
+                raise RuntimeError(f"no result after {timeout} s (see {log_path})")
+            time.sleep(interval)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        log.close()
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    if len(records) < steps or steps_done_at is None:
+        tail = log_path.read_text()[-2000:]
+        raise RuntimeError(f"the run wrote {len(records)} of {steps} steps; its output ends with:\n{tail}")
+    return ChildRun(samples, records, first_step_at, steps_done_at, time.perf_counter() - start)
