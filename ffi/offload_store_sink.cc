@@ -13,6 +13,12 @@
 // write starts at offset 0 and ends at the region's end (the store's alignment rule holds for
 // any layer size). The sink also counts what it received per (tensor, layer), so the step can
 // refuse to run on a gradient that never arrived (a stale one from the previous step).
+//
+// A tensor may expect several arrivals per layer (`arrivals`: a tied table's lookup and head
+// each send their gradient, block by block): the first is written as above; a later one is
+// added to what the region holds, piece by piece through a staging-sized buffer (read back,
+// AddGradients, write), and the last one carries the statistics of the sum (the others report
+// zeros), so the step's overflow check and norm see the summed gradient.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>

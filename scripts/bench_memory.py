@@ -36,19 +36,16 @@ Writes a JSON table to stdout and ``--out`` (default docs/bench_memory.json), a 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 
-from jaxascend.ssd import page_cache_bytes
+from bench_child import run_train_child
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -121,40 +118,13 @@ def run_mode(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
     for s in sets:
         cmd += ["--set", s]
     metrics_path = out_dir / "run" / "metrics.jsonl"
-    log = (out_dir / "stdout.txt").open("w")
-    start = time.perf_counter()
-    child = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    proc = psutil.Process(child.pid)
-    samples, first_step_at, steps_done_at = [], None, None
     try:
-        while child.poll() is None:
-            t = time.perf_counter() - start
-            try:
-                rss = proc.memory_info().rss
-            except psutil.NoSuchProcess:
-                break
-            cache = page_cache_bytes(glob.glob(str(offload_dir / "*.bin")))
-            samples.append((round(t, 3), rss, cache))
-            lines = _lines(metrics_path)
-            if first_step_at is None and lines >= 1:
-                first_step_at = t
-            if steps_done_at is None and lines >= args.steps:
-                steps_done_at = t
-                if not args.finish:
-                    child.terminate()  # the steps are measured; skip the end checkpoint and exports
-            if t > args.timeout:
-                child.kill()
-                raise RuntimeError(f"{name}: no result after {args.timeout} s (see {out_dir / 'stdout.txt'})")
-            time.sleep(args.interval)
-    finally:
-        if child.poll() is None:
-            child.kill()
-        child.wait()
-        log.close()
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-    if len(records) < args.steps:
-        tail = (out_dir / "stdout.txt").read_text()[-2000:]
-        raise RuntimeError(f"{name}: the run wrote {len(records)} of {args.steps} steps; its output ends with:\n{tail}")
+        child = run_train_child(cmd, offload_dir, metrics_path, out_dir / "stdout.txt", steps=args.steps, cwd=REPO,
+                                interval=args.interval, timeout=args.timeout, finish=args.finish)
+    except RuntimeError as err:
+        raise RuntimeError(f"{name}: {err}") from None
+    samples, records = child.samples, child.records
+    first_step_at, steps_done_at = child.first_step_at, child.steps_done_at
     window = [s for s in samples if s[0] <= steps_done_at]
     steady = [s for s in window if s[0] >= first_step_at] or window[-1:]
     peak_rss = max(s[1] for s in window)
@@ -187,13 +157,6 @@ def run_mode(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
         "first_step_done_s": first_step_at,
         "steps_done_s": steps_done_at,
     }
-
-
-def _lines(path: Path) -> int:
-    try:
-        return path.read_text().count("\n")
-    except FileNotFoundError:
-        return 0
 
 
 def summarize(results: list[dict], num_params: int) -> dict:

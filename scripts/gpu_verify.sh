@@ -6,7 +6,9 @@
 #   2. the pytest files whose code paths differ on a GPU: pinned arena, the gradient sink's
 #      device->host path inside a GPU backward pass, instant offload on the real models, the
 #      "offload" remat policy (device -> pinned_host activations);
-#   3. a short offloaded training run with the compute params on the GPU.
+#   3. a short offloaded training run with the compute params on the GPU;
+#   4. the same run with offload.params: ssd (the parameter source's host callback feeding each
+#      layer to the device) against the resident run: the losses must be equal.
 # Output goes to ${OUT:-/tmp/gpu_verify}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,8 @@ echo "== pinned arena (C++)"
 bash scripts/gpu_check.sh 256 2>&1 | tee "$out/pinned_check.txt"
 echo "== pytest on the GPU backend"
 $py -m pytest -p no:cacheprovider -q -rs tests/ssd/test_arena.py tests/offload/test_grad_sink.py tests/offload/test_step.py \
-    "tests/models/test_models.py::test_remat_policy_matches_no_remat" 2>&1 | tee "$out/pytest.txt" | tail -25
+    "tests/models/test_models.py::test_remat_policy_matches_no_remat" \
+    "tests/offload/test_streamed_params.py::test_streamed_weights_match_resident_bit_for_bit" 2>&1 | tee "$out/pytest.txt" | tail -25
 echo "== offloaded training, compute params on the GPU"
 rm -rf /tmp/gpu_run
 $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=20 --set train.log_every=5 \
@@ -32,4 +35,16 @@ $py - <<'PY' 2>&1 | tee -a "$out/train.txt"
 import json
 rows = [json.loads(l) for l in open("/tmp/gpu_run/metrics.jsonl")]
 print("losses", [round(r["loss"], 4) for r in rows], "arena_pinned", rows[-1].get("arena_pinned"))
+PY
+echo "== offloaded training, params streamed from SSD to the GPU layer by layer"
+rm -rf /tmp/gpu_run_ssd
+$py -m jaxascend.train --config configs/tiny.yaml --set train.steps=20 --set train.log_every=5 \
+    --set train.out_dir=/tmp/gpu_run_ssd --set offload.enabled=true --set offload.dir=/tmp/gpu_run_ssd/offload \
+    --set model.dtype=bfloat16 --set train.progress=false --set model.remat=full --set offload.params=ssd \
+    2>&1 | tee "$out/train_ssd.txt" | tail -20
+$py - <<'PY' 2>&1 | tee -a "$out/train_ssd.txt"
+import json
+rows = [json.loads(l) for l in open("/tmp/gpu_run_ssd/metrics.jsonl")]
+print("losses", [round(r["loss"], 4) for r in rows], "fetches", rows[-1].get("param_source_fetches"),
+      "misses", rows[-1].get("param_source_misses"), "wait_s", rows[-1].get("param_source_wait_seconds"))
 PY

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 import psutil
 
-from jaxascend.checkpoint import CHECKPOINT_SHAPE_CLASS, checkpoint_arena_requests
+from jaxascend.checkpoint import checkpoint_arena_requests
 from jaxascend.config import Config, ConfigError, ModelConfig, check_param_placement
 from jaxascend.hf import abstract_params
 from jaxascend.models import DTYPES

@@ -492,9 +492,11 @@ class OffloadedAdamState:
             missing = [layer for layer, c in enumerate(counts) if c < want]
             repeated = [layer for layer, c in enumerate(counts) if c > want]
             if missing:
-                problems.append(f"{leaf.path!r} (tensor {leaf.index}) never arrived for layers {missing}")
+                problems.append(f"{leaf.path!r} (tensor {leaf.index}) never arrived for layers {missing}" if want == 1
+                                else f"{leaf.path!r} (tensor {leaf.index}) arrived fewer than {want} times (one per "
+                                     f"use) for layers {missing}")
             if repeated:
-                problems.append(f"{leaf.path!r} (tensor {leaf.index}) arrived more than once for layers "
+                problems.append(f"{leaf.path!r} (tensor {leaf.index}) arrived more than {want}x for layers "
                                 f"{repeated} (the sink overwrites; it does not accumulate)")
         if problems:
             raise ValueError("offloaded AdamW: the gradient sink did not receive exactly one gradient per "
