@@ -63,6 +63,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="runs of each offloaded mode per size (alternating)")
     p.add_argument("--repeats-first", type=int, default=2, help="repeats at the smallest size (the timing ratio)")
     p.add_argument("--no-optax", action="store_true", help="skip the plain-optax run")
+    p.add_argument("--modes", default="resident,ssd,optax", help="comma-separated subset of: " + ", ".join(MODES))
+    p.add_argument("--merge", action="store_true",
+                   help="add this run's results to --out, replacing those of the same size and mode")
     p.add_argument("--work-dir", default="/tmp/jaxascend-bench-scale")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_scale.json"))
     p.add_argument("--interval", type=float, default=0.1)
@@ -254,13 +257,20 @@ def main() -> int:
         make_checkpoint(size, ckpt)
         print(f"{size}: checkpoint ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
         repeats = args.repeats_first if i == 0 else args.repeats
+        modes = [m for m in args.modes.split(",") if m]
         for repeat in range(repeats):
             for mode in ("resident", "ssd"):
-                results.append(run_one(size, mode, repeat, ckpt, args))
-        if i == 0 and not args.no_optax and n * 26 < _physical_memory() * 0.8:
+                if mode in modes:
+                    results.append(run_one(size, mode, repeat, ckpt, args))
+        if i == 0 and "optax" in modes and not args.no_optax and n * 26 < _physical_memory() * 0.8:
             results.append(run_one(size, "optax", 0, ckpt, args))
         if not args.keep:
             shutil.rmtree(ckpt, ignore_errors=True)
+    if args.merge and out.exists():
+        old = json.loads(out.read_text())
+        fresh = {(r["size"], r["mode"]) for r in results}
+        results = [r for r in old["results"] if (r["size"], r["mode"]) not in fresh] + results
+        skipped = old.get("skipped", []) + skipped
     report = {"cpu": cpu_model(), "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps,
               "results": results, "skipped": skipped, "summary": summarize(results)}
     write_outputs(report, out)

@@ -253,9 +253,11 @@ def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
     runtime = _process_rss() + STEP_RUNTIME_BYTES if runtime_bytes is None else int(runtime_bytes)
     ssd_dir = str(off.dir)
     if not off.enabled:  # the in-memory baseline: fp32 (param_dtype) params, gradients, m and v
+        # The jitted optax step holds the gradients and, until the old state is freed, the
+        # updated moments (8 B/param more; measured: 26.7 B/param at 0.5B in float32).
         host = {"runtime": runtime, "arena": 0, "resident params": n * p,
                 "optimizer state": 8 * n, "gradients": n * p, "activations": activations,
-                "temporaries": temporaries}
+                "temporaries": max(temporaries, 8 * n)}
         return RunPlan("in-memory", n, host, {"params + state": n * (2 * p + 8)}, 0, ssd_dir, _free_bytes(ssd_dir),
                        0, 0, 0, gbps, off.host_memory_budget, (), max(leaf.layer_elements for leaf in layout.leaves),
                        False)
