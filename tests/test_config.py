@@ -41,6 +41,12 @@ def test_overrides_are_typed(data_file, tmp_path):
     assert cfg.optimizer.grad_clip_norm is None
 
 
+def test_list_override_with_a_yaml_reserved_character(data_file, tmp_path):
+    # '@' cannot start a plain YAML scalar; a bracketed list is still split on commas.
+    cfg = load_config(_write(tmp_path, "train: {steps: 1}\n"), [f"data.paths=[@stdlib, {data_file}]"])
+    assert cfg.data.paths == ["@stdlib", str(data_file)]
+
+
 def test_int_widens_to_float(data_file, tmp_path):
     cfg = load_config(_write(tmp_path, f"data: {{paths: [{data_file}]}}\noptimizer: {{learning_rate: 1}}\n"))
     assert cfg.optimizer.learning_rate == 1.0 and isinstance(cfg.optimizer.learning_rate, float)

@@ -108,6 +108,9 @@ def _parse_scalar(text: str) -> Any:
     try:
         return yaml.safe_load(text) if text != "" else ""
     except yaml.YAMLError:
+        stripped = text.strip()
+        if stripped.startswith("[") and stripped.endswith("]"):  # [@stdlib, a.txt]: '@' is reserved in YAML
+            return [_parse_scalar(part.strip()) for part in stripped[1:-1].split(",") if part.strip()]
         return text
 
 
