@@ -20,5 +20,6 @@ from jaxascend.config.values import ConfigError, DType, HiddenAct, RematPolicy, 
 __all__ = [
     "GEMMA3_FIELDS", "LAYER_TYPES", "ROPE_TYPES", "CheckpointConfig", "Config", "ConfigError", "DType", "DataConfig",
     "ExportConfig", "HiddenAct", "ModelConfig", "OffloadConfig", "OptimizerConfig", "RematPolicy", "TrainConfig",
-    "apply_overrides", "check_param_placement", "config_from_dict", "load_config", "parse_bytes", "validate_resume", "validate_rope_scaling",
+    "apply_overrides", "check_param_placement", "config_from_dict", "load_config", "parse_bytes", "validate_resume",
+    "validate_rope_scaling",
 ]

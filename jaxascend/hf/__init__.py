@@ -33,7 +33,8 @@ __all__ = [
     "PUBLISHED_PARAMS", "SINGLE_FILE", "CheckpointFiles", "CorruptFileError", "DTypeMismatchError",
     "HFCheckpointError", "HFParamReader", "MissingTensorError", "ParamMapping", "ParamsFile", "SafetensorsFile",
     "ShapeMismatchError", "TensorSpec", "UnexpectedTensorError", "UnsupportedModelError", "abstract_params",
-    "build_model_lean", "lean_init_reader", "detect_arch", "export_hf", "hf_config_dict", "iter_hf_params", "load_hf_model",
+    "build_model_lean", "detect_arch", "export_hf", "hf_config_dict", "iter_hf_params", "lean_init_reader",
+    "load_hf_model",
     "load_hf_params", "make_hf_checkpoint", "model_config_from_hf", "model_config_from_hf_dict", "param_plan",
     "preset_config", "read_hf_config", "save_params", "tree_path_to_dotted", "write_safetensors", "write_sharded",
 ]

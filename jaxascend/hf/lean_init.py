@@ -24,9 +24,10 @@ from jaxascend.models import DTYPES, norm_scale_init
 
 
 def lean_init_reader(cfg: ModelConfig, seed: int):
-    """``read(path, layer)`` of the initial weights :func:`build_model_lean` gives (one layer of a
-    stacked tensor, or a whole other one), rounded to ``param_dtype`` and held in float32: the master weights of a run whose
-    layer stack is streamed from SSD start from it, one layer at a time."""
+    """``read(path, layer, rows=None)`` of the initial weights :func:`build_model_lean` gives (one
+    layer of a stacked tensor, or a whole other one; ``rows``: a block of its rows), rounded to
+    ``param_dtype`` and held in float32: the master weights of a run whose layer stack is
+    streamed from SSD start from it, one layer at a time."""
     read = random_reader(seed, cfg.init_std, random_norms=False, norm_scale=norm_scale_init(cfg.arch))
     plan = {m.path: m for m in param_plan(cfg)}
     dtype = DTYPES[cfg.param_dtype]

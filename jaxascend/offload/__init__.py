@@ -22,7 +22,8 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.hf` (p
 from jaxascend.offload.engine import OffloadEngine
 from jaxascend.offload.grad_sink import (GradientSinkError, MemorySink, fetch_step_outputs, offload_on_backward,
                                          register_memory_sink, sink_gradient, unregister_sink)
-from jaxascend.offload.layout import GRAD_SLOT_CLASS, PARAM_SLOT_CLASS, SOURCE_SLOT_CLASS, STATE_SLOT_CLASS, OffloadLayout
+from jaxascend.offload.layout import (GRAD_SLOT_CLASS, PARAM_SLOT_CLASS, SOURCE_SLOT_CLASS, STATE_SLOT_CLASS,
+                                     OffloadLayout)
 from jaxascend.offload.param_source import ParamSource, ParamSourceError, fetch_layer
 from jaxascend.offload.planner import PlanError, RunPlan, deepspeed_zero3_estimate, plan_run, resolve
 from jaxascend.offload.post_backward_check import (PostBackwardCheckedStep, make_full_gradient_step,

@@ -134,7 +134,8 @@ class RunPlan:
             lines.append(f"  {part:<18} {format_bytes(nbytes):>12}")
         lines.append(f"SSD: offload files {format_bytes(self.ssd_bytes)} on {self.ssd_dir} "
                      f"({format_bytes(self.ssd_free)} free); each checkpoint {format_bytes(self.checkpoint_bytes)}")
-        lines.append(f"SSD per step: read {format_bytes(self.ssd_read_step)}, write {format_bytes(self.ssd_write_step)} "
+        lines.append(f"SSD per step: read {format_bytes(self.ssd_read_step)}, "
+                     f"write {format_bytes(self.ssd_write_step)} "
                      f"({(self.ssd_read_step + self.ssd_write_step) / n:.1f} B/param)")
         lines.append(f"step-time floor: {self.step_floor_seconds:.2f} s at {self.disk_gbps:g} GB/s")
         ds_host, ds_gpu = deepspeed_zero3_estimate(self.num_params, self.largest_layer_params)

@@ -57,7 +57,8 @@ class SinkRouting:
 
     @classmethod
     def for_params(cls, params: nnx.State, stack_key: str, table: Optional[tuple[str, ...]] = None,
-                   table_uses: tuple[str, ...] = (), table_blocks: int = 1, table_as_bits: bool = False) -> "SinkRouting":
+                   table_uses: tuple[str, ...] = (), table_blocks: int = 1,
+                   table_as_bits: bool = False) -> "SinkRouting":
         """``stack_key`` is the attribute holding the scanned layers ('layers' for the Llama
         family, 'h' for GPT-2); its leaves have a leading layer axis. ``table``: the path of the
         token table, whose gradient arrives in ``table_blocks`` blocks of rows; with
