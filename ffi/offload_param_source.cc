@@ -45,14 +45,6 @@ namespace {
 
 int64_t AlignUp(int64_t n) { return (n + 4095) / 4096 * 4096; }
 
-// The step may ask for a leaf as its float dtype or as raw bits of the same width (it bitcasts).
-bool SameBits(ffi::DataType asked, ffi::DataType leaf) {
-  if (asked == leaf) return true;
-  if (asked == ffi::DataType::U32) return leaf == ffi::DataType::F32;
-  if (asked == ffi::DataType::U16) return leaf == ffi::DataType::F16 || leaf == ffi::DataType::BF16;
-  return false;
-}
-
 class ParamSource {
  public:
   ParamSource(int64_t store_handle, std::string slot_class) : slot_class_(std::move(slot_class)) {
@@ -146,7 +138,7 @@ class ParamSource {
              std::to_string(leaves_.size()) + " leaves";
     }
     for (size_t k = 0; k < leaves_.size(); ++k) {
-      if (sizes[k] != static_cast<size_t>(leaves_[k].layer_bytes) || !SameBits(dtypes[k], leaves_[k].dtype)) {
+      if (sizes[k] != static_cast<size_t>(leaves_[k].layer_bytes) || dtypes[k] != leaves_[k].dtype) {
         return "param_source: output " + std::to_string(k) + " is " + std::to_string(sizes[k]) + " bytes of " +
                GradDtypeName(dtypes[k]) + "; leaf " + std::to_string(k) + " has " +
                std::to_string(leaves_[k].layer_bytes) + " bytes of " + GradDtypeName(leaves_[k].dtype) + " per layer";

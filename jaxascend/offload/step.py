@@ -31,8 +31,6 @@ from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward, sink_gr
 from jaxascend.offload.param_source import fetch_layer
 
 
-
-
 @dataclasses.dataclass(frozen=True)
 class LeafRoute:
     """Where one parameter leaf's gradient goes."""
@@ -123,8 +121,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     the model, and the sink must sum 2 arrivals of that tensor). ``stats`` maps each
     leaf key to its probe's gradient (``[..., 2]``: sum of squares, non-finite count) of the
     *scaled* gradient. ``loss`` is unscaled. On the CPU backend the layer stack's 16-bit leaves
-    enter the jitted function as uint16 (float32: uint32) views of the same buffers (see
-    :func:`stacked_as_bits`).
+    enter the jitted function as uint16 views of the same buffers (see :func:`stacked_as_bits`).
 
     ``source``: a :class:`~jaxascend.offload.param_source.ParamSource` over every leaf of the layer
     stack (``offload.params: ssd``). The stacked leaves of ``params`` are then None: the scan
@@ -170,11 +167,6 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
                     x = fetched[key]
                 elif key in float_dtypes:  # this layer's slice, back from raw bits
                     x = jax.lax.bitcast_convert_type(x, float_dtypes[key])
-                if source is None:
-                    # A value of its own, as a fetched layer is: XLA then computes with resident
-                    # and streamed weights alike (bit for bit), instead of fusing the slice into
-                    # the layer's ops.
-                    x = jax.lax.optimization_barrier(x)
                 return hook_leaf(key, x, probes[key][index], layer=index)
 
             return jax.tree_util.tree_map_with_path(one, layer_params)
@@ -240,8 +232,8 @@ class _OffloadStep:
 
 
 def stacked_as_bits(params, routing: SinkRouting) -> tuple[Any, tuple[tuple[str, str], ...]]:
-    """The layer stack's float leaves (and a large token table, see models.vocab) as uint16
-    (float32: uint32) arrays sharing their buffers, and ``((key, dtype name), ...)`` to turn each layer's
+    """The layer stack's 16-bit float leaves (and a large token table, see models.vocab) as
+    uint16 arrays sharing their buffers, and ``((key, dtype name), ...)`` to turn each layer's
     (block's) slice back inside the scan.
 
     Why: XLA's CPU backend computes in fp32 whatever it cannot do in bf16/fp16, and its
@@ -264,28 +256,24 @@ def stacked_as_bits(params, routing: SinkRouting) -> tuple[Any, tuple[tuple[str,
             continue
         dtype = jnp.dtype(x.dtype)
         as_bits = route.layers or (route.key == routing.table_key and routing.table_as_bits)
-        # float32 too: the layer then reaches XLA the same way a fetched one does (an operand of
-        # its own, not a slice fused into its consumers), so resident and streamed weights give
-        # the same bits.
-        if as_bits and dtype.itemsize in (2, 4) and jnp.issubdtype(dtype, jnp.floating):
-            out.append(_bits_view(x))
+        if as_bits and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+            out.append(_uint16_view(x))
             bit_dtypes.append((route.key, dtype.name))
         else:
             out.append(x)
     return treedef.unflatten(out), tuple(bit_dtypes)
 
 
-def _bits_view(x):
-    bits = np.uint16 if jnp.dtype(x.dtype).itemsize == 2 else np.uint32
+def _uint16_view(x):
     if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, bits)
+        return jax.ShapeDtypeStruct(x.shape, jnp.uint16)
     if isinstance(x, np.ndarray):
-        return x.view(bits)
+        return x.view(np.uint16)
     devices = x.devices() if isinstance(x, jax.Array) else ()
     if len(devices) == 1 and next(iter(devices)).platform == "cpu":
         device = next(iter(devices))
-        return jax.device_put(np.asarray(x).view(bits), device, may_alias=True)
-    return jax.lax.bitcast_convert_type(x, bits)  # elsewhere: a copy, still correct
+        return jax.device_put(np.asarray(x).view(np.uint16), device, may_alias=True)
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)  # elsewhere: a copy, still correct
 
 
 def total_stats(stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
