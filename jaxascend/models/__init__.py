@@ -18,7 +18,7 @@ from flax import nnx
 from jaxascend.config import ModelConfig
 from jaxascend.models.gemma3 import GEMMA3_ARCHS, Gemma3ForCausalLM
 from jaxascend.models.gpt2 import GPT2LMHeadModel
-from jaxascend.models.vocab import LARGE_TABLE_ELEMENTS, table_blocks
+from jaxascend.models.vocab import is_large_table, table_blocks
 from jaxascend.models.layers import DTYPES, OFFLOADED_ACTIVATIONS, REMAT_POLICIES, layer_forward, scan_layers
 from jaxascend.models.llama import LLAMA_ARCHS, LlamaForCausalLM
 from jaxascend.models.losses import next_token_loss
@@ -51,8 +51,8 @@ def count_params(model: nnx.Module) -> int:
 
 
 __all__ = [
-    "LARGE_TABLE_ELEMENTS",
     "ARCHS", "DTYPES", "GPT2LMHeadModel", "Gemma3ForCausalLM", "LlamaForCausalLM", "OFFLOADED_ACTIVATIONS",
     "REMAT_POLICIES",
-    "build_model", "count_params", "layer_forward", "next_token_loss", "norm_scale_init", "scan_layers", "table_blocks",
+    "build_model", "count_params", "is_large_table", "layer_forward", "next_token_loss", "norm_scale_init",
+    "scan_layers", "table_blocks",
 ]

@@ -85,6 +85,11 @@ def _is_bits(table: jax.Array) -> bool:
     return not jnp.issubdtype(table.dtype, jnp.floating)
 
 
+def _in_blocks(table: jax.Array, blocks: int) -> bool:
+    """A table the models compute block by block (models.vocab), not with the plain ops."""
+    return blocks > 1 or vocab.is_large_table(table) or _is_bits(table)
+
+
 class Embed(nnx.Module):
     """Token (or position) table ``embedding [V, D]``; ``attend`` is the tied output head."""
 
@@ -106,7 +111,7 @@ class Embed(nnx.Module):
         whole table, k=0, when it is not computed in blocks)."""
         table = self.embedding[...]
         blocks = self.blocks
-        if blocks > 1 or vocab.is_large(table) or _is_bits(table):
+        if _in_blocks(table, blocks):
             rows = vocab.lookup(table, ids, blocks, hook, dtype=self.dtype if _is_bits(table) else None)
             return rows.astype(self.dtype)
         if hook is not None:
@@ -120,7 +125,7 @@ class Embed(nnx.Module):
         table = self.embedding[...]
         table = table if _is_bits(table) else table.astype(self.dtype)
         blocks = self.blocks
-        if blocks > 1 or vocab.is_large(table) or _is_bits(table):
+        if _in_blocks(table, blocks):
             return vocab.head_logits(x.astype(self.dtype), table, blocks, hook)
         if hook is not None:
             table = hook(table, "head", 0)

@@ -39,7 +39,7 @@ MAX_BLOCK_ROWS = 16384
 BlockHook = Callable[[jax.Array, str, int], jax.Array]
 
 
-def is_large(table: jax.Array) -> bool:
+def is_large_table(table: jax.Array) -> bool:
     """Large enough for the block-by-block ops (one block when its rows do not split evenly)."""
     return int(table.size) >= LARGE_TABLE_ELEMENTS
 
@@ -56,8 +56,12 @@ def table_blocks(rows: int, width: int) -> int:
     return 1
 
 
+def _bits_dtype(dtype):
+    return {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(dtype).itemsize]
+
+
 def _bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize])
+    return jax.lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
 
 
 # ----------------------------------------------------------------------------- the head
@@ -139,7 +143,7 @@ def _take_rows_bwd(res, g):
                                indices_are_sorted=True)
     uids = jnp.full((count,), rows, flat.dtype).at[segment].set(sorted_ids)  # unused segments: dropped
     # Written as raw bits: XLA's CPU backend would widen a 16-bit scatter's whole table to float32.
-    grad = jnp.zeros(spec.shape, _bits(jnp.zeros((), spec.dtype)).dtype).at[uids].set(
+    grad = jnp.zeros(spec.shape, _bits_dtype(spec.dtype)).at[uids].set(
         _bits(sums.astype(spec.dtype)), mode="drop", unique_indices=True)
     return jax.lax.bitcast_convert_type(grad, spec.dtype), None
 

@@ -38,8 +38,8 @@ from jaxascend.checkpoint import (CHECKPOINT_SHAPE_CLASS, Checkpointer, SsdArray
 from jaxascend.config import Config, ModelConfig
 from jaxascend.hf import tree_path_to_dotted
 from jaxascend.kill_points import kill_point
-from jaxascend.models import DTYPES, LARGE_TABLE_ELEMENTS, next_token_loss, table_blocks
-from jaxascend.offload.grad_sink import fetch_step_outputs
+from jaxascend.models import DTYPES, is_large_table, next_token_loss, table_blocks
+from jaxascend.offload.grad_sink import step_errors
 from jaxascend.offload.layout import STATE_SLOT_CLASS, OffloadLayout
 from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
 from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
@@ -71,6 +71,22 @@ def token_table_of(model_cfg: ModelConfig) -> tuple[str, ...]:
     return ("wte", "embedding") if model_cfg.arch == "gpt2" else ("embed_tokens", "embedding")
 
 
+def layout_options(model_cfg: ModelConfig, stream: bool, row_blocks: list[int]) -> dict:
+    """How the engine lays out its state on SSD (``OffloadLayout.plan`` / ``OffloadedAdamState.create``
+    keywords); the planner plans with the same."""
+    stack_key = stack_key_of(model_cfg.arch)
+    return {"stacked": lambda path, shape: path.split("/")[0] == stack_key, "stream_params": stream,
+            "row_blocks": row_blocks}
+
+
+def checkpoint_slot_requests(layout: OffloadLayout, cfg) -> tuple:
+    """Checkpoints stream master/m/v through the step's state slots, idle between steps; a model
+    so small that those slots hold under 3 SSD blocks gets a few slots of its own (these)."""
+    if layout.state_slot_bytes < 3 * cfg.block_bytes:
+        return tuple(checkpoint_arena_requests(cfg, chunk_bytes=cfg.block_bytes))
+    return ()
+
+
 def table_layout(params, model_cfg: ModelConfig) -> tuple[list[int], int, bool]:
     """(blocks of rows per leaf in flattening order, the token table's blocks, whether the table
     is large): a large table's gradient arrives, and is stored, in the blocks of rows the model
@@ -81,7 +97,7 @@ def table_layout(params, model_cfg: ModelConfig) -> tuple[list[int], int, bool]:
         keys = tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
         is_table = keys[:len(table)] == table and len(leaf.shape) == 2
         blocks.append(table_blocks(*leaf.shape) if is_table else 1)
-        large = large or (is_table and int(np.prod(leaf.shape)) >= LARGE_TABLE_ELEMENTS)
+        large = large or (is_table and is_large_table(leaf))
     return blocks, max(blocks), large
 
 
@@ -116,17 +132,10 @@ class OffloadEngine:
         uses = (("lookup",) + (("head",) if model_cfg.tie_word_embeddings else ())) if per_use else ()
         routing = SinkRouting.for_params(params, self.stack_key, token_table_of(model_cfg), uses, blocks,
                                          table_as_bits=large_table)
-        stacked = jax.tree.unflatten(jax.tree.structure(params), [r.layers > 0 for r in routing.routes])
-        # Checkpoints stream master/m/v through the step's state slots, which are idle between
-        # steps; a model so small that those slots hold under 3 SSD blocks gets a few of its own.
-        layout = OffloadLayout.plan(spec, cfg.offload, stacked, stream, row_blocks)
-        self._checkpoint_slots = STATE_SLOT_CLASS
-        extra = ()
-        if layout.state_slot_bytes < 3 * cfg.offload.block_bytes:
-            extra = tuple(checkpoint_arena_requests(cfg.offload, chunk_bytes=cfg.offload.block_bytes))
-            self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS
-        self.state = OffloadedAdamState.create(spec, cfg.offload, stacked=stacked, stream_params=stream,
-                                               row_blocks=row_blocks,
+        options = layout_options(model_cfg, stream, row_blocks)
+        extra = checkpoint_slot_requests(OffloadLayout.plan(spec, cfg.offload, **options), cfg.offload)
+        self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS if extra else STATE_SLOT_CLASS
+        self.state = OffloadedAdamState.create(spec, cfg.offload, **options,
                                                kernel_threads=cfg.offload.kernel_threads, extra_requests=extra)
         self._source = None
         tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
@@ -166,7 +175,6 @@ class OffloadEngine:
             self.loss_scale = LossScaleState.initial(cfg.optimizer, compute_dtype)
             self.ssd_bytes_read = 0
             self.ssd_bytes_written = 0
-            self._source_bytes = 0
         except BaseException:
             self.state.close()
             raise
@@ -176,22 +184,24 @@ class OffloadEngine:
         scale = self.loss_scale.scale
         micro = tokens[0] if self.cfg.train.grad_accum == 1 else tokens
         started = time.perf_counter()
-        waited = self._source.stats()["wait_seconds"] if self._source is not None else 0.0
+        before = self._source.stats() if self._source is not None else None
         if self._source is not None:
             self._source.begin_step()  # reads layer 0, 1, ... while the step is dispatched
         try:
-            loss, stats = self._fwd_bwd(self.params, micro, jnp.float32(scale))
-            kill_point("backward")  # tests: the backward pass is running and writing gradients
-            # SYNC: the overflow check and the clip factor need the statistics, and the optimizer
-            # may read the gradient regions only once the backward pass has written all of them.
-            loss, (sumsq, nonfinite) = fetch_step_outputs((loss, total_stats(stats)), PARAM_SOURCE_ERRORS)
+            with step_errors(PARAM_SOURCE_ERRORS):  # a sink or source failure, at dispatch or at the fetch
+                loss, stats = self._fwd_bwd(self.params, micro, jnp.float32(scale))
+                kill_point("backward")  # tests: the backward pass is running and writing gradients
+                # SYNC: the overflow check and the clip factor need the statistics, and the optimizer
+                # may read the gradient regions only once the backward pass has written all of them.
+                loss, (sumsq, nonfinite) = jax.device_get((loss, total_stats(stats)))
         finally:
             if self._source is not None:
                 self._source.end_step()
         timing = {"fwd_bwd_seconds": time.perf_counter() - started}
-        if self._source is not None:
-            source = self._source.stats()
-            timing["param_wait_seconds"] = source["wait_seconds"] - waited  # the scan waited for the disk
+        if self._source is not None:  # the weights read during the forward/backward, and the wait for them
+            after = self._source.stats()
+            timing["param_wait_seconds"] = after["wait_seconds"] - before["wait_seconds"]
+            self.ssd_bytes_read += after["bytes_read"] - before["bytes_read"]
         self.loss_scale, skip = update_loss_scale(self.loss_scale, bool(nonfinite > 0), self.cfg.optimizer,
                                                   self.compute_dtype)
         grad_norm = math.sqrt(float(sumsq)) / scale
@@ -209,10 +219,6 @@ class OffloadEngine:
             self.ssd_bytes_read += last.bytes_read
             self.ssd_bytes_written += last.bytes_written
             timing.update(grad_flush_seconds=last.flush_seconds, optimizer_seconds=last.seconds - last.flush_seconds)
-        if self._source is not None:  # the weights read during the forward/backward
-            fetched = self._source.stats()["bytes_read"]
-            self.ssd_bytes_read += fetched - self._source_bytes
-            self._source_bytes = fetched
         return {"loss": float(loss), "grad_norm": grad_norm if not skip else float("nan"),
                 "skipped": bool(skip), "loss_scale": scale, **timing}
 

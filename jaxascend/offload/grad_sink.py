@@ -16,6 +16,7 @@ gradient tree never exists and the jitted step outputs only a few bytes per tens
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import jax
@@ -39,14 +40,22 @@ class GradientSinkError(OSError):
 
 
 def fetch_step_outputs(outputs, more_errors=()):
-    """``jax.device_get(outputs)`` of a step whose backward pass fed a gradient sink. A sink that
-    failed makes the step fail with an XLA runtime error; it becomes a :class:`GradientSinkError`
-    with the sink's own message (``more_errors``: further ``(message prefix, exception class)``
-    pairs of native calls inside the step, e.g. the parameter source's). The failed step's
-    ordered-effect tokens are then dropped: JAX would otherwise raise the same error again, as
-    tracebacks, from its exit handlers."""
-    try:
+    """``jax.device_get(outputs)`` of a step whose backward pass fed a gradient sink, with its
+    errors translated as :func:`step_errors` does."""
+    with step_errors(more_errors):
         return jax.device_get(outputs)
+
+
+@contextlib.contextmanager
+def step_errors(more_errors=()):
+    """Around a step's dispatch and the fetch of its outputs (XLA may raise at either): a sink
+    that failed makes the step fail with an XLA runtime error; it becomes a
+    :class:`GradientSinkError` with the sink's own message (``more_errors``: further ``(message
+    prefix, exception class)`` pairs of native calls inside the step, e.g. the parameter
+    source's). The failed step's ordered-effect tokens are then dropped: JAX would otherwise
+    raise the same error again, as tracebacks, from its exit handlers."""
+    try:
+        yield
     except jax.errors.JaxRuntimeError as err:
         text = str(err)
         for prefix, error in ((_SINK_PREFIX, GradientSinkError),) + tuple(more_errors):

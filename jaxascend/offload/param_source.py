@@ -40,7 +40,7 @@ class ParamSourceError(OSError):
     """The source could not read a layer's weights (an I/O error or a damaged block)."""
 
 
-# What fetch_step_outputs turns into a one-line error when a step's fetch failed.
+# What grad_sink.step_errors turns into a one-line error when a step's native call failed.
 PARAM_SOURCE_ERRORS = ((_PREFIX, ParamSourceError),)
 
 
@@ -102,12 +102,8 @@ def fetch_layer(handle: int, layer: jax.Array, specs: Sequence[jax.ShapeDtypeStr
     layer = jnp.asarray(layer, jnp.int32)
     if jax.default_backend() != "cpu":
         return list(jax.pure_callback(_host_fetcher(handle, specs), tuple(specs), layer))
-    # Asked for as raw bits and turned back here, as the resident layer stack reaches each layer
-    # (jaxascend.offload.step.stacked_as_bits): XLA then treats both alike, bit for bit.
-    bits = tuple(jax.ShapeDtypeStruct(s.shape, jnp.uint16 if jnp.dtype(s.dtype).itemsize == 2 else jnp.uint32)
-                 for s in specs)
-    raw = jax.ffi.ffi_call("jaxascend_param_source", bits, has_side_effect=False)(layer, source=np.int64(handle))
-    return [jax.lax.bitcast_convert_type(r, s.dtype) for r, s in zip(raw, specs)]
+    return list(jax.ffi.ffi_call("jaxascend_param_source", tuple(specs), has_side_effect=False)(
+        layer, source=np.int64(handle)))
 
 
 def _host_fetcher(handle: int, specs: Sequence[jax.ShapeDtypeStruct]):

@@ -40,11 +40,10 @@ import jax
 import numpy as np
 import psutil
 
-from jaxascend.checkpoint import checkpoint_arena_requests
 from jaxascend.config import Config, ConfigError, ModelConfig, check_param_placement
 from jaxascend.hf import abstract_params
 from jaxascend.models import DTYPES
-from jaxascend.offload.engine import stack_key_of, table_layout
+from jaxascend.offload.engine import checkpoint_slot_requests, layout_options, table_layout
 from jaxascend.offload.layout import STATE_BYTES_PER_ELEMENT, OffloadLayout
 from jaxascend.ssd import ArenaPlan, SsdStore
 
@@ -84,7 +83,11 @@ class RunPlan:
     budget: Optional[int] = None
     notes: tuple = field(default=())
     largest_layer_params: int = 0  # the largest tensor (one layer of a stacked one)
-    streamable: bool = True  # offload.params: ssd is allowed with these settings
+    streaming_refused: Optional[str] = None  # why offload.params: ssd is not allowed here (None: it is)
+
+    @property
+    def streamable(self) -> bool:
+        return self.streaming_refused is None
 
     @property
     def host_peak(self) -> int:
@@ -155,6 +158,15 @@ def deepspeed_zero3_estimate(total_params: int, largest_layer_params: int) -> tu
     return int(total_params * 18 * 1.5), 4 * largest_layer_params
 
 
+def _streaming_refusal(cfg: Config) -> Optional[str]:
+    """Why ``cfg`` could not run with ``offload.params: ssd`` (the config check's message), or None."""
+    try:
+        check_param_placement(dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params="ssd")))
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
 def _process_rss() -> int:
     return psutil.Process().memory_info().rss
 
@@ -177,15 +189,13 @@ def _layout(cfg: Config, model_cfg: ModelConfig, stream: bool) -> OffloadLayout:
     _, params = abstract_params(model_cfg)
     dtype = DTYPES[model_cfg.dtype]
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
-    stack_key = stack_key_of(model_cfg.arch)
-    stacked = lambda path, shape: path.split("/")[0] == stack_key  # noqa: E731
-    return OffloadLayout.plan(spec, cfg.offload, stacked, stream, table_layout(params, model_cfg)[0])
+    row_blocks = table_layout(params, model_cfg)[0]
+    return OffloadLayout.plan(spec, cfg.offload, **layout_options(model_cfg, stream, row_blocks))
 
 
 def _arena_bytes(cfg: Config, layout: OffloadLayout) -> int:
-    plan = ArenaPlan().extend(SsdStore.arena_requests(cfg.offload)).extend(layout.arena_requests())
-    if layout.state_slot_bytes < 3 * cfg.offload.block_bytes:  # as OffloadEngine adds checkpoint slots
-        plan.extend(checkpoint_arena_requests(cfg.offload, chunk_bytes=cfg.offload.block_bytes))
+    plan = (ArenaPlan().extend(SsdStore.arena_requests(cfg.offload)).extend(layout.arena_requests())
+            .extend(checkpoint_slot_requests(layout, cfg.offload)))  # as OffloadEngine carves it
     if cfg.offload.pow2_buffers:
         plan = plan.rounded_to_power_of_two()
     if cfg.offload.arena_bytes is not None:
@@ -231,20 +241,13 @@ def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
         if not off.enabled or off.host_memory_budget is None or resident.host_peak <= off.host_memory_budget:
             return dataclasses.replace(resident, notes=resident.notes + ("offload.params: auto chose resident",))
         if not resident.streamable:
-            try:
-                check_param_placement(dataclasses.replace(cfg, offload=dataclasses.replace(off, params="ssd")))
-            except ConfigError as err:
-                return dataclasses.replace(resident, notes=resident.notes + (
-                    f"offload.params: auto stays resident over budget: {err}",))
+            return dataclasses.replace(resident, notes=resident.notes + (
+                f"offload.params: auto stays resident over budget: {resident.streaming_refused}",))
         streamed = plan_run(cfg, model_cfg, "ssd", disk_gbps, runtime_bytes)
         return dataclasses.replace(streamed, notes=streamed.notes + (
             f"offload.params: auto chose ssd (resident would need {format_bytes(resident.host_peak)})",))
     gbps = float(disk_gbps or DEFAULT_DISK_GBPS)
-    try:
-        check_param_placement(dataclasses.replace(cfg, offload=dataclasses.replace(off, params="ssd")))
-        streamable = True
-    except ConfigError:
-        streamable = False
+    refused = _streaming_refusal(cfg)
     stream = off.enabled and params == "ssd"
     layout = _layout(cfg, model_cfg, stream)
     n = layout.num_parameters
@@ -261,7 +264,7 @@ def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
                 "temporaries": max(temporaries, 8 * n)}
         return RunPlan("in-memory", n, host, {"params + state": n * (2 * p + 8)}, 0, ssd_dir, _free_bytes(ssd_dir),
                        0, 0, 0, gbps, off.host_memory_budget, (), max(leaf.layer_elements for leaf in layout.leaves),
-                       False)
+                       refused)
     resident = layout.resident_param_bytes
     loaded = resident * p // c if p != c else 0  # the param_dtype model beside its compute copy at start-up
     host = {"runtime": runtime, "arena": _arena_bytes(cfg, layout), "resident params": resident + loaded,
@@ -282,7 +285,7 @@ def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
                  f"{format_bytes(resident)} ({resident / n:.2f} B/param)",)
     return RunPlan("ssd" if stream else "resident", n, host, device, ssd_bytes, ssd_dir, _free_bytes(ssd_dir),
                    STATE_BYTES_PER_ELEMENT * n + streamed + resident, read, write, gbps, off.host_memory_budget,
-                   notes, largest, streamable)
+                   notes, largest, refused)
 
 
 def resolve(cfg: Config, model_cfg: ModelConfig, disk_gbps: Optional[float] = None) -> tuple[Config, RunPlan]:
