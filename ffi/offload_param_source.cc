@@ -12,6 +12,15 @@
 // with a synchronous read (counted as a miss): the order only decides the speed, never the
 // values. Reads go through the store, so every block's crc32c is checked.
 //
+// Overlapped step (offload.overlap): the optimizer of step t runs in the background while step
+// t+1's forward/backward is dispatched. Gate() marks every layer "not yet updated"; the
+// optimizer calls MarkReady(layer) once layer `layer` of every leaf holds its new weights (on
+// SSD for region leaves, in host memory for host leaves), or Fail(message) if it failed. A
+// layer is read from SSD (ahead of the ask or not) only once it is ready, and Fetch waits for
+// that, counting the time as `optimizer_wait_seconds`. Host leaves (params resident in host
+// memory, served the same way so that the ordering holds for them too) are copied from their
+// buffer, no slot and no read.
+//
 // Layout follows the JAX FFI examples: the typed work in ParamSource::Fetch, the dispatch
 // (ParamSourceDispatch) checks the outputs and turns a failure into an ffi::Error, the handler
 // symbol binds the arguments.
@@ -21,7 +30,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -57,6 +68,34 @@ class ParamSource {
 
   ~ParamSource() { Drain(); }
 
+  // Adds one leaf held in host memory: `buffer` holds every layer, `layer_bytes` each.
+  void AddHostLeaf(nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig> buffer, int64_t layer_bytes,
+                   const std::string& dtype_name) {
+    const std::string what = "ParamSource.add_host_leaf(" + std::to_string(leaves_.size()) + ")";
+    Leaf leaf;
+    if (!ParseGradDtype(dtype_name, &leaf.dtype)) {
+      throw nb::value_error((what + ": dtype '" + dtype_name + "' is not float32, float16 or bfloat16").c_str());
+    }
+    if (layer_bytes < 1 || static_cast<int64_t>(buffer.size()) % layer_bytes != 0) {
+      throw nb::value_error((what + ": a buffer of " + std::to_string(buffer.size()) +
+                             " bytes is not a whole number of layers of " + std::to_string(layer_bytes) + " bytes")
+                                .c_str());
+    }
+    const int64_t layers = static_cast<int64_t>(buffer.size()) / layer_bytes;
+    if (!leaves_.empty() && (leaves_[0].host == nullptr || layers != num_layers())) {
+      throw nb::value_error((what + ": every leaf of a source must be a host leaf with " +
+                             std::to_string(num_layers()) + " layers")
+                                .c_str());
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    leaf.host = buffer.data();
+    leaf.host_layers = layers;
+    leaf.buffer = buffer;  // keeps the array alive
+    leaf.layer_bytes = layer_bytes;
+    leaves_.push_back(std::move(leaf));
+    ready_.assign(static_cast<size_t>(layers), 1);
+  }
+
   // Adds one leaf of the layer stack: one region per layer, each `layer_bytes` long.
   void AddLeaf(const std::vector<int32_t>& regions, int64_t layer_bytes, const std::string& dtype_name) {
     const std::string what = "ParamSource.add_leaf(" + std::to_string(leaves_.size()) + ")";
@@ -65,6 +104,9 @@ class ParamSource {
       throw nb::value_error((what + ": dtype '" + dtype_name + "' is not float32, float16 or bfloat16").c_str());
     }
     if (regions.empty()) throw nb::value_error((what + ": at least one region (layer) is needed").c_str());
+    if (!leaves_.empty() && leaves_[0].host != nullptr) {
+      throw nb::value_error((what + ": the source serves host leaves; region leaves cannot join it").c_str());
+    }
     if (!leaves_.empty() && regions.size() != leaves_[0].regions.size()) {
       throw nb::value_error((what + ": " + std::to_string(regions.size()) + " layers, but the first leaf has " +
                              std::to_string(leaves_[0].regions.size()))
@@ -87,11 +129,52 @@ class ParamSource {
     leaf.slot_offset = slot_bytes_;
     slot_bytes_ += AlignUp(layer_bytes);
     leaves_.push_back(std::move(leaf));
+    ready_.assign(regions.size(), 1);
+  }
+
+  // The optimizer of the previous step is about to update every layer: none is ready.
+  void Gate() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::fill(ready_.begin(), ready_.end(), 0);
+    failed_.clear();
+  }
+
+  // Layer `layer` holds its new weights: serve it (and read it ahead, if it is next in order).
+  void MarkReady(int64_t layer) {
+    if (layer < 0 || layer >= num_layers()) {
+      throw nb::value_error(("ParamSource.mark_ready: layer " + std::to_string(layer) + " is out of range (" +
+                             std::to_string(num_layers()) + " layers)")
+                                .c_str());
+    }
+    Status s;
+    {
+      nb::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_[layer] = 1;
+      s = IssueLocked();
+      ready_cv_.notify_all();
+    }
+    if (!s.ok()) throw std::runtime_error("param_source: " + s.message());
+  }
+
+  // The optimizer failed: every fetch still waiting (or to come) fails with `message`.
+  void Fail(const std::string& message) {
+    std::lock_guard<std::mutex> lock(mu_);
+    failed_ = message.empty() ? "the optimizer step failed" : message;
+    ready_cv_.notify_all();
+  }
+
+  bool ready(int64_t layer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return layer >= 0 && layer < num_layers() && ready_[layer] != 0;
   }
 
   // Bytes of one arena slot: one layer of every leaf, each 4096-aligned.
   int64_t slot_bytes() const { return slot_bytes_; }
-  int64_t num_layers() const { return leaves_.empty() ? 0 : static_cast<int64_t>(leaves_[0].regions.size()); }
+  int64_t num_layers() const {
+    if (leaves_.empty()) return 0;
+    return leaves_[0].host ? leaves_[0].host_layers : static_cast<int64_t>(leaves_[0].regions.size());
+  }
   int64_t num_leaves() const { return static_cast<int64_t>(leaves_.size()); }
 
   // Forgets what is in flight, then queues the first `depth` layers of `order`.
@@ -128,7 +211,7 @@ class ParamSource {
   // Copies layer `layer` of every leaf into outs[k] (sizes[k] bytes, dtypes[k]); "" or the error.
   std::string Fetch(int64_t layer, const std::vector<void*>& outs, const std::vector<size_t>& sizes,
                     const std::vector<ffi::DataType>& dtypes) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (layer < 0 || layer >= num_layers()) {
       return "param_source: layer " + std::to_string(layer) + " is out of range (" + std::to_string(num_layers()) +
              " layers)";
@@ -144,9 +227,25 @@ class ParamSource {
                std::to_string(leaves_[k].layer_bytes) + " bytes of " + GradDtypeName(leaves_[k].dtype) + " per layer";
       }
     }
+    if (!ready_[layer] && failed_.empty()) {  // the optimizer of the previous step is still on it
+      const auto start = std::chrono::steady_clock::now();
+      ready_cv_.wait(lock, [&] { return ready_[layer] != 0 || !failed_.empty(); });
+      optimizer_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    if (!ready_[layer]) {
+      return "param_source: layer " + std::to_string(layer) + " never received its new weights: " + failed_;
+    }
+    ++fetches_;
+    if (leaves_[0].host != nullptr) {  // resident: a copy of the buffer's layer
+      for (size_t k = 0; k < leaves_.size(); ++k) {
+        std::memcpy(outs[k], leaves_[k].host + layer * leaves_[k].layer_bytes,
+                    static_cast<size_t>(leaves_[k].layer_bytes));
+        bytes_copied_ += leaves_[k].layer_bytes;
+      }
+      return "";
+    }
     std::shared_ptr<ShardStore> store = Store();
     if (!store) return "param_source: the shard store is closed";
-    ++fetches_;
     auto it = inflight_.begin();
     while (it != inflight_.end() && (*it)->layer != layer) ++it;
     if (it == inflight_.end()) {  // not foreseen: read it now, straight into the outputs
@@ -184,6 +283,8 @@ class ParamSource {
     d["misses"] = misses_;
     d["bytes_read"] = bytes_read_;
     d["wait_seconds"] = wait_seconds_;
+    d["optimizer_wait_seconds"] = optimizer_wait_seconds_;
+    d["bytes_copied"] = bytes_copied_;
     return d;
   }
 
@@ -193,6 +294,9 @@ class ParamSource {
     int64_t layer_bytes = 0;
     int64_t slot_offset = 0;
     ffi::DataType dtype = ffi::F32;
+    const uint8_t* host = nullptr;  // host leaf: every layer, layer_bytes each
+    int64_t host_layers = 0;
+    nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig> buffer;
   };
   struct Pending {
     int32_t layer = 0;
@@ -205,11 +309,13 @@ class ParamSource {
     return s && !s->closed() ? s : nullptr;
   }
 
-  // Queues layers of the order while fewer than depth_ are in flight. Caller holds mu_.
+  // Queues layers of the order while fewer than depth_ are in flight, stopping at a layer the
+  // optimizer has not updated yet. Caller holds mu_.
   Status IssueLocked() {
+    if (!leaves_.empty() && leaves_[0].host != nullptr) return Status::Ok();  // nothing to read
     std::shared_ptr<ShardStore> store = Store();
     if (!store) return Status::Closed("the shard store is closed");
-    while (static_cast<int>(inflight_.size()) < depth_ && next_ < order_.size()) {
+    while (static_cast<int>(inflight_.size()) < depth_ && next_ < order_.size() && ready_[order_[next_]]) {
       auto p = std::make_unique<Pending>();
       p->layer = order_[next_];
       Status s = store->arena()->Acquire(slot_class_, slot_bytes_, &p->slot);
@@ -239,6 +345,9 @@ class ParamSource {
   std::string slot_class_;
   std::weak_ptr<ShardStore> store_;
   std::mutex mu_;
+  std::condition_variable ready_cv_;
+  std::vector<uint8_t> ready_;  // per layer: its weights are this step's (see Gate)
+  std::string failed_;
   std::vector<Leaf> leaves_;
   int64_t slot_bytes_ = 0;
   std::vector<int32_t> order_;
@@ -249,6 +358,8 @@ class ParamSource {
   int64_t misses_ = 0;
   int64_t bytes_read_ = 0;
   double wait_seconds_ = 0.0;
+  double optimizer_wait_seconds_ = 0.0;
+  int64_t bytes_copied_ = 0;
 };
 
 struct SourceTable {
@@ -308,6 +419,12 @@ void BindParamSource(nb::module_& m) {
              return std::make_shared<ParamSource>(store_handle, slot_class);
            }),
            nb::arg("store_handle"), nb::arg("slot_class"))
+      .def("add_host_leaf", &ParamSource::AddHostLeaf, nb::arg("buffer"), nb::arg("layer_bytes"), nb::arg("dtype"),
+           "Adds one leaf held in host memory (a flat uint8 view of every layer).")
+      .def("gate", &ParamSource::Gate, "Marks every layer as not yet updated (an optimizer step starts).")
+      .def("mark_ready", &ParamSource::MarkReady, nb::arg("layer"), "Layer `layer` holds its new weights.")
+      .def("fail", &ParamSource::Fail, nb::arg("message"), "Fails every fetch waiting for an update.")
+      .def("ready", &ParamSource::ready, nb::arg("layer"))
       .def("add_leaf", &ParamSource::AddLeaf, nb::arg("regions"), nb::arg("layer_bytes"), nb::arg("dtype"),
            "Adds one leaf of the stack: one region id per layer, each layer_bytes long.")
       .def("begin", &ParamSource::Begin, nb::arg("order"), nb::arg("depth"),

@@ -19,6 +19,12 @@
 // added to what the region holds, piece by piece through a staging-sized buffer (read back,
 // AddGradients, write), and the last one carries the statistics of the sum (the others report
 // zeros), so the step's overflow check and norm see the summed gradient.
+//
+// Receipts for the overlapped step: Hold() marks every region as still being read by the
+// optimizer; the optimizer Release()s each (tensor, layer) once it has read that layer's
+// gradient. A gradient that arrives for a held region is refused with an error (it would
+// overwrite what the optimizer of the previous step has not read yet): the ordering the
+// overlapped step relies on is checked on every arrival, not assumed.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -83,7 +89,11 @@ class StoreSink : public GradientSink {
     target->dtype = dtype;
     target->arrivals = arrivals;
     target->received.reset(new std::atomic<int64_t>[regions.size()]);
-    for (size_t i = 0; i < regions.size(); ++i) target->received[i].store(0);
+    target->held.reset(new std::atomic<bool>[regions.size()]);
+    for (size_t i = 0; i < regions.size(); ++i) {
+      target->received[i].store(0);
+      target->held[i].store(false);
+    }
     std::lock_guard<std::mutex> lock(mu_);
     if (!targets_.emplace(tensor, std::move(target)).second) {
       throw nb::value_error((what + ": tensor " + std::to_string(tensor) + " is already routed").c_str());
@@ -99,6 +109,12 @@ class StoreSink : public GradientSink {
     if (!bad.empty()) return bad;
     std::shared_ptr<ShardStore> store = Store();
     if (!store) return "grad_sink: " + ClosedMessage();
+    if (t->held[layer].load(std::memory_order_acquire)) {
+      early_.fetch_add(1, std::memory_order_relaxed);
+      return "grad_sink: the gradient of tensor " + std::to_string(tensor) + " layer " + std::to_string(layer) +
+             " arrived while the optimizer of the previous step had not yet read that region (overlap ordering "
+             "violated)";
+    }
     const int64_t seen = t->received[layer].fetch_add(1, std::memory_order_relaxed);
     const bool last = (seen + 1) % t->arrivals == 0;
     Status s;
@@ -132,6 +148,35 @@ class StoreSink : public GradientSink {
     }
   }
 
+  // Every region is being read by the optimizer until Release()d.
+  void Hold() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, t] : targets_) {
+      for (size_t i = 0; i < t->regions.size(); ++i) t->held[i].store(true, std::memory_order_release);
+    }
+  }
+
+  // The optimizer has read layer `layer` of `tensor`: the next step's gradient may land there.
+  void Release(int64_t tensor, int64_t layer) {
+    std::shared_ptr<Target> t = FindTarget(tensor);
+    if (!t || layer < 0 || layer >= static_cast<int64_t>(t->regions.size())) {
+      throw nb::value_error(("StoreSink.release: no tensor " + std::to_string(tensor) + " layer " +
+                             std::to_string(layer))
+                                .c_str());
+    }
+    t->held[layer].store(false, std::memory_order_release);
+  }
+
+  void ReleaseAll() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, t] : targets_) {
+      for (size_t i = 0; i < t->regions.size(); ++i) t->held[i].store(false, std::memory_order_release);
+    }
+  }
+
+  // Arrivals refused because their region was still held (0 unless the ordering broke).
+  int64_t early_arrivals() const { return early_.load(); }
+
   int64_t store_handle() const { return store_handle_; }
 
  private:
@@ -141,6 +186,7 @@ class StoreSink : public GradientSink {
     int64_t arrivals = 1;  // uses of the tensor whose gradients are summed (2 for a tied table)
     ffi::DataType dtype = ffi::F32;
     std::unique_ptr<std::atomic<int64_t>[]> received;
+    std::unique_ptr<std::atomic<bool>[]> held;  // the optimizer has not read this layer yet
   };
 
   // Adds `data` to what the region holds, piece by piece through a staging-sized buffer (read
@@ -186,6 +232,7 @@ class StoreSink : public GradientSink {
   }
 
   int64_t store_handle_;
+  std::atomic<int64_t> early_{0};
   std::weak_ptr<ShardStore> store_;
   std::mutex mu_;  // guards targets_ (AddTensor may run while a backward pass consumes)
   std::mutex add_mu_;  // guards add_buffer_
@@ -204,6 +251,11 @@ void BindStoreSink(nb::module_& m) {
       .def("received", &StoreSink::Received, nb::arg("tensor"),
            "Per layer, how many times the sink consumed it since reset().")
       .def("reset", &StoreSink::Reset, "Zeroes the receipt counters.")
+      .def("hold", &StoreSink::Hold, "Marks every region as being read by the optimizer (arrivals refused).")
+      .def("release", &StoreSink::Release, nb::arg("tensor"), nb::arg("layer"),
+           "The optimizer has read this layer's gradient; the next one may arrive.")
+      .def("release_all", &StoreSink::ReleaseAll)
+      .def_prop_ro("early_arrivals", &StoreSink::early_arrivals)
       .def_prop_ro("store_handle", &StoreSink::store_handle);
   m.def(
       "register_store_sink", [](std::shared_ptr<StoreSink> sink) { return RegisterSink(sink); }, nb::arg("sink"),

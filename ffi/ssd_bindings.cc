@@ -356,6 +356,7 @@ void BindStore(nb::module_& m) {
              p.Abort();
            })
       .def_prop_ro("current", &StreamPass::current)
+      .def_prop_ro("written_through", &StreamPass::written_through)
       .def_prop_ro("num_chunks", &StreamPass::num_chunks)
       .def_prop_ro("depth", &StreamPass::depth)
       .def("views",

@@ -118,6 +118,7 @@ Status StreamPass::IssueReads(int64_t chunk) {
   Stage& st = StageOf(chunk);
   // The stage last held chunk - depth; its write-back must land before the slots are refilled.
   JAXASCEND_RETURN_IF_ERROR(st.writes.Wait());
+  written_through_ = std::max(written_through_, chunk - static_cast<int64_t>(depth_));
   const Arena& arena = *store_->arena();
   for (size_t i = 0; i < chunks_[chunk].size(); ++i) {
     const StreamSegment& s = chunks_[chunk][i];
@@ -194,6 +195,7 @@ Status StreamPass::Finish() {
   }
   const Status waited = WaitAll();
   if (!waited.ok()) Fail(waited);
+  if (error_.ok()) written_through_ = num_chunks() - 1;
   ReleaseSlots();
   finished_ = true;
   return error_;

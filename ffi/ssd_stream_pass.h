@@ -12,6 +12,10 @@
 //   Finish() writes back the current chunk if the consumer stopped early, waits for every
 //            request, releases the slots, and returns the first error.
 //   Abort()  waits for in-flight requests and releases the slots without writing anything more.
+//
+// written_through() says how far the write-back is known to have landed: a stage's writes are
+// awaited before its slots are refilled, so once chunk k's reads are issued, chunks <= k-depth
+// are on disk (and after Finish(), all of them).
 #pragma once
 
 #include <cstdint>
@@ -48,6 +52,8 @@ class StreamPass {
   void Abort();
 
   int64_t current() const { return current_; }  // -1 before the first Next()
+  // Every chunk up to this index is written back (on disk): -1 before any is known to be.
+  int64_t written_through() const { return written_through_; }
   int64_t num_chunks() const { return static_cast<int64_t>(chunks_.size()); }
   int num_segments() const { return static_cast<int>(slot_classes_.size()); }
   int depth() const { return depth_; }
@@ -77,6 +83,7 @@ class StreamPass {
   std::vector<std::unique_ptr<Stage>> stages_;
   int64_t current_ = -1;
   int64_t next_to_issue_ = 0;
+  int64_t written_through_ = -1;
   bool current_written_ = false;
   bool finished_ = false;
   Status error_;

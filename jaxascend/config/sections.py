@@ -112,6 +112,10 @@ class OffloadConfig:
     # host_memory_budget, else ssd; resident without a budget). See `python -m jaxascend.plan`.
     params: str = "auto"
     param_prefetch: int = 2  # layers the parameter source reads ahead (arena slots of one layer each)
+    # The optimizer of step t runs on a thread while step t+1's forward/backward runs, layer by
+    # layer behind it (bit-identical results). Runs without overlap (said once) with
+    # train.grad_accum > 1, fp32_grad_buffer or post_backward_overflow_check.
+    overlap: bool = False
     # Buffered I/O only (direct_io false, or the O_DIRECT fallback): drop each block from the
     # page cache after it is read or written. False is ZeRO-Infinity's page-cache I/O: the kernel
     # keeps (and writes back, when it likes) every page it has seen, up to 14 B/param.

@@ -20,10 +20,19 @@ writes them there, and the forward/backward reads them layer by layer through th
 source (:mod:`jaxascend.offload.param_source`); only the embeddings, final norm and head stay in
 memory. ``model`` may then hold the stack as ``jax.ShapeDtypeStruct`` leaves (never
 materialized) when ``master`` reads the weights layer by layer.
+
+With ``offload.overlap`` the optimizer of step t runs on a thread
+(:class:`~jaxascend.offload.overlap.BackgroundUpdate`) while :meth:`OffloadEngine.step` returns
+and step t+1's forward/backward is dispatched: it waits only for the leaves outside the layer
+stack, and its layer scan reads each layer through the parameter source once step t has
+updated it. Resident stacked weights then live in host buffers the kernel writes in place and
+the source serves. A checkpoint, an export, a report of the state or closing waits for the
+running update first.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any, Callable, Optional
@@ -41,12 +50,27 @@ from jaxascend.kill_points import kill_point
 from jaxascend.models import DTYPES, is_large_table, next_token_loss, table_blocks
 from jaxascend.offload.grad_sink import step_errors
 from jaxascend.offload.layout import STATE_SLOT_CLASS, OffloadLayout
+from jaxascend.offload.overlap import BackgroundUpdate
 from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
 from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
 from jaxascend.offload.ssd_adamw import ssd_adamw_state, ssd_adamw_step
-from jaxascend.offload.state import OffloadedAdamState
+from jaxascend.offload.state import OffloadedAdamState, _to_default_device
 from jaxascend.offload.step import SinkRouting, make_accumulating_offload_step, make_offload_step, total_stats
 from jaxascend.optim import AdamWSettings, LossScaleState, update_loss_scale
+
+
+log = logging.getLogger(__name__)
+
+
+def overlap_refusal(cfg: Config) -> Optional[str]:
+    """Why a run with ``offload.overlap`` runs its steps one after the other (None: it overlaps)."""
+    if cfg.train.grad_accum > 1:
+        return "train.grad_accum > 1 (the accumulating step takes the whole layer stack as an input)"
+    if cfg.offload.post_backward_overflow_check:
+        return "offload.post_backward_overflow_check (the ablation differentiates the whole tree)"
+    if cfg.offload.fp32_grad_buffer:
+        return "offload.fp32_grad_buffer (the ablation's host buffer has no receipts to order the arrivals)"
+    return None
 
 
 def stack_key_of(arch: str) -> str:
@@ -138,6 +162,12 @@ class OffloadEngine:
         self.state = OffloadedAdamState.create(spec, cfg.offload, **options,
                                                kernel_threads=cfg.offload.kernel_threads, extra_requests=extra)
         self._source = None
+        self._update: Optional[BackgroundUpdate] = None  # the optimizer step running in the background
+        self._resident: dict[int, np.ndarray] = {}  # overlapped, resident: stacked weights the source serves
+        refusal = overlap_refusal(cfg) if cfg.offload.overlap else None
+        if refusal:
+            log.info("offload.overlap: the optimizer step runs after the forward/backward, not beside it: %s", refusal)
+        self.overlap = cfg.offload.overlap and refusal is None
         tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
         # Our parameter path of every leaf, in the layout's leaf order.
         self._paths = [tuple(tree_path_to_dotted(path).split("."))
@@ -154,7 +184,14 @@ class OffloadEngine:
             # param_dtype copy is dropped once the master weights are on SSD.
             leaves = [None if leaf.streamed else x.astype(dtype)
                       for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
-            self.params = self.state.layout.treedef.unflatten(leaves)
+            if self.overlap and not stream:
+                # The stack's weights move to host buffers that the optimizer updates in place and
+                # the parameter source serves to the layer scan, layer by layer.
+                for leaf in self.state.leaves:
+                    if leaf.stacked:
+                        self._resident[leaf.index] = np.ascontiguousarray(leaves[leaf.index]).reshape(-1).copy()
+                        leaves[leaf.index] = None
+            self._leaves = leaves
             del params, leaves
             sink = self.state.gradient_sink(routing.arrivals())
             ids = jax.tree.leaves(self.state.tensor_ids())
@@ -163,8 +200,8 @@ class OffloadEngine:
             if cfg.offload.post_backward_overflow_check:  # ablation: full tree, then a scan
                 full_step = make_full_gradient_step(graphdef, rest, cfg.train.grad_accum, _loss_with_hook)
                 self._fwd_bwd = PostBackwardCheckedStep(full_step, self.state)
-            elif stream:
-                self._source = self.state.param_source()
+            elif stream or self._resident:
+                self._source = self.state.param_source(host=self._resident or None)
                 self._fwd_bwd = make_offload_step(graphdef, rest, routing, sink.handle, _loss_with_hook,
                                                   source=self._source)
             else:
@@ -179,28 +216,66 @@ class OffloadEngine:
             self.state.close()
             raise
 
+    @property
+    def params(self):
+        """The compute params as the last finished update left them (waits for a running one);
+        resident stacked weights of an overlapped run are views of their host buffers, streamed
+        ones None."""
+        self.finish_update()
+        leaves = list(self._leaves)
+        for index, buf in self._resident.items():
+            leaves[index] = buf.reshape(self.state.leaves[index].shape)
+        return self.state.layout.treedef.unflatten(leaves)
+
     def step(self, tokens: np.ndarray) -> dict[str, Any]:
-        """One optimizer step over ``tokens[A, B, T+1]``; returns host scalars."""
+        """One optimizer step over ``tokens[A, B, T+1]``; returns host scalars. Overlapped, the
+        update of this step is still running when it returns, and the timing of the optimizer
+        (``optimizer_seconds``, ``overlap_fraction``, bytes) is that of the previous step's."""
         scale = self.loss_scale.scale
         micro = tokens[0] if self.cfg.train.grad_accum == 1 else tokens
+        previous, self._update = self._update, None
+        front_wait = 0.0
+        if previous is not None:  # the new embeddings, norm and head; the stack follows layer by layer
+            try:
+                front_wait = previous.wait_front()
+            except BaseException:
+                previous.join_quietly()
+                raise
+            for index, leaf in previous.leaves.items():
+                self._leaves[index] = leaf
         started = time.perf_counter()
         before = self._source.stats() if self._source is not None else None
         if self._source is not None:
-            self._source.begin_step()  # reads layer 0, 1, ... while the step is dispatched
+            self._source.begin_step()  # reads layer 0, 1, ... (once updated) while the step is dispatched
         try:
             with step_errors(PARAM_SOURCE_ERRORS):  # a sink or source failure, at dispatch or at the fetch
-                loss, stats = self._fwd_bwd(self.params, micro, jnp.float32(scale))
+                loss, stats = self._fwd_bwd(self._leaves_tree(), micro, jnp.float32(scale))
                 kill_point("backward")  # tests: the backward pass is running and writing gradients
                 # SYNC: the overflow check and the clip factor need the statistics, and the optimizer
                 # may read the gradient regions only once the backward pass has written all of them.
                 loss, (sumsq, nonfinite) = jax.device_get((loss, total_stats(stats)))
+        except BaseException:
+            if previous is not None:
+                previous.join_quietly()  # its own error, if any, explains the fetch's
+            raise
         finally:
             if self._source is not None:
                 self._source.end_step()
-        timing = {"fwd_bwd_seconds": time.perf_counter() - started}
-        if self._source is not None:  # the weights read during the forward/backward, and the wait for them
+        ended = time.perf_counter()
+        timing = {"fwd_bwd_seconds": ended - started}
+        if previous is not None:  # done by now: the forward has used every layer it updated
+            previous.join()
+            for index, leaf in previous.leaves.items():
+                self._leaves[index] = leaf
+            self.opt_state = ssd_adamw_state(self.state)
+            self._account(previous.stats, timing)
+            timing["overlap_fraction"] = previous.overlap_with(started, ended)
+        if self._source is not None:  # the weights read during the forward/backward, and the waits
             after = self._source.stats()
             timing["param_wait_seconds"] = after["wait_seconds"] - before["wait_seconds"]
+            if self.overlap:
+                timing["optimizer_wait_seconds"] = (front_wait + after["optimizer_wait_seconds"]
+                                                    - before["optimizer_wait_seconds"])
             self.ssd_bytes_read += after["bytes_read"] - before["bytes_read"]
         self.loss_scale, skip = update_loss_scale(self.loss_scale, bool(nonfinite > 0), self.cfg.optimizer,
                                                   self.compute_dtype)
@@ -209,33 +284,78 @@ class OffloadEngine:
         max_norm = self.cfg.optimizer.grad_clip_norm
         if max_norm is not None and not skip and grad_norm > max_norm:
             clip = max_norm / grad_norm
-        if not skip:
-            self.params = None  # the step emits new leaves; the old ones need not outlive it
-        new_params, self.opt_state = ssd_adamw_step(self.settings, self.opt_state, self.state,
-                                                    grad_scale=clip / scale, skip=skip)
-        if new_params is not None:
-            self.params = new_params
-            last = self.state.last_step
-            self.ssd_bytes_read += last.bytes_read
-            self.ssd_bytes_written += last.bytes_written
-            timing.update(grad_flush_seconds=last.flush_seconds, optimizer_seconds=last.seconds - last.flush_seconds)
+        if self.overlap:
+            self._start_update(clip / scale, skip)
+        else:
+            self._update_now(clip / scale, skip, timing)
         return {"loss": float(loss), "grad_norm": grad_norm if not skip else float("nan"),
                 "skipped": bool(skip), "loss_scale": scale, **timing}
+
+    def _leaves_tree(self):
+        return self.state.layout.treedef.unflatten(self._leaves)
+
+    def _account(self, last, timing: dict) -> None:
+        self.ssd_bytes_read += last.bytes_read
+        self.ssd_bytes_written += last.bytes_written
+        timing.update(grad_flush_seconds=last.flush_seconds, optimizer_seconds=last.seconds - last.flush_seconds,
+                      ssd_gbps=last.ssd_gbps)
+
+    def _update_now(self, grad_scale: float, skip: bool, timing: dict) -> None:
+        if not skip:  # the step emits new leaves; the old ones need not outlive it
+            self._leaves = [None] * len(self._leaves)
+        new_params, self.opt_state = ssd_adamw_step(self.settings, self.opt_state, self.state,
+                                                    grad_scale=grad_scale, skip=skip)
+        if new_params is not None:
+            self._leaves = jax.tree.leaves(new_params, is_leaf=lambda x: x is None)
+            self._account(self.state.last_step, timing)
+
+    def _start_update(self, grad_scale: float, skip: bool) -> None:
+        """The update of this step, on a thread (or, for an overflowed step, nothing)."""
+        if skip:
+            self.state.step(None, skip=True)  # forgets the gradients; the weights stay as they are
+            return
+        scalars = self.settings.scalars(self.state.updates_applied, grad_scale)
+        if self._source is not None:
+            self._source.gate()  # the next forward waits for each layer's update
+        self._update = BackgroundUpdate(self.state, scalars, source=self._source, outputs=self._resident,
+                                        put=_to_default_device).start()
+
+    def finish_update(self) -> None:
+        """Waits for the optimizer step running in the background (overlap); raises its error."""
+        update, self._update = self._update, None
+        if update is None:
+            return
+        update.join()
+        for index, leaf in update.leaves.items():
+            self._leaves[index] = leaf
+        self.ssd_bytes_read += update.stats.bytes_read
+        self.ssd_bytes_written += update.stats.bytes_written
+        self.opt_state = ssd_adamw_state(self.state)
 
     def _ssd_arrays(self) -> SsdArrays:
         # The step's state slots are idle between steps; checkpoints stream through them.
         return SsdArrays(self.state.store, specs_for_offload_layout(self.state.layout), slot_class=self._checkpoint_slots)
 
     def save_checkpoint(self, ckpt: Checkpointer, step: int, meta: dict) -> None:
-        """Compute params and the run's scalars, plus master/m/v streamed from SSD chunk by chunk."""
+        """Compute params and the run's scalars, plus master/m/v streamed from SSD chunk by chunk
+        (after the update of ``step``, if it runs in the background)."""
+        params = self.params  # waits for a running update
         meta = {**meta, "updates_applied": self.state.updates_applied, "loss_scale": self.loss_scale.to_dict()}
-        ckpt.save(step, params=self.params, ssd=self._ssd_arrays(), meta=meta)
+        ckpt.save(step, params=params, ssd=self._ssd_arrays(), meta=meta)
+        if self._resident:
+            # The stack's weights are views of the buffers the next (background) update writes in
+            # place: the save must have copied them out before this returns.
+            ckpt.wait()
 
     def restore_checkpoint(self, ckpt: Checkpointer, step: int) -> dict:
         """Rebuilds the SSD shards from checkpoint ``step`` (so a kill during an optimizer step can
         never poison a resume) and restores the compute params; returns the checkpoint's meta."""
         restored = ckpt.restore(step, params_like=self.params, ssd=self._ssd_arrays())
-        self.params = restored.params
+        leaves = jax.tree.leaves(restored.params, is_leaf=lambda x: x is None)
+        for index, buf in self._resident.items():  # resident stacked weights: into the source's buffers
+            np.copyto(buf, np.asarray(leaves[index]).reshape(-1))
+            leaves[index] = None
+        self._leaves = leaves
         self.state.restored(int(restored.meta["updates_applied"]))
         self.opt_state = ssd_adamw_state(self.state)
         self.loss_scale = LossScaleState.from_dict(restored.meta["loss_scale"])
@@ -245,6 +365,7 @@ class OffloadEngine:
         """The weights to save or export, as a reader ``read(path, layer)`` of the fp32 master
         weights on SSD: an exporter pulls one tensor (one layer of a stack) at a time, so saving
         never holds more than that in RAM."""
+        self.finish_update()
         index = {path: i for i, path in enumerate(self._paths)}
 
         def read(path: tuple[str, ...], layer):
@@ -255,6 +376,7 @@ class OffloadEngine:
         return read
 
     def report(self) -> dict[str, Any]:
+        """The engine's figures (of the last finished update; a running one is not waited for)."""
         arena = self.state.store.arena
         last = self.state.last_step
         return {
@@ -272,6 +394,8 @@ class OffloadEngine:
             "loss_scale": self.loss_scale.scale,
             "skipped_steps": self.loss_scale.skipped_steps,
             "params": "ssd" if self.streams_params else "resident",
+            "overlap": self.overlap,
+            "early_gradient_arrivals": getattr(self.state._sink, "early_arrivals", 0),
             "resident_param_bytes": self.state.layout.resident_param_bytes,
             "streamed_param_bytes": self.state.layout.streamed_param_bytes,
             **({"param_source_" + k: v for k, v in self._source.stats().items()} if self._source else {}),
@@ -283,5 +407,11 @@ class OffloadEngine:
     def __enter__(self) -> "OffloadEngine":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.state.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self.finish_update()  # its error is the run's
+            elif self._update is not None:
+                self._update.join_quietly()  # the run already failed; that error is reported
+        finally:
+            self.state.close()

@@ -251,6 +251,22 @@ class OffloadLayout:
                     out.append(ChunkRef(leaf, layer, start, min(self.chunk_elements, leaf.layer_elements - start)))
         return out
 
+    def step_order(self, chunks: Optional[Sequence[ChunkRef]] = None) -> list[int]:
+        """The order in which a step updates the chunks (indices into :meth:`chunks`): the
+        forward's. Leaves outside the layer stack first (the embeddings, final norm and head:
+        the next forward needs them whole, at once), then the stack layer by layer, every leaf
+        of layer 0, then of layer 1, ...: so the next step's forward may start a layer as soon
+        as its update is done (``offload.overlap``). The order does not change the arithmetic."""
+        chunks = self.chunks() if chunks is None else chunks
+        top = [i for i, c in enumerate(chunks) if not c.leaf.stacked]
+        stack = sorted((i for i, c in enumerate(chunks) if c.leaf.stacked), key=lambda i: (chunks[i].layer, i))
+        return top + stack
+
+    @property
+    def stack_layers(self) -> int:
+        """Layers of the layer stack (0 without one)."""
+        return max((leaf.layers for leaf in self.leaves if leaf.stacked), default=0)
+
     @property
     def largest_chunk(self) -> int:
         return min(self.chunk_elements, max(leaf.layer_elements for leaf in self.leaves))

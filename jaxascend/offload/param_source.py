@@ -16,6 +16,12 @@ through it: the step's probes are its only differentiated inputs.
     loss, stats = step(...)                    # the scan calls fetch_layer(source.handle, i, specs)
     jax.block_until_ready(loss); source.end_step()
 
+Overlapped step (``offload.overlap``): the optimizer of step t runs in the background while
+step t+1's forward/backward runs; :meth:`ParamSource.gate` marks every layer as not yet updated,
+the optimizer calls :meth:`ParamSource.mark_ready` layer by layer, and a fetch of a layer waits
+for that (``optimizer_wait_seconds``). With the weights resident in host memory the source
+serves them from host buffers (``host=``) the optimizer writes in place, with the same gating.
+
 On a GPU backend the FFI target (registered for the CPU platform) cannot run in device code:
 :func:`fetch_layer` then goes through a ``pure_callback`` whose host side copies the layer out
 of the (pinned) arena slot, and the runtime copies it to the device.
@@ -23,7 +29,7 @@ of the (pinned) arena slot, and the runtime copies it to the device.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,16 +53,31 @@ PARAM_SOURCE_ERRORS = ((_PREFIX, ParamSourceError),)
 class ParamSource:
     """Owns one native parameter source over the streamed leaves of an offloaded state."""
 
-    def __init__(self, store, leaves: Sequence[LeafLayout], depth: int):
+    def __init__(self, store, leaves: Sequence[LeafLayout], depth: int,
+                 host: Optional[Sequence[np.ndarray]] = None):
+        """``host``: one flat array per leaf (every layer, in the compute dtype) to serve instead
+        of the leaves' SSD regions: the resident weights of an overlapped step."""
         if not leaves:
-            raise ValueError("param source: no streamed leaves (offload.params is not 'ssd')")
+            raise ValueError("param source: no leaves to serve")
         self.leaves = tuple(leaves)
         self.depth = int(depth)
         self.num_layers = self.leaves[0].layers
         self._native = _native.ParamSource(store.handle, SOURCE_SLOT_CLASS)
-        for leaf in self.leaves:
-            self._native.add_leaf([store.region(name).id for name in leaf.param_regions], leaf.grad_layer_bytes,
-                                  leaf.dtype.name)
+        if host is not None:
+            if len(host) != len(self.leaves):
+                raise ValueError(f"param source: {len(host)} host buffers for {len(self.leaves)} leaves")
+            for leaf, buf in zip(self.leaves, host):
+                if buf.dtype != leaf.dtype or buf.size != leaf.size or not buf.flags.c_contiguous:
+                    raise ValueError(f"param source: the host buffer of {leaf.path!r} is {buf.size} x {buf.dtype}; "
+                                     f"expected a contiguous {leaf.size} x {leaf.dtype}")
+                self._native.add_host_leaf(buf.reshape(-1).view(np.uint8), leaf.grad_layer_bytes, leaf.dtype.name)
+        else:
+            for leaf in self.leaves:
+                if not leaf.streamed:
+                    raise ValueError(f"param source: leaf {leaf.path!r} has no SSD weights (offload.params is not "
+                                     f"'ssd'); pass host= buffers")
+                self._native.add_leaf([store.region(name).id for name in leaf.param_regions],
+                                      leaf.grad_layer_bytes, leaf.dtype.name)
         self._handle = _native.register_param_source(self._native)
         # What one fetch returns: one layer of every streamed leaf, in leaf order.
         self.specs = tuple(jax.ShapeDtypeStruct(leaf.layer_shape, leaf.dtype) for leaf in self.leaves)
@@ -85,9 +106,26 @@ class ParamSource:
         """Waits for any read still in flight and frees its slot (call once the step is done)."""
         self._native.drain()
 
+    def gate(self) -> None:
+        """An optimizer step is about to update every layer: fetches wait for :meth:`mark_ready`."""
+        self._native.gate()
+
+    def mark_ready(self, layer: int) -> None:
+        """Layer ``layer`` holds its new weights (in host memory, or on SSD for region leaves)."""
+        self._native.mark_ready(int(layer))
+
+    def fail(self, message: str) -> None:
+        """The optimizer step failed: fetches waiting for a layer fail with ``message``."""
+        self._native.fail(str(message))
+
+    def ready(self, layer: int) -> bool:
+        return bool(self._native.ready(int(layer)))
+
     def stats(self) -> dict:
         """``fetches``, ``misses`` (asks the order did not foresee, read synchronously),
-        ``bytes_read`` and ``wait_seconds`` (time the step waited for the disk), since creation."""
+        ``bytes_read``, ``wait_seconds`` (time the step waited for the disk),
+        ``optimizer_wait_seconds`` (time it waited for the previous step's optimizer to update
+        a layer) and ``bytes_copied`` (host leaves), since creation."""
         return dict(self._native.stats())
 
     def close(self) -> None:

@@ -73,6 +73,7 @@ class StepStats:
     write_busy_seconds: float
     chunks: int
     flush_seconds: float = 0.0  # waiting, before the first chunk, for the backward's gradient writes
+    started: float = 0.0  # time.perf_counter() when the step began
 
     @property
     def ssd_gbps(self) -> float:
@@ -188,10 +189,17 @@ class OffloadedAdamState:
             ([Segment(regions[c.leaf.param_regions[c.layer]], c.grad_offset, c.grad_bytes, read=False, write=True)]
              if c.leaf.streamed else [])
             for c in self._chunks]
-        # A pass needs one segment count for all its chunks: runs of chunks of resident leaves
-        # and of streamed leaves are streamed one after the other, in disk order.
-        self._step_passes = [list(g) for _, g in itertools.groupby(range(len(self._chunks)),
-                                                                     key=lambda i: self._chunks[i].leaf.streamed)]
+        # A step updates in the forward's order (layout.step_order: the leaves outside the stack,
+        # then the stack layer by layer). A pass needs one segment count for all its chunks: runs
+        # of chunks of resident leaves and of streamed leaves are streamed one after the other.
+        order = self.layout.step_order(self._chunks)
+        self._step_passes = [list(g) for _, g in itertools.groupby(order, key=lambda i: self._chunks[i].leaf.streamed)]
+        # The chunk that completes each layer of the stack (every stacked leaf of that layer).
+        self._layer_done = {}
+        for i in order:
+            if self._chunks[i].leaf.stacked:
+                self._layer_done[self._chunks[i].layer] = i
+        self._layer_done = {i: layer for layer, i in self._layer_done.items()}
         self._init_segments = [[Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes,
                                         read=False, write=True)] for c in self._chunks]
         self._initialized = False
@@ -375,12 +383,23 @@ class OffloadedAdamState:
         return self._sink
 
     @_serialized
-    def param_source(self) -> ParamSource:
-        """The parameter source over the streamed leaves (created once, closed with this owner):
-        the layer scan reads their weights through it (``offload.params: ssd``)."""
+    def param_source(self, host: Optional[dict[int, np.ndarray]] = None) -> ParamSource:
+        """The parameter source over the layer stack (created once, closed with this owner): the
+        layer scan reads its weights through it. Without ``host``, the streamed leaves' SSD
+        regions (``offload.params: ssd``); with ``host`` (leaf index -> flat array of that
+        stacked leaf's compute weights), those buffers, which :meth:`apply_update` fills in
+        place when given them as ``outputs`` (the resident weights of an overlapped step)."""
         self._check_open()
         if self._source is None or self._source.closed:
-            self._source = ParamSource(self.store, self.layout.streamed_leaves, self.layout.param_prefetch)
+            if host is None:
+                self._source = ParamSource(self.store, self.layout.streamed_leaves, self.layout.param_prefetch)
+            else:
+                stacked = [leaf for leaf in self.layout.leaves if leaf.stacked]
+                missing = [leaf.path for leaf in stacked if leaf.index not in host]
+                if missing:
+                    raise ValueError(f"offloaded AdamW: no host buffer for the stacked leaves {missing}")
+                self._source = ParamSource(self.store, stacked, self.layout.param_prefetch,
+                                           host=[host[leaf.index] for leaf in stacked])
         return self._source
 
     @_serialized
@@ -423,9 +442,19 @@ class OffloadedAdamState:
         return self.layout.treedef.unflatten(new_leaves)
 
     @_serialized
-    def apply_update(self, hparams, on_leaf: Callable[[LeafLayout, np.ndarray], None]) -> StepStats:
+    def apply_update(self, hparams, on_leaf: Callable[[LeafLayout, np.ndarray], None],
+                     on_layer: Optional[Callable[[int], None]] = None,
+                     outputs: Optional[dict[int, np.ndarray]] = None) -> StepStats:
         """The streamed step with numpy output: ``on_leaf(leaf, params)`` receives each leaf's new
-        compute parameters (a fresh host array, leaf shape) as soon as its last chunk is done."""
+        compute parameters (a fresh host array, leaf shape) as soon as its last chunk is done.
+
+        Chunks are updated in the forward's order (:meth:`OffloadLayout.step_order`), so that an
+        overlapped step can hand layer after layer to the next forward: ``on_layer(layer)`` is
+        called once every stacked leaf of ``layer`` holds its new weights (for streamed leaves:
+        written to SSD). ``outputs``: leaf index -> flat array the kernel writes that leaf's new
+        weights into (the resident weights an overlapped step serves from host memory) instead
+        of a fresh one. Gradient receipts are checked and reset at the start; the sink refuses
+        an arrival for a region until the kernel has read it (see :meth:`gradient_sink`)."""
         scalars = _scalars_array(hparams)
         self._check_open()
         if not self._initialized:
@@ -435,32 +464,58 @@ class OffloadedAdamState:
         start = time.perf_counter()
         self.store.flush()  # every gradient write (sink or write_grads) is on disk; raises its error
         flushed = time.perf_counter() - start
+        # The gradients are this step's from here on: the next step's may arrive as soon as the
+        # kernel has read each region (the sink refuses them before).
+        sink = self._sink if self._sink is not None and not self._sink.closed else None
+        self._forget_gradients()
+        if sink is not None:
+            sink.hold()
         self._broken = "a step failed midway, so some chunks are updated and others are not; restore a checkpoint"
-        host = None
-        for chunk_ids in self._step_passes:
-            streamed = self._chunks[chunk_ids[0]].leaf.streamed
-            classes = self.layout.slot_classes + ([PARAM_SLOT_CLASS] if streamed else [])
-            with self.store.stream([self._step_segments[i] for i in chunk_ids], classes) as stream:
-                for chunk in stream:
-                    kill_point("optimizer_chunk")
-                    ref = self._chunks[chunk_ids[chunk.index]]
-                    leaf, n = ref.leaf, ref.count
-                    if ref.first_of_leaf and not streamed:
-                        host = np.empty(leaf.size, leaf.dtype)
-                    state = chunk.arrays[0].view(np.float32)
-                    if self.grad_buffer is None:
-                        grad = chunk.arrays[1].view(leaf.dtype)
-                    else:
-                        grad = self._grad_view(leaf)[ref.flat_start:ref.flat_start + n]
-                    # The new compute weights: into the leaf's host array, or (streamed) into the
-                    # chunk's parameter slot, written back to SSD behind the kernel.
-                    out = chunk.arrays[-1].view(leaf.dtype)[:n] if streamed else \
-                        host[ref.flat_start:ref.flat_start + n]
-                    fused_adamw_update_numpy(state[:n], state[n:2 * n], state[2 * n:], grad[:n], out, scalars,
-                                             threads=self.kernel_threads)
-                    if ref.last_of_leaf and not streamed:
-                        on_leaf(leaf, host.reshape(leaf.shape))
-                        host = None
+        outputs = outputs or {}
+        hosts: dict[int, np.ndarray] = {}  # leaf index -> its new weights, being filled
+        try:
+            for chunk_ids in self._step_passes:
+                streamed = self._chunks[chunk_ids[0]].leaf.streamed
+                classes = self.layout.slot_classes + ([PARAM_SLOT_CLASS] if streamed else [])
+                durable: list[tuple[int, int]] = []  # (last chunk position, layer), until written back
+                with self.store.stream([self._step_segments[i] for i in chunk_ids], classes) as stream:
+                    for chunk in stream:
+                        kill_point("optimizer_chunk")
+                        while durable and durable[0][0] <= stream.written_through:  # on disk now
+                            on_layer(durable.pop(0)[1])
+                        index = chunk_ids[chunk.index]
+                        ref = self._chunks[index]
+                        leaf, n = ref.leaf, ref.count
+                        if not streamed and leaf.index not in hosts:
+                            hosts[leaf.index] = outputs.get(leaf.index)
+                            if hosts[leaf.index] is None:
+                                hosts[leaf.index] = np.empty(leaf.size, leaf.dtype)
+                        state = chunk.arrays[0].view(np.float32)
+                        if self.grad_buffer is None:
+                            grad = chunk.arrays[1].view(leaf.dtype)
+                        else:
+                            grad = self._grad_view(leaf)[ref.flat_start:ref.flat_start + n]
+                        # The new compute weights: into the leaf's host array, or (streamed) into the
+                        # chunk's parameter slot, written back to SSD behind the kernel.
+                        out = chunk.arrays[-1].view(leaf.dtype)[:n] if streamed else \
+                            hosts[leaf.index][ref.flat_start:ref.flat_start + n]
+                        fused_adamw_update_numpy(state[:n], state[n:2 * n], state[2 * n:], grad[:n], out, scalars,
+                                                 threads=self.kernel_threads)
+                        if sink is not None and ref.start + n == leaf.layer_elements:
+                            sink.release(leaf.index, ref.layer)  # this layer's gradient is read
+                        if on_layer is not None and index in self._layer_done:
+                            layer = self._layer_done[index]
+                            if streamed:
+                                durable.append((chunk.index, layer))
+                            else:
+                                on_layer(layer)
+                        if ref.last_of_leaf and not streamed:
+                            on_leaf(leaf, hosts.pop(leaf.index).reshape(leaf.shape))
+                for _, layer in durable:  # the pass has finished: every write is on disk
+                    on_layer(layer)
+        finally:
+            if sink is not None:
+                sink.release_all()  # after a failure the state is broken anyway; no arrival is refused
         self._broken = None
         seconds = time.perf_counter() - start
         after = self.store.stats()
@@ -469,9 +524,8 @@ class OffloadedAdamState:
             bytes_written=after["bytes_written"] - before["bytes_written"], seconds=seconds,
             read_busy_seconds=after["read_seconds"] - before["read_seconds"],
             write_busy_seconds=after["write_seconds"] - before["write_seconds"], chunks=len(self._chunks),
-            flush_seconds=flushed)
+            flush_seconds=flushed, started=start)
         self.updates_applied += 1
-        self._forget_gradients()
         return self.last_step
 
     def _forget_gradients(self) -> None:

@@ -81,6 +81,28 @@ class _RegisteredSink:
         """Zeroes the receipt counters (the optimizer step does this after it used the gradients)."""
         self._native.reset()
 
+    # Receipts for the overlapped step (see ffi/offload_store_sink.cc). A sink without them
+    # (the fp32 host buffer's) never runs beside an optimizer step, so these do nothing there.
+    def hold(self) -> None:
+        """Every region is being read by the optimizer: an arrival before :meth:`release` fails."""
+        if hasattr(self._native, "hold"):
+            self._native.hold()
+
+    def release(self, tensor: int, layer: int) -> None:
+        """The optimizer has read layer ``layer`` of ``tensor``: the next gradient may land there."""
+        if hasattr(self._native, "release"):
+            self._native.release(int(tensor), int(layer))
+
+    def release_all(self) -> None:
+        if hasattr(self._native, "release_all"):
+            self._native.release_all()
+
+    @property
+    def early_arrivals(self) -> int:
+        """Gradients refused because the optimizer had not read their region yet (0 unless the
+        overlapped step's ordering broke)."""
+        return int(getattr(self._native, "early_arrivals", 0))
+
     def close(self) -> None:
         """Unregisters the sink; later calls with its handle fail with an error. Idempotent."""
         if self._handle is not None:

@@ -53,6 +53,11 @@ class SsdStream:
     def depth(self) -> int:
         return self._native.depth
 
+    @property
+    def written_through(self) -> int:
+        """Every chunk up to this index is written back to disk (-1: none known yet)."""
+        return self._native.written_through
+
     def __iter__(self) -> Iterator[StreamChunk]:
         while self._native.next():
             views = self._native.views()

@@ -1,0 +1,135 @@
+"""The overlapped step: the optimizer of step t runs on a thread while step t+1's forward runs.
+
+AdamW needs the global norm and the overflow flag, so it starts only once the backward pass of
+step t has finished. It then updates the chunks in the forward's order
+(:meth:`~jaxascend.offload.layout.OffloadLayout.step_order`): the leaves outside the layer stack
+first, then the stack layer by layer. :class:`BackgroundUpdate` runs that update on a thread
+(the fused kernel and the SSD I/O release the GIL) and reports progress two ways:
+
+* every leaf outside the stack (embeddings, final norm, head) is handed over, as a new array,
+  as soon as its last chunk is done; the engine dispatches step t+1's forward/backward once it
+  has all of them (:meth:`wait_front`);
+* each layer of the stack is marked ready in the parameter source
+  (:meth:`~jaxascend.offload.param_source.ParamSource.mark_ready`) once every stacked leaf of it
+  holds its new weights: in host memory (resident weights, served by the source from the
+  buffers the kernel writes) or written to SSD (streamed weights). The forward's fetch of a
+  layer waits for that.
+
+The arithmetic is the non-overlapped step's: same kernel, same scalars, same chunks (the order
+of chunks does not change any value). The gradient sink refuses a gradient for a region the
+optimizer has not read yet (:meth:`~jaxascend.offload.store_sink.StoreGradientSink.hold`), so
+a broken ordering is an error, not a silent corruption.
+
+    update = BackgroundUpdate(state, scalars, source=source, outputs=resident, put=put)
+    update.start()
+    waited = update.wait_front()      # the new top-level leaves: update.leaves
+    ...                               # dispatch the next forward/backward
+    stats = update.join()             # the update's StepStats; raises its error
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from jaxascend.offload.param_source import ParamSource
+from jaxascend.offload.state import OffloadedAdamState, StepStats
+
+
+class BackgroundUpdate:
+    """One streamed AdamW update of ``state`` on its own thread (see the module docstring).
+
+    ``outputs``: leaf index -> flat host array the kernel writes that leaf's new weights into
+    (resident stacked weights served by ``source``); every other leaf outside the stream comes
+    back through ``put`` into :attr:`leaves`. ``source``: the parameter source to mark layers
+    ready in (None: nothing waits on the layers)."""
+
+    def __init__(self, state: OffloadedAdamState, scalars: np.ndarray, *, source: Optional[ParamSource],
+                 outputs: Optional[dict[int, np.ndarray]], put: Callable[[np.ndarray], object]):
+        self._state = state
+        self._scalars = scalars
+        self._source = source
+        self._outputs = outputs or {}
+        self._put = put
+        # The leaves the next forward takes as inputs: everything not served by the source.
+        self._front_needed = {leaf.index for leaf in state.leaves
+                              if not leaf.streamed and leaf.index not in self._outputs}
+        self.leaves: dict[int, object] = {}
+        self.error: Optional[BaseException] = None
+        self.stats: Optional[StepStats] = None
+        self.started = 0.0
+        self.ended = 0.0
+        self.front_ready_at = 0.0
+        self._front = threading.Event()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxascend-optimizer", daemon=True)
+
+    def start(self) -> "BackgroundUpdate":
+        self.started = time.perf_counter()
+        if not self._front_needed:
+            self._front_ready()
+        self._thread.start()
+        return self
+
+    def _front_ready(self) -> None:
+        self.front_ready_at = time.perf_counter()
+        self._front.set()
+
+    def _on_leaf(self, leaf, host: np.ndarray) -> None:
+        if leaf.index in self._outputs:  # written in place; the source serves it
+            return
+        self.leaves[leaf.index] = self._put(host)
+        if not self._front.is_set() and self._front_needed <= self.leaves.keys():
+            self._front_ready()
+
+    def _run(self) -> None:
+        try:
+            self.stats = self._state.apply_update(
+                self._scalars, self._on_leaf, on_layer=self._source.mark_ready if self._source else None,
+                outputs=self._outputs)
+        except BaseException as err:  # reported by wait_front/join, on the trainer's thread
+            self.error = err
+            if self._source is not None:
+                self._source.fail(f"the optimizer step failed: {type(err).__name__}: {err}")
+        finally:
+            self.ended = time.perf_counter()
+            self._front.set()
+            self._done.set()
+
+    @property
+    def running(self) -> bool:
+        return not self._done.is_set()
+
+    def wait_front(self) -> float:
+        """Waits until every leaf the next forward takes as input is updated (:attr:`leaves`);
+        returns the seconds waited. Raises the update's error."""
+        start = time.perf_counter()
+        self._front.wait()
+        waited = time.perf_counter() - start
+        if self.error is not None:
+            self.join()
+        return waited
+
+    def join(self) -> StepStats:
+        """Waits for the whole update; returns its :class:`StepStats` or raises its error."""
+        self._done.wait()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.stats
+
+    def join_quietly(self) -> None:
+        """Waits for the thread without raising (when another error is already being reported)."""
+        self._done.wait()
+        self._thread.join()
+
+    def overlap_with(self, begin: float, end: float) -> float:
+        """The fraction of this update's wall time that ran inside ``[begin, end]`` (e.g. the
+        next step's forward/backward)."""
+        duration = self.ended - self.started
+        if duration <= 0:
+            return 0.0
+        return max(0.0, min(self.ended, end) - max(self.started, begin)) / duration
