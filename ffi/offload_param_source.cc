@@ -28,6 +28,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
@@ -39,6 +40,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "offload_grad_sink.h"
@@ -211,7 +213,30 @@ class ParamSource {
   // Copies layer `layer` of every leaf into outs[k] (sizes[k] bytes, dtypes[k]); "" or the error.
   std::string Fetch(int64_t layer, const std::vector<void*>& outs, const std::vector<size_t>& sizes,
                     const std::vector<ffi::DataType>& dtypes) {
+    const double asked = Now();
     std::unique_lock<std::mutex> lock(mu_);
+    std::string err = FetchLocked(lock, layer, outs, sizes, dtypes);
+    if (events_.size() < kMaxEvents) events_.push_back({layer, asked, Now()});
+    return err;
+  }
+
+  // (layer, asked, served) of each fetch since the last call, in seconds of the monotonic clock
+  // (Python's time.perf_counter on Linux): the timeline of a step.
+  std::vector<std::tuple<int64_t, double, double>> TakeEvents() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::tuple<int64_t, double, double>> out;
+    for (const Event& e : events_) out.emplace_back(e.layer, e.asked, e.served);
+    events_.clear();
+    return out;
+  }
+
+ private:
+  static double Now() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+
+  std::string FetchLocked(std::unique_lock<std::mutex>& lock, int64_t layer, const std::vector<void*>& outs,
+                          const std::vector<size_t>& sizes, const std::vector<ffi::DataType>& dtypes) {
     if (layer < 0 || layer >= num_layers()) {
       return "param_source: layer " + std::to_string(layer) + " is out of range (" + std::to_string(num_layers()) +
              " layers)";
@@ -276,6 +301,7 @@ class ParamSource {
     return "";
   }
 
+ public:
   nb::dict Stats() {
     std::lock_guard<std::mutex> lock(mu_);
     nb::dict d;
@@ -360,6 +386,12 @@ class ParamSource {
   double wait_seconds_ = 0.0;
   double optimizer_wait_seconds_ = 0.0;
   int64_t bytes_copied_ = 0;
+  struct Event {
+    int64_t layer;
+    double asked, served;
+  };
+  static constexpr size_t kMaxEvents = 1 << 16;
+  std::vector<Event> events_;
 };
 
 struct SourceTable {
@@ -431,6 +463,8 @@ void BindParamSource(nb::module_& m) {
            "Drops what is in flight and starts reading the first `depth` layers of `order`.")
       .def("drain", &ParamSource::Drain, nb::call_guard<nb::gil_scoped_release>(),
            "Waits for the reads in flight and releases their slots.")
+      .def("take_events", &ParamSource::TakeEvents,
+           "(layer, asked, served) of every fetch since the last call (monotonic-clock seconds).")
       .def("stats", &ParamSource::Stats, "fetches, misses, bytes_read, wait_seconds since creation.")
       .def_prop_ro("slot_bytes", &ParamSource::slot_bytes)
       .def_prop_ro("num_layers", &ParamSource::num_layers)

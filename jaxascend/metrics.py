@@ -97,9 +97,10 @@ class Progress:
     def update(self, steps: int, record: dict[str, Any] | None = None) -> None:
         self._bar.update(steps)
         if record is not None:
+            ssd = f" ssd={record['ssd_gbps']:.2f}GB/s" if record.get("ssd_gbps") else ""
             self._bar.set_postfix_str(
                 f"loss={record['loss']:.4f} tok/s={record['tokens_per_s']:.0f} "
-                f"peak={format_bytes(record['peak_rss_bytes'])}")
+                f"peak={format_bytes(record['peak_rss_bytes'])}{ssd}")
 
     def close(self) -> None:
         self._bar.close()

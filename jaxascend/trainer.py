@@ -29,6 +29,7 @@ from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, pe
 from jaxascend.models import count_params
 from jaxascend.offload import OffloadEngine
 from jaxascend.offload import resolve as plan_resolve
+from jaxascend.offload.timeline import write_timeline_png
 from jaxascend.optim import learning_rate_schedule
 from jaxascend.ssd import MemorySampler
 
@@ -196,6 +197,7 @@ def run(cfg: Config) -> TrainResult:
         if cfg.export.save_params or cfg.export.enabled:
             save_outputs(cfg, out_dir, engine.export_params(), origin, last)  # fp32 master weights
         report = engine.report()
+        _write_timeline(engine, out_dir)
 
     result = TrainResult(steps=len(losses), losses=losses, num_params=num_params,
                          peak_rss_bytes=peak_rss_bytes(), peak_page_cache_bytes=memory.peak_page_cache,
@@ -209,6 +211,18 @@ def run(cfg: Config) -> TrainResult:
     (out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
     print(_summary(result))
     return result
+
+
+def _write_timeline(engine, out_dir: Path) -> None:
+    """The last step's timeline (which thread did what, when): timeline.json, and timeline.png
+    when matplotlib is installed."""
+    timeline = getattr(engine, "last_timeline", None)
+    if timeline is None:
+        return
+    data = timeline.to_dict()
+    (out_dir / "timeline.json").write_text(json.dumps(data, indent=1))
+    if not write_timeline_png(data, out_dir / "timeline.png"):
+        console.note("timeline.png not drawn: matplotlib is not installed (timeline.json has the events)")
 
 
 def _log_record(step: int, stats: dict[str, Any], schedule: optax.Schedule, throughput: Throughput,

@@ -114,7 +114,8 @@ class OffloadConfig:
     param_prefetch: int = 2  # layers the parameter source reads ahead (arena slots of one layer each)
     # The optimizer of step t runs on a thread while step t+1's forward/backward runs, layer by
     # layer behind it (bit-identical results). Runs without overlap (said once) with
-    # train.grad_accum > 1, fp32_grad_buffer or post_backward_overflow_check.
+    # train.grad_accum > 1, fp32_grad_buffer, post_backward_overflow_check, or resident weights
+    # under model.remat: none.
     overlap: bool = False
     # Buffered I/O only (direct_io false, or the O_DIRECT fallback): drop each block from the
     # page cache after it is read or written. False is ZeRO-Infinity's page-cache I/O: the kernel

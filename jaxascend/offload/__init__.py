@@ -12,6 +12,8 @@
 * :func:`make_full_gradient_step` -- the ZeRO-Infinity-style post-backward overflow check (ablation);
 * :class:`ParamSource` / :func:`fetch_layer` -- ``offload.params: ssd``: the layer scan's weights
   read from SSD layer by layer, ahead of the ask;
+* :class:`BackgroundUpdate` -- ``offload.overlap``: the optimizer of step t on a thread beside
+  step t+1's forward/backward; :class:`StepTimeline` -- which thread did what, when;
 * :func:`plan_run` / :func:`resolve` / :class:`RunPlan` -- the run planner (host memory by part,
   SSD footprint and traffic, the step-time floor; ``offload.params: auto``).
 
@@ -24,6 +26,7 @@ from jaxascend.offload.grad_sink import (GradientSinkError, MemorySink, fetch_st
                                          register_memory_sink, sink_gradient, unregister_sink)
 from jaxascend.offload.layout import (GRAD_SLOT_CLASS, PARAM_SLOT_CLASS, SOURCE_SLOT_CLASS, STATE_SLOT_CLASS,
                                      OffloadLayout)
+from jaxascend.offload.overlap import BackgroundUpdate
 from jaxascend.offload.param_source import ParamSource, ParamSourceError, fetch_layer
 from jaxascend.offload.planner import PlanError, RunPlan, deepspeed_zero3_estimate, plan_run, resolve
 from jaxascend.offload.post_backward_check import (PostBackwardCheckedStep, make_full_gradient_step,
@@ -33,9 +36,10 @@ from jaxascend.offload.state import OffloadedAdamState, StepStats
 from jaxascend.offload.step import (SinkRouting, make_accumulating_offload_step, make_offload_step,
                                     stacked_as_bits, total_stats)
 from jaxascend.offload.store_sink import SinkTarget, StoreGradientSink, register_store_sink
+from jaxascend.offload.timeline import StepTimeline
 
 __all__ = [
-    "GRAD_SLOT_CLASS", "PARAM_SLOT_CLASS", "SOURCE_SLOT_CLASS", "STATE_SLOT_CLASS", "GradientSinkError",
+    "BackgroundUpdate", "StepTimeline", "GRAD_SLOT_CLASS", "PARAM_SLOT_CLASS", "SOURCE_SLOT_CLASS", "STATE_SLOT_CLASS", "GradientSinkError",
     "MemorySink", "OffloadEngine", "OffloadLayout", "OffloadedAdamState", "ParamSource", "ParamSourceError",
     "PlanError", "PostBackwardCheckedStep", "RunPlan", "SinkRouting", "SinkTarget", "SsdAdamWState", "StepStats",
     "StoreGradientSink", "adamw_on_ssd", "deepspeed_zero3_estimate", "fetch_layer", "fetch_step_outputs",

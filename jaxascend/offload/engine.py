@@ -51,6 +51,7 @@ from jaxascend.models import DTYPES, is_large_table, next_token_loss, table_bloc
 from jaxascend.offload.grad_sink import step_errors
 from jaxascend.offload.layout import STATE_SLOT_CLASS, OffloadLayout
 from jaxascend.offload.overlap import BackgroundUpdate
+from jaxascend.offload.timeline import StepTimeline
 from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
 from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
 from jaxascend.offload.ssd_adamw import ssd_adamw_state, ssd_adamw_step
@@ -70,6 +71,9 @@ def overlap_refusal(cfg: Config) -> Optional[str]:
         return "offload.post_backward_overflow_check (the ablation differentiates the whole tree)"
     if cfg.offload.fp32_grad_buffer:
         return "offload.fp32_grad_buffer (the ablation's host buffer has no receipts to order the arrivals)"
+    if cfg.model.remat == "none" and cfg.offload.params != "ssd":
+        return ("model.remat: none (the layer scan would keep every layer it fetched for the backward: 2 B/param "
+                "more; remat dots recomputes only the fetch and the element-wise work)")
     return None
 
 
@@ -168,6 +172,8 @@ class OffloadEngine:
         if refusal:
             log.info("offload.overlap: the optimizer step runs after the forward/backward, not beside it: %s", refusal)
         self.overlap = cfg.offload.overlap and refusal is None
+        self._steps = 0
+        self.last_timeline: Optional[StepTimeline] = None  # of the last step that ran an update
         tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
         # Our parameter path of every leaf, in the layout's leaf order.
         self._paths = [tuple(tree_path_to_dotted(path).split("."))
@@ -227,10 +233,14 @@ class OffloadEngine:
             leaves[index] = buf.reshape(self.state.leaves[index].shape)
         return self.state.layout.treedef.unflatten(leaves)
 
-    def step(self, tokens: np.ndarray) -> dict[str, Any]:
+    def step(self, tokens: np.ndarray, optimizer: bool = True) -> dict[str, Any]:
         """One optimizer step over ``tokens[A, B, T+1]``; returns host scalars. Overlapped, the
         update of this step is still running when it returns, and the timing of the optimizer
-        (``optimizer_seconds``, ``overlap_fraction``, bytes) is that of the previous step's."""
+        (``optimizer_seconds``, ``overlap_fraction``, bytes) is that of the previous step's.
+        ``optimizer=False``: the forward/backward only, its gradients dropped and nothing updated
+        (the compute-only time of ``scripts/bench_step.py``)."""
+        self._steps += 1
+        timeline = StepTimeline(self._steps, self.overlap)
         scale = self.loss_scale.scale
         micro = tokens[0] if self.cfg.train.grad_accum == 1 else tokens
         previous, self._update = self._update, None
@@ -263,8 +273,14 @@ class OffloadEngine:
                 self._source.end_step()
         ended = time.perf_counter()
         timing = {"fwd_bwd_seconds": ended - started}
+        if front_wait:
+            timeline.add("trainer thread", started - front_wait, started, "waits for top leaves")
+        timeline.add("trainer thread", started, ended, "forward/backward")
+        if self._source is not None:
+            timeline.add_fetches(self._source.take_events())
         if previous is not None:  # done by now: the forward has used every layer it updated
             previous.join()
+            timeline.add_update(previous.trace, previous.layer_ready_at)
             for index, leaf in previous.leaves.items():
                 self._leaves[index] = leaf
             self.opt_state = ssd_adamw_state(self.state)
@@ -284,10 +300,14 @@ class OffloadEngine:
         max_norm = self.cfg.optimizer.grad_clip_norm
         if max_norm is not None and not skip and grad_norm > max_norm:
             clip = max_norm / grad_norm
-        if self.overlap:
+        if not optimizer:
+            self.state.step(None, skip=True)  # the gradients are dropped; the weights stay
+        elif self.overlap:
             self._start_update(clip / scale, skip)
         else:
-            self._update_now(clip / scale, skip, timing)
+            self._update_now(clip / scale, skip, timing, timeline)
+        if timeline.bars["optimizer thread"]:
+            self.last_timeline = timeline
         return {"loss": float(loss), "grad_norm": grad_norm if not skip else float("nan"),
                 "skipped": bool(skip), "loss_scale": scale, **timing}
 
@@ -297,14 +317,18 @@ class OffloadEngine:
     def _account(self, last, timing: dict) -> None:
         self.ssd_bytes_read += last.bytes_read
         self.ssd_bytes_written += last.bytes_written
-        timing.update(grad_flush_seconds=last.flush_seconds, optimizer_seconds=last.seconds - last.flush_seconds,
-                      ssd_gbps=last.ssd_gbps)
+        stream = last.seconds - last.flush_seconds
+        timing.update(grad_flush_seconds=last.flush_seconds, optimizer_seconds=stream,
+                      optimizer_bytes=last.bytes_read + last.bytes_written, ssd_gbps=last.ssd_gbps,
+                      stream_gbps=(last.bytes_read + last.bytes_written) / stream / 1e9 if stream > 0 else 0.0)
 
-    def _update_now(self, grad_scale: float, skip: bool, timing: dict) -> None:
+    def _update_now(self, grad_scale: float, skip: bool, timing: dict, timeline: StepTimeline) -> None:
         if not skip:  # the step emits new leaves; the old ones need not outlive it
             self._leaves = [None] * len(self._leaves)
+        trace: list = []
         new_params, self.opt_state = ssd_adamw_step(self.settings, self.opt_state, self.state,
-                                                    grad_scale=grad_scale, skip=skip)
+                                                    grad_scale=grad_scale, skip=skip, trace=trace)
+        timeline.add_update(trace, {})
         if new_params is not None:
             self._leaves = jax.tree.leaves(new_params, is_leaf=lambda x: x is None)
             self._account(self.state.last_step, timing)
@@ -318,7 +342,7 @@ class OffloadEngine:
         if self._source is not None:
             self._source.gate()  # the next forward waits for each layer's update
         self._update = BackgroundUpdate(self.state, scalars, source=self._source, outputs=self._resident,
-                                        put=_to_default_device).start()
+                                        put=_to_default_device, trace=True).start()
 
     def finish_update(self) -> None:
         """Waits for the optimizer step running in the background (overlap); raises its error."""

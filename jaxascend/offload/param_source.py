@@ -121,6 +121,11 @@ class ParamSource:
     def ready(self, layer: int) -> bool:
         return bool(self._native.ready(int(layer)))
 
+    def take_events(self) -> list[tuple[int, float, float]]:
+        """``(layer, asked, served)`` of every fetch since the last call, in ``time.perf_counter``
+        seconds: when the layer scan asked for a layer and when it had it (the step's timeline)."""
+        return [tuple(e) for e in self._native.take_events()]
+
     def stats(self) -> dict:
         """``fetches``, ``misses`` (asks the order did not foresee, read synchronously),
         ``bytes_read``, ``wait_seconds`` (time the step waited for the disk),

@@ -118,8 +118,8 @@ def ssd_adamw_state(state: OffloadedAdamState) -> SsdAdamWState:
 
 
 def ssd_adamw_step(settings: AdamWSettings, opt_state: SsdAdamWState, state: OffloadedAdamState, *,
-                   grad_scale: float = 1.0, skip: bool = False,
-                   put: Optional[Callable] = None) -> tuple[Optional[object], SsdAdamWState]:
+                   grad_scale: float = 1.0, skip: bool = False, put: Optional[Callable] = None,
+                   trace: Optional[list] = None) -> tuple[Optional[object], SsdAdamWState]:
     """The trainer's fast path: one update from the gradients already on SSD (written by the
     backward pass through ``state.gradient_sink()``); returns ``(new compute params, opt_state)``.
 
@@ -128,13 +128,14 @@ def ssd_adamw_step(settings: AdamWSettings, opt_state: SsdAdamWState, state: Off
     clip factor ``min(1, max_norm / global_norm)``), updates master/m/v in place and emits
     the compute params leaf by leaf (``put`` places each one, default ``jnp.asarray``). The
     caller may drop its old params before calling. ``skip=True`` (overflow): nothing is
-    touched, the count stays, and ``(None, opt_state)`` comes back.
+    touched, the count stays, and ``(None, opt_state)`` comes back. ``trace``: see
+    :meth:`OffloadedAdamState.apply_update`.
     """
     _check_owner(state, opt_state.state_id, opt_state.count)
     if skip:
         state.step(None, skip=True)
         return None, opt_state
-    params = state.step(settings.scalars(int(opt_state.count), grad_scale), put=put)
+    params = state.step(settings.scalars(int(opt_state.count), grad_scale), put=put, trace=trace)
     return params, opt_state._replace(count=optax.safe_increment(opt_state.count))
 
 

@@ -418,7 +418,7 @@ class OffloadedAdamState:
 
     # ------------------------------------------------------------------ the streamed step
     @_serialized
-    def step(self, hparams, *, skip: bool = False, put: Optional[Callable] = None):
+    def step(self, hparams, *, skip: bool = False, put: Optional[Callable] = None, trace: Optional[list] = None):
         """One AdamW update of the whole model; returns the new compute parameters as a pytree.
 
         ``hparams``: :class:`~jaxascend.optim.fused_adam.AdamHyperParams` (``count`` = updates applied
@@ -438,13 +438,14 @@ class OffloadedAdamState:
         def on_leaf(leaf: LeafLayout, host: np.ndarray) -> None:
             new_leaves[leaf.index] = put(host)
 
-        self.apply_update(hparams, on_leaf)
+        self.apply_update(hparams, on_leaf, trace=trace)
         return self.layout.treedef.unflatten(new_leaves)
 
     @_serialized
     def apply_update(self, hparams, on_leaf: Callable[[LeafLayout, np.ndarray], None],
                      on_layer: Optional[Callable[[int], None]] = None,
-                     outputs: Optional[dict[int, np.ndarray]] = None) -> StepStats:
+                     outputs: Optional[dict[int, np.ndarray]] = None,
+                     trace: Optional[list] = None) -> StepStats:
         """The streamed step with numpy output: ``on_leaf(leaf, params)`` receives each leaf's new
         compute parameters (a fresh host array, leaf shape) as soon as its last chunk is done.
 
@@ -454,7 +455,10 @@ class OffloadedAdamState:
         written to SSD). ``outputs``: leaf index -> flat array the kernel writes that leaf's new
         weights into (the resident weights an overlapped step serves from host memory) instead
         of a fresh one. Gradient receipts are checked and reset at the start; the sink refuses
-        an arrival for a region until the kernel has read it (see :meth:`gradient_sink`)."""
+        an arrival for a region until the kernel has read it (see :meth:`gradient_sink`).
+        ``trace``: a list to append ``(what, begin, end, leaf index, layer)`` to for every chunk
+        (``what``: "io wait", the pipeline handing out the chunk; "kernel", the fused update),
+        in ``time.perf_counter`` seconds."""
         scalars = _scalars_array(hparams)
         self._check_open()
         if not self._initialized:
@@ -479,7 +483,9 @@ class OffloadedAdamState:
                 classes = self.layout.slot_classes + ([PARAM_SLOT_CLASS] if streamed else [])
                 durable: list[tuple[int, int]] = []  # (last chunk position, layer), until written back
                 with self.store.stream([self._step_segments[i] for i in chunk_ids], classes) as stream:
+                    asked = time.perf_counter()
                     for chunk in stream:
+                        got = time.perf_counter()
                         kill_point("optimizer_chunk")
                         while durable and durable[0][0] <= stream.written_through:  # on disk now
                             on_layer(durable.pop(0)[1])
@@ -501,6 +507,11 @@ class OffloadedAdamState:
                             hosts[leaf.index][ref.flat_start:ref.flat_start + n]
                         fused_adamw_update_numpy(state[:n], state[n:2 * n], state[2 * n:], grad[:n], out, scalars,
                                                  threads=self.kernel_threads)
+                        if trace is not None:
+                            asked_next = time.perf_counter()
+                            trace.append(("io wait", asked, got, leaf.index, ref.layer))
+                            trace.append(("kernel", got, asked_next, leaf.index, ref.layer))
+                            asked = asked_next
                         if sink is not None and ref.start + n == leaf.layer_elements:
                             sink.release(leaf.index, ref.layer)  # this layer's gradient is read
                         if on_layer is not None and index in self._layer_done:

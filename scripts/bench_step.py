@@ -1,0 +1,317 @@
+"""Step time of the offloaded step: overlapped vs sequential, against compute alone, the SSD floor
+and DeepSpeed ZeRO-Infinity, in one run, interleaved. Prints JSON, writes a PNG and a timeline.
+
+Contenders, each in its own process, in a rotating order every round:
+  * ``overlap``: jaxascend with ``offload.overlap: true`` (the optimizer of step t on a thread
+    beside step t+1's forward/backward);
+  * ``sequential``: ``offload.overlap: false`` (forward/backward, then the streamed AdamW);
+  * ``compute``: the forward/backward alone, the optimizer skipped (its gradients still go to
+    SSD as they are computed: that is part of the backward);
+  * ``deepspeed``: ``../shared/peers/zero_infinity/zinf_train.py`` with the lean settings
+    (``sub_group_size`` 1e8, buckets 5e7, max live params 1e8), optimizer state on NVMe, when
+    ``/tmp/peer/venv`` exists (``--peer off`` to skip);
+  * ``disk``: ``scripts/bench_io.py`` once per round (2 GiB): the raw O_DIRECT baselines (a
+    deep-queue reader/writer and DeepSpeed's aio) and the engine's own read/write bandwidth.
+
+A step's time is the time between consecutive returns of ``engine.step`` (steady state: the
+first ``--warmup`` steps, which compile, are left out); DeepSpeed's is its own ``step_s``
+(forward, backward, ``engine.step``). Peak RSS is ``getrusage`` ``ru_maxrss`` for every
+contender, as zinf_train.py reports it. The SSD floor is the traffic of one step at the best
+raw speeds the same round measured, one direction at a time:
+``params * (14 B / read GB/s + 14 B / write GB/s)`` (fp32 master+m+v and the 16-bit gradient,
+read and written: 28 B/param). Ratios are medians over rounds with their ranges.
+
+    python scripts/bench_step.py                      # 0.54B Llama shape, 3 rounds (~40 min)
+    python scripts/bench_step.py --shape small --rounds 1 --peer off    # a smoke run (~2 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PEER_PY = Path("/tmp/peer/venv/bin/python")
+ZINF = REPO.parent / "shared" / "peers" / "zero_infinity" / "zinf_train.py"
+
+SHAPES = {
+    # the 0.54B Llama shape of issue 13: 8 x 2048, MLP 5632, vocab 32000 (untied), 16 heads
+    "0.54b": {"layers": 8, "hidden": 2048, "intermediate": 5632, "vocab": 32000, "heads": 16, "kv_heads": 16},
+    "small": {"layers": 4, "hidden": 256, "intermediate": 688, "vocab": 4096, "heads": 4, "kv_heads": 4},
+}
+CONTENDERS = ("overlap", "sequential", "compute", "deepspeed")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.54b")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="steps per jaxascend run (the first --warmup excluded)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--peer", choices=["auto", "off"], default="auto")
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--io-size", default="2GiB", help="bench_io size per round ('0' skips the disk round)")
+    p.add_argument("--work-dir", default="/tmp/jaxascend-bench-step")
+    p.add_argument("--out", default=str(REPO / "docs" / "bench_step.json"))
+    p.add_argument("--set", dest="extra", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="extra override for every jaxascend contender")
+    p.add_argument("--child", choices=["overlap", "sequential", "compute"], help=argparse.SUPPRESS)
+    p.add_argument("--child-dir", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                flags = Path("/proc/cpuinfo").read_text()
+                isa = "AVX-512" if " avx512f" in flags else ("AVX2" if " avx2" in flags else "no AVX2")
+                return f"{line.split(':', 1)[1].strip()} ({isa}, {os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def jaxascend_overrides(shape: dict, args, mode: str, work: Path) -> list[str]:
+    return [
+        "model.arch=llama", f"model.hidden_size={shape['hidden']}", f"model.intermediate_size={shape['intermediate']}",
+        f"model.num_hidden_layers={shape['layers']}", f"model.num_attention_heads={shape['heads']}",
+        f"model.num_key_value_heads={shape['kv_heads']}", f"model.vocab_size={shape['vocab']}",
+        "model.tie_word_embeddings=false", "model.dtype=bfloat16", "model.param_dtype=bfloat16",
+        # dots: matmul outputs are kept, the rest of each layer (and the fetch of its weights) recomputed
+        "model.remat=dots", f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}",
+        "offload.enabled=true", "offload.params=resident", "offload.chunk_bytes=64MiB", "offload.staging_bytes=8MiB", f"offload.overlap={'true' if mode == 'overlap' else 'false'}",
+        f"offload.dir={work / 'offload'}", f"train.out_dir={work}", f"train.steps={args.steps}",
+        *args.extra,
+    ]
+
+
+# ---------------------------------------------------------------- child: one jaxascend contender
+def child_main(args) -> int:
+    """Builds the engine as the trainer does and times ``engine.step`` on random tokens."""
+    import numpy as np
+
+    from jaxascend.config import load_config
+    from jaxascend.hf import build_model_lean
+    from jaxascend.models import count_params
+    from jaxascend.trainer import build_engine, resolve_model_config
+
+    work = Path(args.child_dir)
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"),
+                      jaxascend_overrides(SHAPES[args.shape], args, args.child, work))
+    model_cfg = resolve_model_config(cfg)
+    model = build_model_lean(model_cfg, model_cfg.vocab_size, cfg.train.seed)
+    n_params = count_params(model)
+    engine = build_engine(cfg, model, model_cfg)
+    del model
+    rng = np.random.default_rng(0)
+    records, returns = [], []
+    with engine:
+        for _ in range(args.steps):
+            tokens = rng.integers(0, model_cfg.vocab_size, (1, args.batch, args.seq_len + 1), dtype=np.int32)
+            record = engine.step(tokens, optimizer=args.child != "compute")
+            returns.append(time.perf_counter())
+            records.append(record)
+        engine.finish_update()
+        timeline = engine.last_timeline.to_dict() if engine.last_timeline else None
+        report = engine.report()
+    periods = [b - a for a, b in zip(returns, returns[1:])]
+    result = {"mode": args.child, "params": n_params, "periods": periods[args.warmup - 1:] if args.warmup else periods,
+              "records": records, "timeline": timeline, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "arena_capacity_bytes": report["arena_capacity_bytes"], "io_mode": report.get("io_engine", "")}
+    print("BENCH_STEP_JSON " + json.dumps(result))
+    return 0
+
+
+# ---------------------------------------------------------------- parent
+def run_jaxascend(mode: str, args, round_dir: Path) -> dict:
+    work = round_dir / mode
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--child-dir", str(work),
+           "--shape", args.shape, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--seq-len", str(args.seq_len), "--batch", str(args.batch)]
+    for s in args.extra:
+        cmd += ["--set", s]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    shutil.rmtree(work / "offload", ignore_errors=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_STEP_JSON ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"{mode}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(line[len("BENCH_STEP_JSON "):])
+
+
+def run_deepspeed(args, round_dir: Path) -> dict:
+    shape = SHAPES[args.shape]
+    nvme = round_dir / "zinf_nvme"
+    shutil.rmtree(nvme, ignore_errors=True)
+    cmd = [str(PEER_PY), str(ZINF), "--layers", str(shape["layers"]), "--hidden", str(shape["hidden"]),
+           "--intermediate", str(shape["intermediate"]), "--vocab", str(shape["vocab"]), "--heads", str(shape["heads"]),
+           "--kv-heads", str(shape["kv_heads"]), "--seq", str(args.seq_len), "--batch", str(args.batch),
+           "--steps", str(args.steps), "--dtype", "bf16", "--offload-param", "none", "--nvme-dir", str(nvme),
+           "--sub-group-size", "100000000", "--reduce-bucket-size", "50000000", "--max-live-params", "100000000"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": "/tmp/peer/torch_ext"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+    shutil.rmtree(nvme, ignore_errors=True)
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        raise RuntimeError(f"deepspeed: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}") from None
+    steps = result["step_s"] if isinstance(result.get("step_s"), list) else [result["step_s"]]
+    return {"mode": "deepspeed", "params": result["params"], "periods": steps[args.warmup:] or steps[-1:],
+            "all_steps": steps, "peak_rss_bytes": result["peak_rss_bytes"], "deepspeed": result.get("deepspeed")}
+
+
+def run_disk(args, round_dir: Path) -> dict:
+    """bench_io.py, one round: the raw baselines and the engine, 2 GiB."""
+    out = round_dir / "io"
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_io.py"), "--size", args.io_size, "--rounds", "1",
+           "--dir", str(round_dir), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench_io: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}")
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def disk_speeds(io: dict) -> dict:
+    """The best raw baseline's read and write GB/s, and the engine's, from a bench_io result."""
+    return {"raw_read_gbps": io["best_baseline"]["read_gbps"], "raw_write_gbps": io["best_baseline"]["write_gbps"],
+            "raw_from": io["best_baseline"]["name"], "engine_read_gbps": io["engine"]["read_gbps"],
+            "engine_write_gbps": io["engine"]["write_gbps"]}
+
+
+def median_range(values) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(rounds: list[dict], args) -> dict:
+    def per_round(mode, fn):
+        return [fn(r[mode]) for r in rounds if mode in r]
+
+    step = {m: per_round(m, lambda x: statistics.median(x["periods"])) for m in CONTENDERS}
+    rss = {m: per_round(m, lambda x: x["peak_rss_bytes"]) for m in CONTENDERS}
+    out = {"step_seconds": {m: median_range(v) for m, v in step.items() if v},
+           "peak_rss_bytes": {m: median_range(v) for m, v in rss.items() if v}, "ratios": {}}
+    ratios = out["ratios"]
+    for r in rounds:
+        if "disk" in r and "overlap" in r:
+            d = r["disk"]
+            n = r["overlap"]["params"]
+            r["ssd_floor_seconds"] = n * (14 / (d["raw_read_gbps"] * 1e9) + 14 / (d["raw_write_gbps"] * 1e9))
+    for r in rounds:
+        o = r.get("overlap")
+        if not o:
+            continue
+        ostep = statistics.median(o["periods"])
+        pairs = {"overlap_vs_sequential": "sequential", "overlap_vs_deepspeed": "deepspeed",
+                 "overlap_vs_compute": "compute"}
+        for name, other in pairs.items():
+            if other in r:
+                ratios.setdefault(name, []).append(ostep / statistics.median(r[other]["periods"]))
+        if "deepspeed" in r:
+            ratios.setdefault("overlap_rss_vs_deepspeed", []).append(o["peak_rss_bytes"] / r["deepspeed"]["peak_rss_bytes"])
+        if "compute" in r and "ssd_floor_seconds" in r:
+            bound = max(statistics.median(r["compute"]["periods"]), r["ssd_floor_seconds"])
+            ratios.setdefault("overlap_vs_max_compute_floor", []).append(ostep / bound)
+            if "sequential" in r:
+                ratios.setdefault("sequential_vs_max_compute_floor", []).append(
+                    statistics.median(r["sequential"]["periods"]) / bound)
+        seq = r.get("sequential")
+        if seq and "disk" in r:
+            # The optimizer stream alone (its bytes over its own time, the gradients' flush left
+            # out) against the engine reading and writing the same bytes one direction at a time.
+            gbps = [rec["stream_gbps"] for rec in seq["records"][args.warmup:] if rec.get("stream_gbps")]
+            engine_rw = 2 / (1 / r["disk"]["engine_read_gbps"] + 1 / r["disk"]["engine_write_gbps"])
+            if gbps:
+                ratios.setdefault("stream_vs_engine_rw", []).append(statistics.median(gbps) / engine_rw)
+    out["ratios"] = {k: median_range(v) for k, v in ratios.items()}
+    out["ssd_floor_seconds"] = median_range([r.get("ssd_floor_seconds") for r in rounds])
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    steps = report["summary"]["step_seconds"]
+    names = [m for m in CONTENDERS if m in steps]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    meds = [steps[m]["median"] for m in names]
+    errs = [[steps[m]["median"] - steps[m]["min"] for m in names], [steps[m]["max"] - steps[m]["median"] for m in names]]
+    ax.bar(names, meds, yerr=errs, capsize=4, color=["#4c72b0", "#dd8452", "#55a868", "#c44e52"][:len(names)])
+    floor = report["summary"]["ssd_floor_seconds"]["median"]
+    if floor:
+        ax.axhline(floor, color="black", ls="--", lw=1, label=f"SSD floor {floor:.1f} s")
+        ax.legend()
+    ax.set_ylabel("seconds per step (median, range over rounds)")
+    ax.set_title(f"{report['shape']} Llama, seq {report['seq_len']}, batch {report['batch']}, bf16 — {report['cpu']}",
+                 fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args)
+    contenders = [c for c in args.contenders.split(",") if c]
+    if "deepspeed" in contenders and (args.peer == "off" or not PEER_PY.exists() or not ZINF.exists()):
+        contenders.remove("deepspeed")
+        print("bench_step: DeepSpeed not run (--peer off, or /tmp/peer/venv missing: ../shared/peers/setup_peer.sh)",
+              file=sys.stderr)
+    work = Path(args.work_dir)
+    rounds = []
+    for k in range(args.rounds):
+        round_dir = work / f"round{k}"
+        round_dir.mkdir(parents=True, exist_ok=True)
+        order = contenders[k % len(contenders):] + contenders[:k % len(contenders)]
+        result = {}
+        if args.io_size not in ("0", ""):
+            result["disk"] = disk_speeds(run_disk(args, round_dir))
+            print(f"round {k}: disk {result['disk']}", file=sys.stderr)
+        for mode in order:
+            result[mode] = run_deepspeed(args, round_dir) if mode == "deepspeed" else run_jaxascend(mode, args, round_dir)
+            print(f"round {k}: {mode} step {statistics.median(result[mode]['periods']):.2f} s, peak RSS "
+                  f"{result[mode]['peak_rss_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+        rounds.append(result)
+        shutil.rmtree(round_dir, ignore_errors=True)
+    report = {"shape": args.shape, "seq_len": args.seq_len, "batch": args.batch, "cpu": cpu_model(),
+              "rounds": rounds, "summary": summarize(rounds, args)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    timeline = next((r["overlap"]["timeline"] for r in reversed(rounds) if r.get("overlap", {}).get("timeline")), None)
+    for r in rounds:  # keep the JSON small: one timeline, no per-step records beyond the figures
+        for mode in ("overlap", "sequential", "compute"):
+            if mode in r:
+                r[mode].pop("timeline", None)
+    out.write_text(json.dumps(report, indent=1))
+    plot(report, out.with_suffix(".png"))
+    if timeline is not None:
+        from jaxascend.offload.timeline import write_timeline_png
+        (out.parent / "step_timeline.json").write_text(json.dumps(timeline, indent=1))
+        write_timeline_png(timeline, out.parent / "step_timeline.png",
+                           title=f"one overlapped step, {args.shape} Llama ({report['cpu']})")
+    print(json.dumps(report["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
