@@ -8,7 +8,8 @@
 #      "offload" remat policy (device -> pinned_host activations);
 #   3. a short offloaded training run with the compute params on the GPU;
 #   4. the same run with offload.params: ssd (the parameter source's host callback feeding each
-#      layer to the device) against the resident run: the losses must be equal.
+#      layer to the device) against the resident run: the losses must be equal;
+#   5. offload.overlap on and off, weights resident and streamed: the losses must be equal.
 # Output goes to ${OUT:-/tmp/gpu_verify}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,3 +49,21 @@ rows = [json.loads(l) for l in open("/tmp/gpu_run_ssd/metrics.jsonl")]
 print("losses", [round(r["loss"], 4) for r in rows], "fetches", rows[-1].get("param_source_fetches"),
       "misses", rows[-1].get("param_source_misses"), "wait_s", rows[-1].get("param_source_wait_seconds"))
 PY
+echo "== overlapped step (offload.overlap): the optimizer on a thread beside the next forward; losses must equal the sequential run's"
+for placement in resident ssd; do
+  for ov in false true; do
+    rm -rf /tmp/gpu_run_ov_${placement}_$ov
+    $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=10 --set train.log_every=1 \
+        --set train.out_dir=/tmp/gpu_run_ov_${placement}_$ov --set offload.enabled=true \
+        --set offload.dir=/tmp/gpu_run_ov_${placement}_$ov/offload --set model.dtype=bfloat16 --set train.progress=false \
+        --set model.remat=dots --set offload.params=$placement --set offload.overlap=$ov >"$out/train_ov_${placement}_$ov.txt" 2>&1
+  done
+  $py - "$placement" <<'PY' 2>&1 | tee -a "$out/train_overlap.txt"
+import json, sys
+p = sys.argv[1]
+a = [json.loads(l) for l in open(f"/tmp/gpu_run_ov_{p}_false/metrics.jsonl")]
+b = [json.loads(l) for l in open(f"/tmp/gpu_run_ov_{p}_true/metrics.jsonl")]
+print(p, "losses equal:", [r["loss"] for r in a] == [r["loss"] for r in b], "overlap:", b[-1].get("overlap"),
+      "early arrivals:", b[-1].get("early_gradient_arrivals"), "overlap_fraction:", b[-1].get("overlap_fraction"))
+PY
+done

@@ -339,6 +339,9 @@ class OffloadEngine:
             self.state.step(None, skip=True)  # forgets the gradients; the weights stay as they are
             return
         scalars = self.settings.scalars(self.state.updates_applied, grad_scale)
+        for leaf in self.state.leaves:  # replaced by the update's; the old ones need not outlive it
+            if not leaf.streamed and leaf.index not in self._resident:
+                self._leaves[leaf.index] = None
         if self._source is not None:
             self._source.gate()  # the next forward waits for each layer's update
         self._update = BackgroundUpdate(self.state, scalars, source=self._source, outputs=self._resident,

@@ -195,3 +195,48 @@ def test_sigkill_in_the_middle_of_the_overlap_resumes_bit_identically(tmp_path, 
     _assert_bitwise_equal(_final_state(tmp_path / "straight"), _final_state(out))
     losses = json.loads((out / "summary.json").read_text())["losses"]
     assert losses == json.loads((tmp_path / "straight" / "summary.json").read_text())["losses"]
+
+
+def test_what_runs_without_overlap_says_why(tmp_path, corpus):
+    from jaxascend.offload.engine import overlap_refusal
+
+    base = TINY + [f"data.paths=[{corpus}]", "data.include=['*.txt']", f"train.out_dir={tmp_path}",
+                   "offload.overlap=true"]
+    assert overlap_refusal(load_config("configs/tiny.yaml", base)) is None
+    assert overlap_refusal(load_config("configs/tiny.yaml", base + ["offload.params=ssd"])) is None
+    cases = {"train.grad_accum=2": "train.grad_accum > 1", "offload.fp32_grad_buffer=true": "offload.fp32_grad_buffer",
+             "offload.post_backward_overflow_check=true": "offload.post_backward_overflow_check",
+             "model.remat=none": "model.remat: none"}
+    for override, reason in cases.items():
+        assert overlap_refusal(load_config("configs/tiny.yaml", base + [override])).startswith(reason), override
+
+
+def test_only_xla_compute_threads_are_deprioritized():
+    import ctypes
+
+    from jaxascend.offload.overlap import COMPUTE_NICE, deprioritize_compute_threads
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    named, release, tids = threading.Event(), threading.Event(), {}
+
+    def worker(name):
+        libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME: the OS thread name, as XLA names its pool
+        tids[name] = threading.get_native_id()
+        if len(tids) == 2:
+            named.set()
+        release.wait(10)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("tf_XLAEigen", "other")]
+    for t in threads:
+        t.start()
+    try:
+        assert named.wait(10)
+        before_main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert deprioritize_compute_threads() >= 1
+        assert os.getpriority(os.PRIO_PROCESS, tids["tf_XLAEigen"]) == COMPUTE_NICE
+        assert os.getpriority(os.PRIO_PROCESS, tids["other"]) == before_main
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before_main
+    finally:
+        release.set()
+        for t in threads:
+            t.join()
