@@ -21,6 +21,13 @@
 // memory, served the same way so that the ordering holds for them too) are copied from their
 // buffer, no slot and no read.
 //
+// Handover (region leaves, overlapped): Gate(true) says the optimizer will hand the forward each
+// layer's new weights in memory. The optimizer takes a slot (TryAcquireHandover), fills it as
+// the kernel emits the layer's chunks, and Handover(layer, slot) queues it as if it had been read:
+// the forward's fetch of that layer needs no SSD read and does not wait for the write-back.
+// Without a free slot the optimizer says SkipHandover(layer), and that layer is read from SSD
+// once it is ready (written back). The backward's recomputation always reads from SSD.
+//
 // Layout follows the JAX FFI examples: the typed work in ParamSource::Fetch, the dispatch
 // (ParamSourceDispatch) checks the outputs and turns a failure into an ffi::Error, the handler
 // symbol binds the arguments.
@@ -135,10 +142,76 @@ class ParamSource {
   }
 
   // The optimizer of the previous step is about to update every layer: none is ready.
-  void Gate() {
+  void Gate(bool expect_handover) {
     std::lock_guard<std::mutex> lock(mu_);
     std::fill(ready_.begin(), ready_.end(), 0);
+    const bool handover = expect_handover && !leaves_.empty() && leaves_[0].host == nullptr;
+    handover_.assign(ready_.size(), handover ? kExpected : kNoHandover);
     failed_.clear();
+  }
+
+  // A slot for the optimizer to fill with layer `layer`'s new weights; -1 when none is free
+  // (then the layer is read from SSD: SkipHandover).
+  int32_t TryAcquireHandover(int64_t layer) {
+    CheckLayer(layer, "try_acquire_handover");
+    std::shared_ptr<ShardStore> store = Store();
+    if (!store) throw nb::value_error("ParamSource.try_acquire_handover: the shard store is closed");
+    int32_t slot = -1;
+    if (!store->arena()->Acquire(slot_class_, slot_bytes_, &slot).ok()) return -1;
+    return slot;
+  }
+
+  // Zero-copy views of a handover slot, one per leaf (its layer_bytes).
+  nb::list HandoverViews(int32_t slot) {
+    std::shared_ptr<ShardStore> store = Store();
+    if (!store) throw nb::value_error("ParamSource.handover_views: the shard store is closed");
+    uint8_t* base = store->arena()->slots()[slot].data;
+    nb::list out;
+    for (const Leaf& leaf : leaves_) {
+      // The views keep the arena alive (a capsule owns a reference), so numpy never copies them.
+      nb::capsule owner(new std::shared_ptr<Arena>(store->arena()),
+                        [](void* p) noexcept { delete static_cast<std::shared_ptr<Arena>*>(p); });
+      size_t shape[1] = {static_cast<size_t>(leaf.layer_bytes)};
+      out.append(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(base + leaf.slot_offset, 1, shape, owner));
+    }
+    return out;
+  }
+
+  // The optimizer filled `slot` with layer `layer`: the forward takes it from there.
+  void Handover(int64_t layer, int32_t slot) {
+    CheckLayer(layer, "handover");
+    {
+      nb::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(mu_);
+      auto p = std::make_unique<Pending>();
+      p->layer = static_cast<int32_t>(layer);
+      p->slot = slot;
+      p->handed = true;
+      inflight_.push_back(std::move(p));
+      handover_[layer] = kHanded;
+      ++handovers_;
+      IssueLocked();
+      ready_cv_.notify_all();
+    }
+  }
+
+  // No slot was free: the forward reads layer `layer` from SSD once it is ready.
+  void SkipHandover(int64_t layer) {
+    CheckLayer(layer, "skip_handover");
+    nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(mu_);
+    handover_[layer] = kNoHandover;
+    ++handover_skips_;
+    IssueLocked();
+    ready_cv_.notify_all();
+  }
+
+  void CheckLayer(int64_t layer, const char* what) const {
+    if (layer < 0 || layer >= num_layers()) {
+      throw nb::value_error(("ParamSource." + std::string(what) + ": layer " + std::to_string(layer) +
+                             " is out of range (" + std::to_string(num_layers()) + " layers)")
+                                .c_str());
+    }
   }
 
   // Layer `layer` holds its new weights: serve it (and read it ahead, if it is next in order).
@@ -193,8 +266,9 @@ class ParamSource {
     {
       nb::gil_scoped_release release;
       std::lock_guard<std::mutex> lock(mu_);
-      DrainLocked();
+      DrainLocked(/*keep_handed=*/true);  // a layer the optimizer already handed over stays
       order_ = order;
+      forward_ = std::min(order.size(), static_cast<size_t>(num_layers()));
       next_ = 0;
       depth_ = depth;
       s = IssueLocked();
@@ -252,12 +326,18 @@ class ParamSource {
                std::to_string(leaves_[k].layer_bytes) + " bytes of " + GradDtypeName(leaves_[k].dtype) + " per layer";
       }
     }
-    if (!ready_[layer] && failed_.empty()) {  // the optimizer of the previous step is still on it
+    auto handed = [&] {
+      for (const auto& p : inflight_) {
+        if (p->handed && p->layer == layer) return true;
+      }
+      return false;
+    };
+    if (!ready_[layer] && !handed() && failed_.empty()) {  // the previous step's optimizer is still on it
       const auto start = std::chrono::steady_clock::now();
-      ready_cv_.wait(lock, [&] { return ready_[layer] != 0 || !failed_.empty(); });
+      ready_cv_.wait(lock, [&] { return ready_[layer] != 0 || handed() || !failed_.empty(); });
       optimizer_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     }
-    if (!ready_[layer]) {
+    if (!ready_[layer] && !handed()) {
       return "param_source: layer " + std::to_string(layer) + " never received its new weights: " + failed_;
     }
     ++fetches_;
@@ -284,6 +364,7 @@ class ParamSource {
     }
     std::unique_ptr<Pending> p = std::move(*it);
     inflight_.erase(it);
+    if (p->handed) handover_[layer] = kNoHandover;  // used: a later ask (the backward) reads it
     const auto start = std::chrono::steady_clock::now();
     Status s = p->ticket.Wait();
     wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -291,7 +372,7 @@ class ParamSource {
       const uint8_t* base = store->arena()->slots()[p->slot].data;
       for (size_t k = 0; k < leaves_.size(); ++k) {
         std::memcpy(outs[k], base + leaves_[k].slot_offset, static_cast<size_t>(leaves_[k].layer_bytes));
-        bytes_read_ += leaves_[k].layer_bytes;
+        (p->handed ? bytes_handed_ : bytes_read_) += leaves_[k].layer_bytes;
       }
     }
     store->arena()->Release(p->slot);
@@ -311,6 +392,9 @@ class ParamSource {
     d["wait_seconds"] = wait_seconds_;
     d["optimizer_wait_seconds"] = optimizer_wait_seconds_;
     d["bytes_copied"] = bytes_copied_;
+    d["handovers"] = handovers_;
+    d["bytes_handed"] = bytes_handed_;
+    d["handover_skips"] = handover_skips_;
     return d;
   }
 
@@ -327,6 +411,7 @@ class ParamSource {
   struct Pending {
     int32_t layer = 0;
     int32_t slot = -1;
+    bool handed = false;  // filled by the optimizer, not read
     IoTicket ticket;
   };
 
@@ -341,7 +426,14 @@ class ParamSource {
     if (!leaves_.empty() && leaves_[0].host != nullptr) return Status::Ok();  // nothing to read
     std::shared_ptr<ShardStore> store = Store();
     if (!store) return Status::Closed("the shard store is closed");
-    while (static_cast<int>(inflight_.size()) < depth_ && next_ < order_.size() && ready_[order_[next_]]) {
+    while (next_ < order_.size()) {
+      const int32_t layer = order_[next_];
+      if (next_ < forward_ && !handover_.empty() && handover_[layer] != kNoHandover) {
+        if (handover_[layer] != kHanded) break;  // the optimizer will hand this one over
+        ++next_;  // handed over: already in flight
+        continue;
+      }
+      if (static_cast<int>(inflight_.size()) >= depth_ || !ready_[layer]) break;
       auto p = std::make_unique<Pending>();
       p->layer = order_[next_];
       Status s = store->arena()->Acquire(slot_class_, slot_bytes_, &p->slot);
@@ -359,13 +451,18 @@ class ParamSource {
     return Status::Ok();
   }
 
-  void DrainLocked() {
+  void DrainLocked(bool keep_handed = false) {
     std::shared_ptr<ShardStore> store = store_.lock();
+    std::deque<std::unique_ptr<Pending>> kept;
     for (auto& p : inflight_) {
+      if (keep_handed && p->handed) {
+        kept.push_back(std::move(p));
+        continue;
+      }
       p->ticket.Wait();  // a failed prefetch nobody asked for is moot
       if (store) store->arena()->Release(p->slot);
     }
-    inflight_.clear();
+    inflight_ = std::move(kept);
   }
 
   std::string slot_class_;
@@ -373,10 +470,16 @@ class ParamSource {
   std::mutex mu_;
   std::condition_variable ready_cv_;
   std::vector<uint8_t> ready_;  // per layer: its weights are this step's (see Gate)
+  enum Handover : uint8_t { kNoHandover = 0, kExpected, kHanded };
+  std::vector<uint8_t> handover_;  // per layer, this step's forward
+  int64_t handovers_ = 0;
+  int64_t bytes_handed_ = 0;
+  int64_t handover_skips_ = 0;
   std::string failed_;
   std::vector<Leaf> leaves_;
   int64_t slot_bytes_ = 0;
   std::vector<int32_t> order_;
+  size_t forward_ = 0;  // the first entries of the order: the forward (handed over, when expected)
   size_t next_ = 0;
   int depth_ = 1;
   std::deque<std::unique_ptr<Pending>> inflight_;
@@ -453,7 +556,13 @@ void BindParamSource(nb::module_& m) {
            nb::arg("store_handle"), nb::arg("slot_class"))
       .def("add_host_leaf", &ParamSource::AddHostLeaf, nb::arg("buffer"), nb::arg("layer_bytes"), nb::arg("dtype"),
            "Adds one leaf held in host memory (a flat uint8 view of every layer).")
-      .def("gate", &ParamSource::Gate, "Marks every layer as not yet updated (an optimizer step starts).")
+      .def("gate", &ParamSource::Gate, nb::arg("expect_handover") = false,
+           "Marks every layer as not yet updated (an optimizer step starts); with expect_handover the optimizer "
+           "hands the forward each layer in a slot.")
+      .def("try_acquire_handover", &ParamSource::TryAcquireHandover, nb::arg("layer"))
+      .def("handover_views", &ParamSource::HandoverViews, nb::arg("slot"))
+      .def("handover", &ParamSource::Handover, nb::arg("layer"), nb::arg("slot"))
+      .def("skip_handover", &ParamSource::SkipHandover, nb::arg("layer"))
       .def("mark_ready", &ParamSource::MarkReady, nb::arg("layer"), "Layer `layer` holds its new weights.")
       .def("fail", &ParamSource::Fail, nb::arg("message"), "Fails every fetch waiting for an update.")
       .def("ready", &ParamSource::ready, nb::arg("layer"))

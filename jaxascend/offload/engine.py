@@ -343,7 +343,8 @@ class OffloadEngine:
             if not leaf.streamed and leaf.index not in self._resident:
                 self._leaves[leaf.index] = None
         if self._source is not None:
-            self._source.gate()  # the next forward waits for each layer's update
+            # The next forward waits for each layer's update; streamed weights are handed to it in memory.
+            self._source.gate(handover=self.streams_params)
         self._update = BackgroundUpdate(self.state, scalars, source=self._source, outputs=self._resident,
                                         put=_to_default_device, trace=True).start()
 

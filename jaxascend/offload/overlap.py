@@ -13,7 +13,8 @@ first, then the stack layer by layer. :class:`BackgroundUpdate` runs that update
   (:meth:`~jaxascend.offload.param_source.ParamSource.mark_ready`) once every stacked leaf of it
   holds its new weights: in host memory (resident weights, served by the source from the
   buffers the kernel writes) or written to SSD (streamed weights). The forward's fetch of a
-  layer waits for that.
+  layer waits for that; streamed weights are also handed to the source in a slot as the kernel
+  emits them (no SSD read for the forward, see ``ParamSource.acquire_handover``).
 
 The arithmetic is the non-overlapped step's: same kernel, same scalars, same chunks (the order
 of chunks does not change any value). The gradient sink refuses a gradient for a region the
@@ -128,8 +129,10 @@ class BackgroundUpdate:
 
     def _run(self) -> None:
         try:
+            # Streamed weights go to the next forward in memory (handover) as well as to SSD.
+            handover = self._source if self._source is not None and not self._outputs else None
             self.stats = self._state.apply_update(self._scalars, self._on_leaf, on_layer=self._on_layer,
-                                                  outputs=self._outputs, trace=self.trace)
+                                                  outputs=self._outputs, trace=self.trace, handover=handover)
         except BaseException as err:  # reported by wait_front/join, on the trainer's thread
             self.error = err
             if self._source is not None:

@@ -106,9 +106,27 @@ class ParamSource:
         """Waits for any read still in flight and frees its slot (call once the step is done)."""
         self._native.drain()
 
-    def gate(self) -> None:
-        """An optimizer step is about to update every layer: fetches wait for :meth:`mark_ready`."""
-        self._native.gate()
+    def gate(self, handover: bool = False) -> None:
+        """An optimizer step is about to update every layer: fetches wait for :meth:`mark_ready`
+        (or, with ``handover``, for the layer's :meth:`handover`)."""
+        self._native.gate(bool(handover))
+
+    def acquire_handover(self, layer: int):
+        """``(slot, views)``: an arena slot to fill with layer ``layer``'s new weights (one uint8
+        view per leaf), or None when no slot is free (then :meth:`skip_handover`)."""
+        slot = self._native.try_acquire_handover(int(layer))
+        if slot < 0:
+            return None
+        return slot, list(self._native.handover_views(slot))
+
+    def handover(self, layer: int, slot: int) -> None:
+        """The slot holds layer ``layer``'s new weights: the next forward takes them from there
+        (no SSD read). The views of the slot must not be used after this."""
+        self._native.handover(int(layer), int(slot))
+
+    def skip_handover(self, layer: int) -> None:
+        """Layer ``layer`` is not handed over: the forward reads it from SSD once it is ready."""
+        self._native.skip_handover(int(layer))
 
     def mark_ready(self, layer: int) -> None:
         """Layer ``layer`` holds its new weights (in host memory, or on SSD for region leaves)."""
@@ -130,7 +148,8 @@ class ParamSource:
         """``fetches``, ``misses`` (asks the order did not foresee, read synchronously),
         ``bytes_read``, ``wait_seconds`` (time the step waited for the disk),
         ``optimizer_wait_seconds`` (time it waited for the previous step's optimizer to update
-        a layer) and ``bytes_copied`` (host leaves), since creation."""
+        a layer), ``bytes_copied`` (host leaves), ``handovers`` and ``handover_skips`` (layers the
+        optimizer handed to the forward in memory, or could not for want of a slot), since creation."""
         return dict(self._native.stats())
 
     def close(self) -> None:

@@ -200,6 +200,8 @@ class OffloadedAdamState:
             if self._chunks[i].leaf.stacked:
                 self._layer_done[self._chunks[i].layer] = i
         self._layer_done = {i: layer for layer, i in self._layer_done.items()}
+        # A streamed leaf's place in a parameter-source slot (the source serves them in leaf order).
+        self._source_position = {leaf.index: k for k, leaf in enumerate(self.layout.streamed_leaves)}
         self._init_segments = [[Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes,
                                         read=False, write=True)] for c in self._chunks]
         self._initialized = False
@@ -430,6 +432,9 @@ class OffloadedAdamState:
         received gradients and returns None.
         """
         if skip:
+            # The skipped step's gradient writes land before the next step's can be queued: two
+            # writes of one block in flight at once could land in either order.
+            self.store.flush()
             self._forget_gradients()
             return None
         put = _to_default_device if put is None else put
@@ -445,7 +450,7 @@ class OffloadedAdamState:
     def apply_update(self, hparams, on_leaf: Callable[[LeafLayout, np.ndarray], None],
                      on_layer: Optional[Callable[[int], None]] = None,
                      outputs: Optional[dict[int, np.ndarray]] = None,
-                     trace: Optional[list] = None) -> StepStats:
+                     trace: Optional[list] = None, handover: Optional[ParamSource] = None) -> StepStats:
         """The streamed step with numpy output: ``on_leaf(leaf, params)`` receives each leaf's new
         compute parameters (a fresh host array, leaf shape) as soon as its last chunk is done.
 
@@ -456,6 +461,9 @@ class OffloadedAdamState:
         weights into (the resident weights an overlapped step serves from host memory) instead
         of a fresh one. Gradient receipts are checked and reset at the start; the sink refuses
         an arrival for a region until the kernel has read it (see :meth:`gradient_sink`).
+        ``handover``: the parameter source to hand each layer of streamed weights to in memory as
+        soon as the kernel has emitted it (:meth:`ParamSource.acquire_handover`), before it is on
+        disk; it was gated with ``handover=True``.
         ``trace``: a list to append ``(what, begin, end, leaf index, layer)`` to for every chunk
         (``what``: "io wait", the pipeline handing out the chunk; "kernel", the fused update),
         in ``time.perf_counter`` seconds."""
@@ -477,6 +485,7 @@ class OffloadedAdamState:
         self._broken = "a step failed midway, so some chunks are updated and others are not; restore a checkpoint"
         outputs = outputs or {}
         hosts: dict[int, np.ndarray] = {}  # leaf index -> its new weights, being filled
+        handed: dict[int, Optional[tuple]] = {}  # layer -> (slot, views) being filled for the handover
         try:
             for chunk_ids in self._step_passes:
                 streamed = self._chunks[chunk_ids[0]].leaf.streamed
@@ -507,6 +516,12 @@ class OffloadedAdamState:
                             hosts[leaf.index][ref.flat_start:ref.flat_start + n]
                         fused_adamw_update_numpy(state[:n], state[n:2 * n], state[2 * n:], grad[:n], out, scalars,
                                                  threads=self.kernel_threads)
+                        if handover is not None and streamed:
+                            if ref.layer not in handed:
+                                handed[ref.layer] = handover.acquire_handover(ref.layer)
+                            if handed[ref.layer] is not None:  # the next forward's copy of this layer
+                                view = handed[ref.layer][1][self._source_position[leaf.index]].view(leaf.dtype)
+                                view[ref.start:ref.start + n] = out
                         if trace is not None:
                             asked_next = time.perf_counter()
                             trace.append(("io wait", asked, got, leaf.index, ref.layer))
@@ -518,6 +533,12 @@ class OffloadedAdamState:
                             layer = self._layer_done[index]
                             if streamed:
                                 durable.append((chunk.index, layer))
+                                if handover is not None:
+                                    taken = handed.pop(layer)
+                                    if taken is None:
+                                        handover.skip_handover(layer)
+                                    else:
+                                        handover.handover(layer, taken[0])
                             else:
                                 on_layer(layer)
                         if ref.last_of_leaf and not streamed:
@@ -527,6 +548,9 @@ class OffloadedAdamState:
         finally:
             if sink is not None:
                 sink.release_all()  # after a failure the state is broken anyway; no arrival is refused
+            for taken in handed.values():  # a failure midway: slots filled for a handover never made
+                if taken is not None:
+                    self.store.arena.native.release(taken[0])
         self._broken = None
         seconds = time.perf_counter() - start
         after = self.store.stats()

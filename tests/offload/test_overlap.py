@@ -76,6 +76,10 @@ def test_overlap_is_bit_identical_to_the_sequential_step(tmp_path, corpus, param
     assert records[-1]["param_source_fetches"] == 2 * 3 * len(records)
     updated = [r for r in records[1:] if "optimizer_seconds" in r]  # the previous step's update
     assert all(0.0 <= r["overlap_fraction"] <= 1.0 and r["optimizer_wait_seconds"] >= 0.0 for r in updated)
+    if params == "ssd":  # every layer an update wrote went to the next forward in memory
+        overlapped = sum(1 for r in records if "optimizer_seconds" in r)
+        assert records[-1]["param_source_handovers"] + records[-1]["param_source_handover_skips"] == 3 * overlapped
+        assert records[-1]["param_source_handovers"] > 0
     if case == "float16-overflow-mid":
         assert [r["skipped"] for r in records] == [False, True, False]
         assert [r["skipped"] for r in seq_records] == [False, True, False]
@@ -83,6 +87,19 @@ def test_overlap_is_bit_identical_to_the_sequential_step(tmp_path, corpus, param
         assert len(updated) == len(records) - 1  # every update but the last overlapped a forward
     if case == "bfloat16-clipped":
         assert all(r["grad_norm"] > 0.01 for r in records)  # the clip is active on every step
+
+
+def test_a_layer_without_a_free_slot_is_read_from_ssd_instead(tmp_path, corpus, monkeypatch):
+    extra = ["offload.params=ssd", "model.dtype=bfloat16"]
+    seq, _ = _train(tmp_path / "sequential", corpus, "offload.overlap=false", *extra)
+    taken = ParamSource.acquire_handover
+    monkeypatch.setattr(ParamSource, "acquire_handover", lambda self, layer: None if layer % 2 else taken(self, layer))
+    ovl, records = _train(tmp_path / "overlap", corpus, "offload.overlap=true", *extra)
+    assert ovl.losses == seq.losses
+    _assert_bitwise_equal(_final_checkpoint(tmp_path / "sequential"), _final_checkpoint(tmp_path / "overlap"))
+    assert records[-1]["param_source_handover_skips"] == len(records) - 1  # layer 1 of each overlapped update
+    assert records[-1]["param_source_handovers"] == 2 * (len(records) - 1)
+    assert records[-1]["param_source_misses"] == 0
 
 
 def test_grad_accumulation_runs_without_overlap_and_still_matches(tmp_path, corpus, caplog):
