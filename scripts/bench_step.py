@@ -177,7 +177,7 @@ def run_disk(args, round_dir: Path) -> dict:
     out = round_dir / "io"
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(REPO / "scripts" / "bench_io.py"), "--size", args.io_size, "--rounds", "1",
-           "--dir", str(round_dir), "--out", str(out)]
+           "--iters", "1", "--dir", str(round_dir), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"bench_io: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}")
@@ -185,10 +185,12 @@ def run_disk(args, round_dir: Path) -> dict:
 
 
 def disk_speeds(io: dict) -> dict:
-    """The best raw baseline's read and write GB/s, and the engine's, from a bench_io result."""
-    return {"raw_read_gbps": io["best_baseline"]["read_gbps"], "raw_write_gbps": io["best_baseline"]["write_gbps"],
-            "raw_from": io["best_baseline"]["name"], "engine_read_gbps": io["engine"]["read_gbps"],
-            "engine_write_gbps": io["engine"]["write_gbps"]}
+    """The best baseline's read and (over)write GB/s, and the engine's, from a bench_io result."""
+    c, best = io["contenders"], io["best_baseline"]
+    return {"raw_read_gbps": c[best["read"]]["read"]["median"], "raw_write_gbps": c[best["write"]]["write"]["median"],
+            "raw_from": {"read": best["read"], "write": best["write"]},
+            "engine_read_gbps": c["engine"]["read"]["median"], "engine_write_gbps": c["engine"]["write"]["median"],
+            "engine_update_gbps": c["engine"].get("update", {}).get("median"), "io_engine": io.get("io_engine")}
 
 
 def median_range(values) -> dict:
@@ -233,9 +235,11 @@ def summarize(rounds: list[dict], args) -> dict:
         seq = r.get("sequential")
         if seq and "disk" in r:
             # The optimizer stream alone (its bytes over its own time, the gradients' flush left
-            # out) against the engine reading and writing the same bytes one direction at a time.
+            # out) against bench_io's engine update pass (read + write back of every chunk, as the
+            # optimizer does, bytes read + written over its time).
             gbps = [rec["stream_gbps"] for rec in seq["records"][args.warmup:] if rec.get("stream_gbps")]
-            engine_rw = 2 / (1 / r["disk"]["engine_read_gbps"] + 1 / r["disk"]["engine_write_gbps"])
+            engine_rw = r["disk"]["engine_update_gbps"] or \
+                2 / (1 / r["disk"]["engine_read_gbps"] + 1 / r["disk"]["engine_write_gbps"])
             if gbps:
                 ratios.setdefault("stream_vs_engine_rw", []).append(statistics.median(gbps) / engine_rw)
     out["ratios"] = {k: median_range(v) for k, v in ratios.items()}
