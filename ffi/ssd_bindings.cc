@@ -228,6 +228,8 @@ void BindStore(nb::module_& m) {
       .def_rw("staging_bytes", &StoreOptions::staging_bytes)
       .def_rw("staging_slots", &StoreOptions::staging_slots)
       .def_rw("io_threads", &StoreOptions::io_threads)
+      .def_rw("io_engine", &StoreOptions::io_engine)
+      .def_rw("queue_depth", &StoreOptions::queue_depth)
       .def_rw("direct_io", &StoreOptions::direct_io)
       .def_rw("preallocate", &StoreOptions::preallocate)
       .def_rw("drop_page_cache", &StoreOptions::drop_page_cache);
@@ -252,6 +254,8 @@ void BindStore(nb::module_& m) {
       .def_prop_ro("handle", &ShardStore::handle)
       .def_prop_ro("direct_io", &ShardStore::direct_io)
       .def_prop_ro("io_mode_status", &ShardStore::io_mode_status)
+      .def_prop_ro("io_engine", &ShardStore::io_engine)
+      .def_prop_ro("io_engine_status", &ShardStore::io_engine_status)
       .def_prop_ro("num_regions", &ShardStore::num_regions)
       .def_prop_ro("num_shards", &ShardStore::num_shards)
       .def("shard_path", &ShardStore::shard_path)
