@@ -109,6 +109,9 @@ class OffloadConfig:
     stream_depth: int = 3  # pipeline stages: 1 in use, depth-2 read ahead, 1 written behind
     lock_memory: bool = True  # mlock the arena (warns and continues unlocked if refused)
     pin_memory: bool = True  # cudaHostRegister the arena when a CUDA device is present
+    # Advise the arena into transparent huge pages: a 1 MiB block then leaves as one disk request,
+    # not two (4 KiB pages exceed the 254 segments a virtio request takes; docs/bench_io.md).
+    huge_pages: bool = True
     preallocate: bool = True  # fallocate shard space up front, so a full disk fails early
     kernel_threads: int = 1  # threads of the fused AdamW kernel per chunk (the step is I/O bound)
     # Where the compute-dtype weights of the layer stack live: "resident" (device memory; on a
