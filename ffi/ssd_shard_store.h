@@ -53,7 +53,7 @@ struct StoreOptions {
   int staging_slots = 2;
   int io_threads = 4;
   std::string io_engine = "auto";  // auto | io_uring | threads
-  int queue_depth = 32;            // io_uring: requests in flight
+  int queue_depth = 8;             // io_uring: requests in flight
   bool direct_io = true;
   bool preallocate = true;  // fallocate shard space when a region is added
   // Buffered I/O only: sync + drop each block from the page cache after it is transferred.

@@ -99,7 +99,7 @@ class OffloadConfig:
     # "io_uring" (one ring thread, queue_depth requests in flight), "threads" (io_threads
     # pread/pwrite workers), or "auto": io_uring where the kernel allows it, else threads.
     io_engine: str = "auto"
-    queue_depth: int = 32  # io_uring: requests in flight (8..32 measured within a few %; docs/bench_io.md)
+    queue_depth: int = 8  # io_uring: requests in flight (the measured best; docs/bench_io.md)
     io_threads: int = 8  # the threads engine: pread/pwrite workers = requests in flight
     direct_io: bool = True  # O_DIRECT; falls back to buffered + fadvise where refused
     block_bytes: Any = "1MiB"  # checksum block = I/O request size

@@ -222,7 +222,7 @@ def test_fallback_from_the_environment_fault_spec():
 # ------------------------------------------------------------------------- config
 def test_engine_config_fields_are_validated():
     cfg = OffloadConfig()
-    assert (cfg.io_engine, cfg.queue_depth) == ("auto", 32)
+    assert (cfg.io_engine, cfg.queue_depth) == ("auto", 8)
     with pytest.raises(ConfigError, match=r"offload.io_engine: 'uring' is not one of auto, io_uring, threads"):
         OffloadConfig(io_engine="uring")
     with pytest.raises(ConfigError, match=r"offload.queue_depth: must be >= 1 and <= 256, got 0"):
