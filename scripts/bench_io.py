@@ -9,12 +9,12 @@ shared and noisy, so they alternate rather than run back to back):
     pass onto freshly preallocated shards (``write_fresh``), ``--iters`` overwrite passes
     (``write``), ``--iters`` read passes (``read``) and one update pass (read + write back, as the
     optimizer does; ``update``, bytes read + written);
-  * raw_qd<N>: a deep-queue O_DIRECT baseline without checksums or store: N native threads
-    (``_native.raw_direct_pass``, ffi/ssd_raw_io.cc; a Python thread pool was measured slower)
-    issuing pread/pwrite of ``--raw-request`` bytes, each from its own piece of one buffer of
-    N x request bytes advised into transparent huge pages (the engine's arena gets the same
-    advice), over one file truncated and preallocated like the engine's shards: one fresh write,
-    ``--iters`` overwrites, ``--iters`` reads; one contender per ``--raw-qd`` value;
+  * raw_qd<N>: this script's deep-queue O_DIRECT baseline, no checksums, no store: N Python
+    threads issuing ``os.pwrite``/``os.preadv`` of ``--raw-request`` bytes (the GIL is released
+    in the syscall; it measured as fast as the same loop in C++), each from its own piece of one
+    private buffer of N x request bytes advised into transparent huge pages (the engine's arena
+    gets the same advice), over one file truncated and preallocated like the engine's shards: one
+    fresh write, ``--iters`` overwrites, ``--iters`` reads; one contender per ``--raw-qd`` value;
   * deepspeed_aio: DeepSpeed's ``aio_handle`` (libaio, O_DIRECT) through
     ``/work/shared/peers/bench_ds_aio.py --size <size> --qd 8 --intra 1 --iters <iters>`` run by
     ``--peer-python`` (default ``/tmp/peer/venv/bin/python``) as a subprocess; its JSON gives
@@ -54,12 +54,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from jaxascend import _native
 from jaxascend.config import OffloadConfig, parse_bytes
 from jaxascend.ssd import ArenaPlan, HostArena, Segment, SsdStore
 
@@ -76,7 +76,9 @@ class AlignedBuffer:
     advised into transparent huge pages before it is touched, filled with random bytes."""
 
     def __init__(self, nbytes: int, huge_pages: bool):
-        self._map = mmap.mmap(-1, nbytes + HUGE_PAGE)
+        # Private, not mmap's default shared mapping: shared anonymous memory is shmem, which gets
+        # no transparent huge pages unless shmem_enabled says so.
+        self._map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self.offset = -address % HUGE_PAGE
         if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -89,23 +91,49 @@ class AlignedBuffer:
         self._map.close()
 
 
-def _raw_pass(path: Path, size: int, request: int, qd: int, buf: "AlignedBuffer", write: bool) -> float:
-    """``qd`` native threads move ``size`` bytes of ``path`` in ``request``-byte pieces; GB/s."""
-    array = np.frombuffer(buf.view, np.uint8)
-    return size / _native.raw_direct_pass(str(path), size, request, qd, write, array) / 1e9
+def _raw_pass(fd: int, size: int, request: int, qd: int, buf: AlignedBuffer, write: bool) -> float:
+    """``qd`` threads move ``size`` bytes in ``request``-byte pieces, thread k from the k-th piece
+    of ``buf``; returns GB/s. ``os.pwrite``/``os.preadv`` release the GIL during the syscall."""
+    next_piece = iter(range(0, size, request))
+    lock = threading.Lock()
+    errors = []
+
+    def worker(k: int) -> None:
+        mine = buf.view[k * request:(k + 1) * request]
+        while True:
+            with lock:
+                off = next(next_piece, None)
+            if off is None:
+                return
+            n = min(request, size - off)
+            got = os.pwrite(fd, mine[:n], off) if write else os.preadv(fd, [mine[:n]], off)
+            if got != n:
+                errors.append(f"short raw {'write' if write else 'read'} at {off}: {got} of {n}")
+                return
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(qd)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise OSError(errors[0])
+    return size / seconds / 1e9
 
 
 def raw_deep_queue(path: Path, size: int, request: int, qd: int, iters: int, huge_pages: bool) -> dict:
     """Fresh write, ``iters`` overwrites and ``iters`` reads of one O_DIRECT file at queue depth ``qd``."""
     buf = AlignedBuffer(request * qd, huge_pages)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
         os.posix_fallocate(fd, 0, size)  # like the engine, which preallocates its shards
-        os.close(fd)
-        out = {"write_fresh": _raw_pass(path, size, request, qd, buf, write=True)}
-        out["write"] = statistics.median(_raw_pass(path, size, request, qd, buf, True) for _ in range(iters))
-        out["read"] = statistics.median(_raw_pass(path, size, request, qd, buf, False) for _ in range(iters))
+        out = {"write_fresh": _raw_pass(fd, size, request, qd, buf, write=True)}
+        out["write"] = statistics.median(_raw_pass(fd, size, request, qd, buf, True) for _ in range(iters))
+        out["read"] = statistics.median(_raw_pass(fd, size, request, qd, buf, False) for _ in range(iters))
     finally:
+        os.close(fd)
         buf.close()
         path.unlink()
     return out
