@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -23,6 +24,33 @@ std::string DescribePlan(const std::vector<SlotRequest>& plan) {
     out += (out.empty() ? "" : ", ") + name + ": " + std::to_string(bytes);
   }
   return out;
+}
+
+constexpr int64_t kHugePage = int64_t{2} << 20;
+
+// The kernel's transparent-huge-page mode, e.g. "madvise" from "always [madvise] never".
+std::string ThpMode() {
+  FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+  if (!f) return "unknown";
+  char line[128] = {0};
+  const bool read = std::fgets(line, sizeof line, f) != nullptr;
+  std::fclose(f);
+  const char* open = read ? std::strchr(line, '[') : nullptr;
+  const char* close = open ? std::strchr(open, ']') : nullptr;
+  return close ? std::string(open + 1, close) : std::string("unknown");
+}
+
+// Advises [memory, memory + capacity) into huge pages before anything touches it.
+std::string AdviseHugePages(void* memory, int64_t capacity, bool requested) {
+  if (!requested) return "not requested (offload.huge_pages is false)";
+  if (capacity < kHugePage) return "not used: the arena is smaller than one 2 MiB page";
+  const int64_t span = capacity / kHugePage * kHugePage;
+  if (madvise(memory, static_cast<size_t>(span), MADV_HUGEPAGE) != 0) {
+    return "madvise(MADV_HUGEPAGE) failed: " + DescribeErrno(errno) + "; 4 KiB pages";
+  }
+  const std::string mode = ThpMode();
+  if (mode == "never") return "transparent huge pages are disabled on this machine (never); 4 KiB pages";
+  return "advised " + DescribeBytes(span) + " into 2 MiB pages (transparent_hugepage: " + mode + ")";
 }
 
 Status ValidatePlan(const std::vector<SlotRequest>& plan) {
@@ -57,13 +85,15 @@ Status Arena::Create(const ArenaOptions& options, const std::vector<SlotRequest>
                                   DescribeBytes(capacity) + " (per shape class: " + DescribePlan(plan) + ")");
   }
   void* memory = nullptr;
-  const int rc = posix_memalign(&memory, kIoAlignment, static_cast<size_t>(capacity));
+  const bool huge = options.huge_pages && capacity >= kHugePage;
+  const int rc = posix_memalign(&memory, huge ? kHugePage : kIoAlignment, static_cast<size_t>(capacity));
   if (rc != 0) {
     return Status::ArenaExhausted("arena: cannot allocate " + DescribeBytes(capacity) + ": " + DescribeErrno(rc));
   }
   std::shared_ptr<Arena> arena(new Arena());
   arena->base_ = static_cast<uint8_t*>(memory);
   arena->capacity_ = capacity;
+  arena->huge_page_status_ = AdviseHugePages(memory, capacity, options.huge_pages);
   // Touch every page now, so the arena's footprint is paid at start-up, not in the I/O path.
   std::memset(memory, 0, static_cast<size_t>(capacity));
   arena->LockAndPin(options);

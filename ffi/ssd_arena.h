@@ -1,6 +1,12 @@
-// The host arena: one 4096-aligned allocation made at start-up, locked in RAM and, when a
-// CUDA device is present, registered as pinned memory, from which every staging buffer of
-// the optimizer and the SSD engine is carved.
+// The host arena: one allocation made at start-up (2 MiB-aligned and advised into transparent
+// huge pages when it is that large), locked in RAM and, when a CUDA device is present,
+// registered as pinned memory, from which every staging buffer of the optimizer and the SSD
+// engine is carved.
+//
+// Huge pages, because of the disk: an O_DIRECT request is split wherever its buffer is not
+// physically contiguous, and on 4 KiB pages a 1 MiB block has 256 segments, past the 254 that
+// the measured virtio disk takes per request, so every block went out as two requests. On 2 MiB
+// pages a block is one or two segments and goes out whole (measured: docs/bench_io.md).
 //
 // Plan first, then allocate: Create() takes the whole plan (shape class, bytes, count) and
 // carves every slot at once, at its exact size rounded only to the 4096-byte I/O alignment
@@ -41,6 +47,7 @@ struct ArenaOptions {
   int64_t capacity = 0;     // bytes; rounded up to 4096
   bool lock_memory = true;  // mlock the arena (falls back to unlocked, with a status line)
   bool pin_memory = true;   // cudaHostRegister when a CUDA runtime and device are present
+  bool huge_pages = true;   // madvise(MADV_HUGEPAGE) before the pages are touched
 };
 
 class Arena : public std::enable_shared_from_this<Arena> {
@@ -72,6 +79,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   bool pinned() const { return pinned_; }
   const std::string& lock_status() const { return lock_status_; }
   const std::string& pin_status() const { return pin_status_; }
+  const std::string& huge_page_status() const { return huge_page_status_; }
 
  private:
   Arena() = default;
@@ -84,6 +92,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   bool pinned_ = false;
   std::string lock_status_;
   std::string pin_status_;
+  std::string huge_page_status_;
   std::vector<ArenaSlot> slots_;
 
   mutable std::mutex mu_;  // guards the fields below

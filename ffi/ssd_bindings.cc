@@ -174,14 +174,15 @@ void BindArena(nb::module_& m) {
       .def_static(
           "create",
           [](int64_t capacity, const std::vector<std::tuple<std::string, int64_t, int64_t>>& plan, bool lock_memory,
-             bool pin_memory) {
+             bool pin_memory, bool huge_pages) {
             std::vector<SlotRequest> requests;
             for (const auto& [cls, nbytes, count] : plan) requests.push_back({cls, nbytes, count});
             std::shared_ptr<Arena> arena;
-            Check(Arena::Create({capacity, lock_memory, pin_memory}, requests, &arena));
+            Check(Arena::Create({capacity, lock_memory, pin_memory, huge_pages}, requests, &arena));
             return arena;
           },
-          nb::arg("capacity"), nb::arg("plan"), nb::arg("lock_memory") = true, nb::arg("pin_memory") = true)
+          nb::arg("capacity"), nb::arg("plan"), nb::arg("lock_memory") = true, nb::arg("pin_memory") = true,
+          nb::arg("huge_pages") = true)
       .def_static("plan_bytes",
                   [](const std::vector<std::tuple<std::string, int64_t, int64_t>>& plan) {
                     std::vector<SlotRequest> requests;
@@ -196,6 +197,7 @@ void BindArena(nb::module_& m) {
       .def_prop_ro("pinned", &Arena::pinned)
       .def_prop_ro("lock_status", &Arena::lock_status)
       .def_prop_ro("pin_status", &Arena::pin_status)
+      .def_prop_ro("huge_page_status", &Arena::huge_page_status)
       .def_prop_ro("base_address", [](const Arena& a) { return reinterpret_cast<uintptr_t>(a.base()); })
       .def("slots",
            [](const Arena& a) {
@@ -228,6 +230,8 @@ void BindStore(nb::module_& m) {
       .def_rw("staging_bytes", &StoreOptions::staging_bytes)
       .def_rw("staging_slots", &StoreOptions::staging_slots)
       .def_rw("io_threads", &StoreOptions::io_threads)
+      .def_rw("io_engine", &StoreOptions::io_engine)
+      .def_rw("queue_depth", &StoreOptions::queue_depth)
       .def_rw("direct_io", &StoreOptions::direct_io)
       .def_rw("preallocate", &StoreOptions::preallocate)
       .def_rw("drop_page_cache", &StoreOptions::drop_page_cache);
@@ -252,6 +256,8 @@ void BindStore(nb::module_& m) {
       .def_prop_ro("handle", &ShardStore::handle)
       .def_prop_ro("direct_io", &ShardStore::direct_io)
       .def_prop_ro("io_mode_status", &ShardStore::io_mode_status)
+      .def_prop_ro("io_engine", &ShardStore::io_engine)
+      .def_prop_ro("io_engine_status", &ShardStore::io_engine_status)
       .def_prop_ro("num_regions", &ShardStore::num_regions)
       .def_prop_ro("num_shards", &ShardStore::num_shards)
       .def("shard_path", &ShardStore::shard_path)

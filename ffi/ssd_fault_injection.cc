@@ -29,7 +29,7 @@ int ParseErrno(const std::string& text, bool* short_transfer, bool* ok) {
   static const struct { const char* name; int value; } kNames[] = {
       {"ENOSPC", ENOSPC}, {"EIO", EIO},     {"EINVAL", EINVAL}, {"ENOMEM", ENOMEM},
       {"EPERM", EPERM},   {"EACCES", EACCES}, {"EAGAIN", EAGAIN}, {"EDQUOT", EDQUOT},
-      {"EFBIG", EFBIG},   {"EROFS", EROFS}, {"EOPNOTSUPP", EOPNOTSUPP}};
+      {"EFBIG", EFBIG},   {"EROFS", EROFS}, {"EOPNOTSUPP", EOPNOTSUPP}, {"ENOSYS", ENOSYS}};
   *ok = true;
   *short_transfer = false;
   if (text == "SHORT") {
@@ -55,6 +55,7 @@ const char* FaultOpName(FaultOp op) {
     case FaultOp::kMlock: return "mlock";
     case FaultOp::kOpenDirect: return "open_direct";
     case FaultOp::kFallocate: return "fallocate";
+    case FaultOp::kIoUringSetup: return "io_uring_setup";
     default: return "?";
   }
 }
@@ -104,7 +105,7 @@ Status FaultInjector::ArmFromSpec(const std::string& spec) {
     }
     if (op < 0) {
       return Status::InvalidArgument("fault spec '" + item + "': unknown operation '" + op_name +
-                                     "' (allowed: read, write, mlock, open_direct, fallocate)");
+                                     "' (allowed: read, write, mlock, open_direct, fallocate, io_uring_setup)");
     }
     char* end = nullptr;
     const long long nth = std::strtoll(nth_text.c_str(), &end, 10);

@@ -13,7 +13,7 @@
 
 namespace jaxascend {
 
-enum class FaultOp { kRead = 0, kWrite, kMlock, kOpenDirect, kFallocate, kCount };
+enum class FaultOp { kRead = 0, kWrite, kMlock, kOpenDirect, kFallocate, kIoUringSetup, kCount };
 
 struct Fault {
   int err_no = 0;               // errno the operation reports; 0: no fault
@@ -27,7 +27,7 @@ class FaultInjector {
 
   // Makes the `nth` (1-based) next `op` fail with `err_no`, or transfer short when err_no == 0.
   void Arm(FaultOp op, int64_t nth, int err_no, bool short_transfer);
-  // Parses "op:N:ERR[,op:N:ERR...]" (op: read|write|mlock|open_direct|fallocate;
+  // Parses "op:N:ERR[,op:N:ERR...]" (op: read|write|mlock|open_direct|fallocate|io_uring_setup;
   // ERR: an errno name such as ENOSPC or EIO, a number, or SHORT) and arms each fault.
   Status ArmFromSpec(const std::string& spec);
   void Clear();

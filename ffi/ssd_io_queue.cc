@@ -1,5 +1,9 @@
-// Worker pool and tickets; see ssd_io_queue.h.
+// Tickets, shared accounting and the thread engine; see ssd_io_queue.h.
 #include "ssd_io_queue.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <unistd.h>
 
 #include <algorithm>
 
@@ -29,30 +33,38 @@ bool IoTicket::idle() const {
   return pending_ == 0;
 }
 
-IoQueue::IoQueue(int threads, Executor execute) : execute_(std::move(execute)) {
-  for (int i = 0; i < std::max(1, threads); ++i) workers_.emplace_back([this] { WorkerLoop(); });
-}
-
-IoQueue::~IoQueue() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
+void IoQueue::Begin(const BlockRequest* requests, size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < n; ++i) {
+    const int d = static_cast<int>(requests[i].direction);
+    if (inflight_by_direction_[d]++ == 0) busy_since_[d] = Clock::now();
   }
-  work_cv_.notify_all();
-  for (std::thread& t : workers_) t.join();
+  counters_.inflight += static_cast<int64_t>(n);
+  counters_.max_inflight = std::max(counters_.max_inflight, counters_.inflight);
+  outstanding_ += static_cast<int64_t>(n);
 }
 
-void IoQueue::Submit(const BlockRequest& request) {
+void IoQueue::End(const BlockRequest& request, const Status& status) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     const int d = static_cast<int>(request.direction);
-    if (inflight_by_direction_[d]++ == 0) busy_since_[d] = Clock::now();
-    counters_.inflight += 1;
-    counters_.max_inflight = std::max(counters_.max_inflight, counters_.inflight);
-    outstanding_ += 1;
-    queue_.push_back(request);
+    counters_.requests[d] += 1;
+    if (status.ok()) {
+      counters_.bytes[d] += request.io_bytes;
+    } else {
+      counters_.errors[d] += 1;
+    }
+    if (--inflight_by_direction_[d] == 0) {
+      counters_.busy_seconds[d] += std::chrono::duration<double>(Clock::now() - busy_since_[d]).count();
+    }
+    counters_.inflight -= 1;
   }
-  work_cv_.notify_one();
+  // The counters are updated before the ticket completes, so a waiter that wakes up sees
+  // them current; Drain() waits for `outstanding_`, released only after the ticket is done
+  // with, so a drained caller may destroy its tickets.
+  request.ticket->Complete(status);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--outstanding_ == 0) idle_cv_.notify_all();
 }
 
 void IoQueue::Drain() {
@@ -73,7 +85,62 @@ IoCounters IoQueue::counters() const {
   return out;
 }
 
-void IoQueue::WorkerLoop() {
+Status ExecuteBlockSync(BlockHandler& handler, const BlockRequest& request) {
+  BlockTransfer t;
+  JAXASCEND_RETURN_IF_ERROR(handler.Prepare(request, &t));
+  BlockOutcome outcome;
+  const bool write = request.direction == IoDirection::kWrite;
+  // The kernel may stop short (a signal, a buffered transfer); ask again for the rest until
+  // it moves nothing or fails.
+  while (outcome.bytes < t.want) {
+    const size_t n = static_cast<size_t>(t.want - outcome.bytes);
+    const int64_t off = t.file_offset + outcome.bytes;
+    const ssize_t r = write ? pwrite(t.fd, request.buffer + outcome.bytes, n, off)
+                            : pread(t.fd, request.buffer + outcome.bytes, n, off);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      outcome.err = errno;
+      break;
+    }
+    if (r == 0) break;
+    outcome.bytes += r;
+  }
+  if (write && t.sync_after && outcome.err == 0 && outcome.bytes == request.io_bytes &&
+      sync_file_range(t.fd, t.file_offset, request.io_bytes,
+                      SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER) != 0) {
+    outcome.sync_err = errno;
+  }
+  return handler.Finish(request, t, outcome);
+}
+
+ThreadIoQueue::ThreadIoQueue(int threads, BlockHandler* handler) : handler_(handler) {
+  for (int i = 0; i < std::max(1, threads); ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+ThreadIoQueue::~ThreadIoQueue() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  work_cv_.notify_all();
+  for (std::thread& t : workers_) t.join();
+}
+
+void ThreadIoQueue::Submit(const BlockRequest* requests, size_t n) {
+  Begin(requests, n);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.insert(queue_.end(), requests, requests + n);
+  }
+  if (n == 1) {
+    work_cv_.notify_one();
+  } else {
+    work_cv_.notify_all();
+  }
+}
+
+void ThreadIoQueue::WorkerLoop() {
+  pthread_setname_np(pthread_self(), "ssd-io-thread");  // for top -H / perf; failure is harmless
   for (;;) {
     BlockRequest request;
     {
@@ -83,29 +150,7 @@ void IoQueue::WorkerLoop() {
       request = queue_.front();
       queue_.pop_front();
     }
-    const Status status = execute_(request);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      const int d = static_cast<int>(request.direction);
-      counters_.requests[d] += 1;
-      if (status.ok()) {
-        counters_.bytes[d] += request.io_bytes;
-      } else {
-        counters_.errors[d] += 1;
-      }
-      if (--inflight_by_direction_[d] == 0) {
-        counters_.busy_seconds[d] += std::chrono::duration<double>(Clock::now() - busy_since_[d]).count();
-      }
-      counters_.inflight -= 1;
-    }
-    // The counters are updated before the ticket completes, so a waiter that wakes up sees
-    // them current; Drain() waits for `outstanding_`, released only after the ticket is done
-    // with, so a drained caller may destroy its tickets.
-    request.ticket->Complete(status);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--outstanding_ == 0) idle_cv_.notify_all();
-    }
+    End(request, ExecuteBlockSync(*handler_, request));
   }
 }
 

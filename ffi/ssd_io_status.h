@@ -68,6 +68,7 @@ inline std::string DescribeErrno(int err_no) {
     case ENOENT: name = "ENOENT"; break;
     case EOPNOTSUPP: name = "EOPNOTSUPP"; break;
     case EINTR: name = "EINTR"; break;
+    case ENOSYS: name = "ENOSYS"; break;
     default: break;
   }
   std::string out = name ? name : ("errno " + std::to_string(err_no));

@@ -13,6 +13,7 @@
 
 #include "ssd_crc32c.h"
 #include "ssd_fault_injection.h"
+#include "ssd_io_uring.h"
 
 namespace jaxascend {
 namespace {
@@ -43,8 +44,17 @@ Status ValidateOptions(const StoreOptions& o) {
                "), got " + std::to_string(o.staging_bytes));
   }
   if (o.staging_slots < 1) return bad("staging_slots must be >= 1, got " + std::to_string(o.staging_slots));
+  if (o.block_bytes > (int64_t{1} << 30)) {
+    return bad("block_bytes must be <= 1 GiB (one request), got " + std::to_string(o.block_bytes));
+  }
   if (o.io_threads < 1 || o.io_threads > 64) {
     return bad("io_threads must be in [1, 64], got " + std::to_string(o.io_threads));
+  }
+  if (o.io_engine != "auto" && o.io_engine != "io_uring" && o.io_engine != "threads") {
+    return bad("io_engine must be auto, io_uring or threads, got '" + o.io_engine + "'");
+  }
+  if (o.queue_depth < 1 || o.queue_depth > 256) {
+    return bad("queue_depth must be in [1, 256], got " + std::to_string(o.queue_depth));
   }
   return Status::Ok();
 }
@@ -66,22 +76,6 @@ Status MakeDirs(const std::string& dir) {
     return Status::Io(ENOTDIR, "offload directory " + dir + " is not a directory");
   }
   return Status::Ok();
-}
-
-ssize_t PreadFull(int fd, uint8_t* buf, int64_t n, int64_t off) {
-  ssize_t r;
-  do {
-    r = pread(fd, buf, static_cast<size_t>(n), off);
-  } while (r < 0 && errno == EINTR);
-  return r;
-}
-
-ssize_t PwriteFull(int fd, const uint8_t* buf, int64_t n, int64_t off) {
-  ssize_t r;
-  do {
-    r = pwrite(fd, buf, static_cast<size_t>(n), off);
-  } while (r < 0 && errno == EINTR);
-  return r;
 }
 
 std::string Hex32(uint32_t v) {
@@ -136,9 +130,7 @@ Status ShardStore::Open(const StoreOptions& options, std::shared_ptr<Arena> aren
     staging->capacity = store->arena_->slots()[slot_id].capacity;
     store->staging_.push_back(std::move(staging));
   }
-  ShardStore* raw = store.get();
-  store->queue_ = std::make_unique<IoQueue>(options.io_threads,
-                                            [raw](const BlockRequest& r) { return raw->ExecuteBlock(r); });
+  JAXASCEND_RETURN_IF_ERROR(store->StartEngine());
   {
     StoreTable& t = Table();
     std::lock_guard<std::mutex> lock(t.mu);
@@ -146,6 +138,25 @@ Status ShardStore::Open(const StoreOptions& options, std::shared_ptr<Arena> aren
     t.stores[store->handle_] = store;
   }
   *out = std::move(store);
+  return Status::Ok();
+}
+
+Status ShardStore::StartEngine() {
+  BlockHandler* handler = this;
+  const std::string threads = "threads, " + std::to_string(options_.io_threads) + " pread/pwrite workers";
+  if (options_.io_engine == "threads") {
+    queue_ = std::make_unique<ThreadIoQueue>(options_.io_threads, handler);
+    io_engine_status_ = threads + " (offload.io_engine is threads)";
+  } else {
+    const Status s = UringIoQueue::Create(options_.queue_depth, handler, &queue_);
+    if (s.ok()) {
+      io_engine_status_ = "io_uring, queue depth " + std::to_string(options_.queue_depth);
+    } else {
+      queue_ = std::make_unique<ThreadIoQueue>(options_.io_threads, handler);
+      io_engine_status_ = threads + " (offload.io_engine is " + options_.io_engine + ", but " + s.message() + ")";
+    }
+  }
+  io_engine_ = queue_->engine();
   return Status::Ok();
 }
 
@@ -380,93 +391,100 @@ Status ShardStore::Submit(IoDirection direction, int32_t id, int64_t offset, int
   const int64_t first = offset / block;
   const int64_t last = (offset + nbytes + block - 1) / block;
   ticket->AddPending(last - first);
-  for (int64_t b = first; b < last; ++b) {
-    BlockRequest req;
-    req.direction = direction;
-    req.region = r;
-    req.block = b;
-    req.buffer = buffer + (b - first) * block;
-    req.io_bytes = RoundUpToAlignment(std::min(block, r->nbytes - b * block));
-    req.ticket = ticket;
-    queue_->Submit(req);
+  // Handed over in batches: one wake-up of the engine per batch, not per block.
+  constexpr int64_t kBatch = 64;
+  BlockRequest batch[kBatch];
+  for (int64_t b = first; b < last;) {
+    int64_t n = 0;
+    for (; n < kBatch && b < last; ++n, ++b) {
+      BlockRequest& req = batch[n];
+      req.direction = direction;
+      req.region = r;
+      req.block = b;
+      req.buffer = buffer + (b - first) * block;
+      req.io_bytes = RoundUpToAlignment(std::min(block, r->nbytes - b * block));
+      req.ticket = ticket;
+    }
+    queue_->Submit(batch, static_cast<size_t>(n));
   }
   return Status::Ok();
 }
 
-Status ShardStore::ExecuteBlock(const BlockRequest& req) {
-  StoreRegion& r = *req.region;
-  const int64_t block = options_.block_bytes;
-  const int64_t region_offset = req.block * block;
-  const int64_t logical = std::min(block, r.nbytes - region_offset);
-  const int64_t io = req.io_bytes;
+const ShardFile& ShardStore::Locate(const BlockRequest& req, int64_t* file_offset) const {
+  const StoreRegion& r = *req.region;
+  const int64_t region_offset = req.block * options_.block_bytes;
   const StoreExtent* e = &r.extents.front();
   for (const StoreExtent& x : r.extents) {
     if (x.region_offset <= region_offset) e = &x;
   }
-  const ShardFile& f = *e->file;
-  const int64_t file_offset = e->file_offset + (region_offset - e->region_offset);
-  // Built only on the error paths: the success path allocates nothing.
-  auto where = [&] {
-    return f.path + " at byte offset " + std::to_string(file_offset) + " (region '" + r.name + "', block " +
-           std::to_string(req.block) + ")";
-  };
+  *file_offset = e->file_offset + (region_offset - e->region_offset);
+  return *e->file;
+}
 
-  if (req.direction == IoDirection::kWrite) {
+// Built only on the error paths: the success path allocates nothing.
+std::string ShardStore::Where(const BlockRequest& req) const {
+  int64_t file_offset = 0;
+  const ShardFile& f = Locate(req, &file_offset);
+  return f.path + " at byte offset " + std::to_string(file_offset) + " (region '" + req.region->name + "', block " +
+         std::to_string(req.block) + ")";
+}
+
+Status ShardStore::Prepare(const BlockRequest& req, BlockTransfer* t) {
+  StoreRegion& r = *req.region;
+  const int64_t logical = std::min(options_.block_bytes, r.nbytes - req.block * options_.block_bytes);
+  const int64_t io = req.io_bytes;
+  t->fd = Locate(req, &t->file_offset).fd;
+  const bool write = req.direction == IoDirection::kWrite;
+  if (write) {
     // Zero the alignment padding past the region's end, so the file holds no stale bytes.
     if (io > logical) std::memset(req.buffer + logical, 0, static_cast<size_t>(io - logical));
-    const uint32_t crc = Crc32c(req.buffer, static_cast<size_t>(logical));
-    const Fault fault = FaultInjector::Global().Check(FaultOp::kWrite);
-    if (fault.err_no != 0) {
-      return Status::Io(fault.err_no, "write of " + std::to_string(io) + " bytes failed: " +
-                                          DescribeErrno(fault.err_no) + ", writing " + where());
-    }
-    const int64_t want = fault.short_transfer ? io / 2 / kIoAlignment * kIoAlignment : io;
-    const ssize_t n = want > 0 ? PwriteFull(f.fd, req.buffer, want, file_offset) : 0;
-    if (n < 0) {
-      const int err = errno;
-      return Status::Io(err, "write of " + std::to_string(io) + " bytes failed: " + DescribeErrno(err) +
-                                 ", writing " + where());
-    }
-    if (n < io) {
-      return Status::Io(EIO, "short write: wrote " + std::to_string(n) + " of " + std::to_string(io) +
-                                 " bytes to " + where());
-    }
-    if (!direct_io_ && options_.drop_page_cache) {
-      // Buffered fallback: push this block to disk, then drop it from the page cache, so
-      // host memory does not grow with the model. Write-back errors surface here. (Without
-      // drop_page_cache the block stays cached and dirty, as with ZeRO-Infinity's buffered I/O.)
-      if (sync_file_range(f.fd, file_offset, io,
-                          SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER) != 0) {
-        const int err = errno;
-        return Status::Io(err, "sync_file_range failed: " + DescribeErrno(err) + ", writing " + where());
-      }
-      posix_fadvise(f.fd, file_offset, io, POSIX_FADV_DONTNEED);  // advisory: failure only costs cache
-    }
-    r.crcs[req.block].store(crc, std::memory_order_release);
+    t->crc = Crc32c(req.buffer, static_cast<size_t>(logical));
+    // Buffered fallback: push each block to disk, then drop it from the page cache, so host
+    // memory does not grow with the model. (Without drop_page_cache the block stays cached and
+    // dirty, as with ZeRO-Infinity's buffered I/O.)
+    t->sync_after = !direct_io_ && options_.drop_page_cache;
+  }
+  const Fault fault = FaultInjector::Global().Check(write ? FaultOp::kWrite : FaultOp::kRead);
+  if (fault.err_no != 0) {
+    return Status::Io(fault.err_no, std::string(write ? "write" : "read") + " of " + std::to_string(io) +
+                                        " bytes failed: " + DescribeErrno(fault.err_no) +
+                                        (write ? ", writing " : ", reading ") + Where(req));
+  }
+  t->want = fault.short_transfer ? io / 2 / kIoAlignment * kIoAlignment : io;
+  return Status::Ok();
+}
+
+Status ShardStore::Finish(const BlockRequest& req, const BlockTransfer& t, const BlockOutcome& outcome) {
+  StoreRegion& r = *req.region;
+  const int64_t logical = std::min(options_.block_bytes, r.nbytes - req.block * options_.block_bytes);
+  const int64_t io = req.io_bytes;
+  const bool write = req.direction == IoDirection::kWrite;
+  if (outcome.err != 0) {
+    return Status::Io(outcome.err, std::string(write ? "write" : "read") + " of " + std::to_string(io) +
+                                       " bytes failed: " + DescribeErrno(outcome.err) +
+                                       (write ? ", writing " : ", reading ") + Where(req));
+  }
+  if (outcome.bytes < io) {
+    return Status::Io(EIO, write ? "short write: wrote " + std::to_string(outcome.bytes) + " of " + std::to_string(io) +
+                                       " bytes to " + Where(req)
+                                 : "short read: got " + std::to_string(outcome.bytes) + " of " + std::to_string(io) +
+                                       " bytes from " + Where(req));
+  }
+  if (outcome.sync_err != 0) {
+    return Status::Io(outcome.sync_err,
+                      "sync_file_range failed: " + DescribeErrno(outcome.sync_err) + ", writing " + Where(req));
+  }
+  if (!direct_io_ && options_.drop_page_cache) {
+    posix_fadvise(t.fd, t.file_offset, io, POSIX_FADV_DONTNEED);  // advisory: failure only costs cache
+  }
+  if (write) {
+    r.crcs[req.block].store(t.crc, std::memory_order_release);
     return Status::Ok();
   }
-
-  const Fault fault = FaultInjector::Global().Check(FaultOp::kRead);
-  if (fault.err_no != 0) {
-    return Status::Io(fault.err_no, "read of " + std::to_string(io) + " bytes failed: " +
-                                        DescribeErrno(fault.err_no) + ", reading " + where());
-  }
-  const int64_t want = fault.short_transfer ? io / 2 / kIoAlignment * kIoAlignment : io;
-  const ssize_t n = want > 0 ? PreadFull(f.fd, req.buffer, want, file_offset) : 0;
-  if (n < 0) {
-    const int err = errno;
-    return Status::Io(err, "read of " + std::to_string(io) + " bytes failed: " + DescribeErrno(err) + ", reading " +
-                               where());
-  }
-  if (n < io) {
-    return Status::Io(EIO, "short read: got " + std::to_string(n) + " of " + std::to_string(io) + " bytes from " +
-                               where());
-  }
-  if (!direct_io_ && options_.drop_page_cache) posix_fadvise(f.fd, file_offset, io, POSIX_FADV_DONTNEED);  // advisory
   const uint32_t crc = Crc32c(req.buffer, static_cast<size_t>(logical));
   const uint32_t expected = r.crcs[req.block].load(std::memory_order_acquire);
   if (crc != expected) {
-    return Status::Checksum("crc32c mismatch in " + where() + ", " + std::to_string(logical) + " bytes: stored " +
+    return Status::Checksum("crc32c mismatch in " + Where(req) + ", " + std::to_string(logical) + " bytes: stored " +
                             Hex32(expected) + ", read back " + Hex32(crc));
   }
   return Status::Ok();

@@ -1,6 +1,6 @@
 // The SSD shard store: named regions (one per optimizer-state tensor or gradient) laid out in
-// shard files under one locked directory, read and written with O_DIRECT by a worker pool,
-// with a crc32c per block verified on every read.
+// shard files under one locked directory, read and written with O_DIRECT through io_uring (or
+// a pread/pwrite worker pool), with a crc32c per block verified on every read.
 //
 // Layout. Regions are placed one after another in shard-00000.bin, shard-00001.bin, ... (each
 // at most shard_bytes), at 4096-aligned offsets; a region larger than the space left in a shard
@@ -11,9 +11,14 @@
 // checksums live in memory) and grown with fallocate when regions are added, so a fresh
 // region reads back as zeros and a full disk shows up when regions are added.
 //
-// Integrity. Each block's crc32c is computed by the worker before pwrite and recorded only
+// Integrity. Each block's crc32c is computed just before its write is issued and recorded only
 // after the write succeeded; reads recompute and compare. A failed write leaves the earlier
 // checksum in place, so earlier data stays readable and a torn block is detected, not used.
+//
+// Engines. io_engine "io_uring" (ssd_io_uring.h) keeps queue_depth requests in flight from one
+// ring thread; "threads" (ssd_io_queue.h) runs io_threads pread/pwrite workers; "auto" is
+// io_uring where the kernel allows it. Where io_uring is refused (ENOSYS, EPERM in a container,
+// an old kernel) the store uses the threads and says why in io_engine_status(), once.
 //
 // I/O modes. O_DIRECT unless the filesystem refuses it (EINVAL, e.g. tmpfs) or the caller
 // turns it off; then buffered I/O with sync_file_range + posix_fadvise(DONTNEED) per block, so
@@ -47,6 +52,8 @@ struct StoreOptions {
   int64_t staging_bytes = int64_t{8} << 20;  // each arena staging slot (multiple of block_bytes)
   int staging_slots = 2;
   int io_threads = 4;
+  std::string io_engine = "auto";  // auto | io_uring | threads
+  int queue_depth = 8;             // io_uring: requests in flight
   bool direct_io = true;
   bool preallocate = true;  // fallocate shard space when a region is added
   // Buffered I/O only: sync + drop each block from the page cache after it is transferred.
@@ -77,11 +84,11 @@ struct StoreRegion {
   std::unique_ptr<std::atomic<uint32_t>[]> crcs;  // one per block, of the last successful write
 };
 
-class ShardStore {
+class ShardStore : private BlockHandler {
  public:
   static Status Open(const StoreOptions& options, std::shared_ptr<Arena> arena,
                      std::shared_ptr<ShardStore>* out);
-  ~ShardStore();
+  ~ShardStore() override;
   ShardStore(const ShardStore&) = delete;
   ShardStore& operator=(const ShardStore&) = delete;
 
@@ -92,6 +99,10 @@ class ShardStore {
   int64_t handle() const { return handle_; }
   bool direct_io() const { return direct_io_; }
   const std::string& io_mode_status() const { return io_mode_status_; }
+  const std::string& io_engine() const { return io_engine_; }  // "io_uring" or "threads"
+  // What runs the I/O and why, e.g. "io_uring, queue depth 8", or the thread pool with the
+  // reason io_uring was refused.
+  const std::string& io_engine_status() const { return io_engine_status_; }
   const StoreOptions& options() const { return options_; }
   const std::shared_ptr<Arena>& arena() const { return arena_; }
 
@@ -128,7 +139,12 @@ class ShardStore {
   Status GrowShard(ShardFile& shard, int64_t new_size, const std::string& region_name);
   Status Submit(IoDirection direction, int32_t id, int64_t offset, int64_t nbytes, uint8_t* buffer,
                 int64_t capacity, IoTicket* ticket);
-  Status ExecuteBlock(const BlockRequest& request);
+  Status StartEngine();
+  // BlockHandler: what one request transfers, and what its outcome means.
+  Status Prepare(const BlockRequest& request, BlockTransfer* transfer) override;
+  Status Finish(const BlockRequest& request, const BlockTransfer& transfer, const BlockOutcome& outcome) override;
+  const ShardFile& Locate(const BlockRequest& request, int64_t* file_offset) const;
+  std::string Where(const BlockRequest& request) const;
   Status WaitStaging();  // waits every staging slot; first error; caller holds staging_mu_
 
   StoreOptions options_;
@@ -137,6 +153,8 @@ class ShardStore {
   std::atomic<bool> closed_{false};
   bool direct_io_ = true;
   std::string io_mode_status_;
+  std::string io_engine_;
+  std::string io_engine_status_;
   int lock_fd_ = -1;
   std::string lock_path_;
 

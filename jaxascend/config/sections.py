@@ -79,6 +79,7 @@ class OptimizerConfig:
 
 
 PARAM_PLACEMENTS = ("auto", "resident", "ssd")
+IO_ENGINES = ("auto", "io_uring", "threads")
 
 
 @dataclass
@@ -95,7 +96,11 @@ class OffloadConfig:
     arena_bytes: Optional[Any] = None  # e.g. "2GiB"; None: exactly what the arena plan needs
     host_memory_budget: Optional[Any] = None  # e.g. "16GiB"; the arena must fit in it
     chunk_bytes: Any = "64MiB"  # streaming granularity of the optimizer step
-    io_threads: int = 8  # pread/pwrite workers = requests in flight
+    # "io_uring" (one ring thread, queue_depth requests in flight), "threads" (io_threads
+    # pread/pwrite workers), or "auto": io_uring where the kernel allows it, else threads.
+    io_engine: str = "auto"
+    queue_depth: int = 8  # io_uring: requests in flight (the measured best; docs/bench_io.md)
+    io_threads: int = 8  # the threads engine: pread/pwrite workers = requests in flight
     direct_io: bool = True  # O_DIRECT; falls back to buffered + fadvise where refused
     block_bytes: Any = "1MiB"  # checksum block = I/O request size
     shard_bytes: Any = "1GiB"  # largest shard file
@@ -104,6 +109,9 @@ class OffloadConfig:
     stream_depth: int = 3  # pipeline stages: 1 in use, depth-2 read ahead, 1 written behind
     lock_memory: bool = True  # mlock the arena (warns and continues unlocked if refused)
     pin_memory: bool = True  # cudaHostRegister the arena when a CUDA device is present
+    # Advise the arena into transparent huge pages: a 1 MiB block then leaves as one disk request,
+    # not two (4 KiB pages exceed the 254 segments a virtio request takes; docs/bench_io.md).
+    huge_pages: bool = True
     preallocate: bool = True  # fallocate shard space up front, so a full disk fails early
     kernel_threads: int = 1  # threads of the fused AdamW kernel per chunk (the step is I/O bound)
     # Where the compute-dtype weights of the layer stack live: "resident" (device memory; on a
@@ -137,6 +145,9 @@ class OffloadConfig:
         if self.host_memory_budget is not None:
             self.host_memory_budget = parse_bytes(self.host_memory_budget, "offload.host_memory_budget")
             _check_range("offload.host_memory_budget", self.host_memory_budget, lo=4096)
+        if self.io_engine not in IO_ENGINES:
+            raise ConfigError(f"offload.io_engine: {self.io_engine!r} is not one of {', '.join(IO_ENGINES)}")
+        _check_range("offload.queue_depth", self.queue_depth, lo=1, hi=256)
         _check_range("offload.io_threads", self.io_threads, lo=1, hi=64)
         _check_range("offload.staging_slots", self.staging_slots, lo=1, hi=64)
         _check_range("offload.stream_depth", self.stream_depth, lo=2, hi=64)
@@ -145,7 +156,7 @@ class OffloadConfig:
             raise ConfigError(f"offload.params: {self.params!r} is not one of {', '.join(PARAM_PLACEMENTS)}")
         _check_range("offload.param_prefetch", self.param_prefetch, lo=1, hi=64)
         self.block_bytes = parse_bytes(self.block_bytes, "offload.block_bytes")
-        _check_range("offload.block_bytes", self.block_bytes, lo=4096)
+        _check_range("offload.block_bytes", self.block_bytes, lo=4096, hi=1 << 30)
         if self.block_bytes % 4096:
             raise ConfigError(f"offload.block_bytes: must be a multiple of 4096, got {self.block_bytes}")
         for name in ("chunk_bytes", "shard_bytes", "staging_bytes"):

@@ -1,8 +1,10 @@
 """The host arena: one pinned, preallocated allocation from which every staging buffer is carved.
 
 Host memory for the optimizer step and the SSD engine stays fixed however large the model:
-the whole arena is allocated once (4096-aligned, ``mlock``'ed, and registered with the CUDA
-runtime as pinned memory when a CUDA device is present), every buffer is carved from it at
+the whole arena is allocated once (4096-aligned, or 2 MiB-aligned and advised into transparent
+huge pages with ``offload.huge_pages`` so that an ``O_DIRECT`` block leaves as one disk request;
+``mlock``'ed, and registered with the CUDA runtime as pinned memory when a CUDA device is
+present), every buffer is carved from it at
 start-up at its exact size (rounded only to the 4096-byte I/O alignment), and the buffers are
 reused every step. Plan first, then allocate::
 
@@ -162,12 +164,13 @@ class HostArena:
         capacity = resolve_capacity(plan, cfg)
         self._native = _native.Arena.create(
             capacity, [(r.shape_class, int(r.nbytes), int(r.count)) for r in plan.requests],
-            lock_memory=cfg.lock_memory, pin_memory=cfg.pin_memory)
+            lock_memory=cfg.lock_memory, pin_memory=cfg.pin_memory, huge_pages=cfg.huge_pages)
         self._slots = [Slot(*row) for row in self._native.slots()]
         if cfg.lock_memory and not self._native.locked:
             log.warning("host arena: %s", self._native.lock_status)
-        log.info("host arena: %s carved into %d slots; lock: %s; pin: %s", format_bytes(capacity),
-                 len(self._slots), self._native.lock_status, self._native.pin_status)
+        log.info("host arena: %s carved into %d slots; lock: %s; pin: %s; huge pages: %s", format_bytes(capacity),
+                 len(self._slots), self._native.lock_status, self._native.pin_status,
+                 self._native.huge_page_status)
 
     # ------------------------------------------------------------------ reporting
     @property
@@ -211,6 +214,11 @@ class HostArena:
     @property
     def pin_status(self) -> str:
         return self.native.pin_status
+
+    @property
+    def huge_page_status(self) -> str:
+        """Whether the arena was advised into 2 MiB transparent huge pages (fewer, larger disk requests)."""
+        return self.native.huge_page_status
 
     def stats(self) -> dict:
         return {

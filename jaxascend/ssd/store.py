@@ -1,10 +1,11 @@
 """The SSD engine's owner class: optimizer state and gradients in checksummed shard files.
 
 Each parameter tensor's state (fp32 master, m, v) and gradient live as named *regions* in shard
-files under ``offload.dir``, read and written with ``O_DIRECT`` by a pool of ``io_threads``
-pread/pwrite workers (several requests in flight), a crc32c per ``block_bytes`` block verified
-on every read. The directory is locked while the store is open; closing flushes and unlocks;
-nothing is ever deleted. Where the filesystem refuses ``O_DIRECT`` (tmpfs) the store falls back
+files under ``offload.dir``, read and written with ``O_DIRECT`` through io_uring (``queue_depth``
+requests in flight; ``offload.io_engine``) or a pool of ``io_threads`` pread/pwrite workers where
+io_uring is refused (logged once; :attr:`SsdStore.io_engine` says which runs), a crc32c per
+``block_bytes`` block verified on every read. The directory is locked while the store is open;
+closing flushes and unlocks; nothing is ever deleted. Where the filesystem refuses ``O_DIRECT`` (tmpfs) the store falls back
 to buffered I/O with ``posix_fadvise(DONTNEED)`` and logs one warning (``offload.drop_page_cache:
 false`` keeps the pages cached instead: ZeRO-Infinity's page-cache I/O, an ablation baseline).
 Layout and rules are in ``ffi/ssd_shard_store.h``; streaming (read-ahead + write-behind through
@@ -84,7 +85,8 @@ class Segment:
 def inject_fault(spec: str) -> None:
     """Arms faults, e.g. ``"write:3:ENOSPC"`` (the 3rd block write from now fails with ENOSPC),
     ``"read:1:EIO"``, ``"write:2:SHORT"``, ``"mlock:1:ENOMEM"``, ``"open_direct:1:EINVAL"``,
-    ``"fallocate:1:ENOSPC"``; several separated by commas. Each fires once."""
+    ``"fallocate:1:ENOSPC"``, ``"io_uring_setup:1:EPERM"`` (the next store falls back to the thread
+    engine); several separated by commas. Each fires once."""
     _native.arm_fault(spec)
 
 
@@ -126,6 +128,8 @@ class SsdStore:
         options.staging_bytes = cfg.staging_bytes
         options.staging_slots = cfg.staging_slots
         options.io_threads = cfg.io_threads
+        options.io_engine = cfg.io_engine
+        options.queue_depth = cfg.queue_depth
         options.direct_io = cfg.direct_io
         options.preallocate = cfg.preallocate
         options.drop_page_cache = cfg.drop_page_cache
@@ -135,6 +139,9 @@ class SsdStore:
             log.warning("ssd store: %s", self._native.io_mode_status)
         elif not cfg.direct_io:
             log.info("ssd store: %s", self._native.io_mode_status)
+        if cfg.io_engine != "threads" and self.io_engine != "io_uring":
+            # The one report of the fallback: a warning when io_uring was asked for by name.
+            (log.warning if cfg.io_engine == "io_uring" else log.info)("ssd store: %s", self.io_engine_status)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -155,6 +162,17 @@ class SsdStore:
     @property
     def io_mode_status(self) -> str:
         return self._native.io_mode_status
+
+    @property
+    def io_engine(self) -> str:
+        """The engine that runs the I/O: ``"io_uring"`` or ``"threads"``."""
+        return self._native.io_engine
+
+    @property
+    def io_engine_status(self) -> str:
+        """How the I/O runs and why, e.g. ``"io_uring, queue depth 8"``, or the thread pool and the
+        reason io_uring was refused."""
+        return self._native.io_engine_status
 
     @property
     def closed(self) -> bool:
@@ -247,6 +265,7 @@ class SsdStore:
         c["read_gbps"] = c["bytes_read"] / c["read_seconds"] / 1e9 if c["read_seconds"] > 0 else 0.0
         c["write_gbps"] = c["bytes_written"] / c["write_seconds"] / 1e9 if c["write_seconds"] > 0 else 0.0
         c["direct_io"] = self.direct_io
+        c["io_engine"] = self.io_engine
         c["regions"] = self._native.num_regions
         c["shards"] = self._native.num_shards
         return c
@@ -262,7 +281,7 @@ class SsdStore:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else ("O_DIRECT" if self.direct_io else "buffered")
+        state = "closed" if self.closed else ("O_DIRECT" if self.direct_io else "buffered") + ", " + self.io_engine
         return f"SsdStore(dir={self.cfg.dir!r}, {state}, regions={self._native.num_regions})"
 
 

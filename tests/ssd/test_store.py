@@ -1,5 +1,5 @@
 """The SSD shard store: round trips, checksums, injected faults, the directory lock, the
-buffered fallback, argument errors, and crc32c itself."""
+buffered fallback, argument errors, and crc32c itself; every test runs on both I/O engines."""
 
 import errno
 import logging
@@ -17,6 +17,14 @@ from jaxascend.ssd import (ArenaError, ArenaPlan, ChecksumError, HostArena, SsdS
                            StoreLockedError, clear_faults, injected_faults)
 
 BLOCK = 16384
+ENGINE = "auto"  # set per test by the `engine` fixture
+
+
+@pytest.fixture(autouse=True, params=["io_uring", "threads"])
+def engine(request, monkeypatch):
+    """Runs every test on both engines (where the kernel refuses io_uring, both are the threads)."""
+    monkeypatch.setattr(sys.modules[__name__], "ENGINE", request.param)
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +35,7 @@ def _no_faults_left():
 
 def make_cfg(path, **kw):
     fields = dict(dir=str(path), block_bytes=BLOCK, staging_bytes=4 * BLOCK, chunk_bytes=4 * BLOCK,
-                  shard_bytes=8 * BLOCK, io_threads=3, pin_memory=False)
+                  shard_bytes=8 * BLOCK, io_threads=3, io_engine=ENGINE, queue_depth=4, pin_memory=False)
     fields.update(kw)
     return OffloadConfig(**fields)
 

@@ -1,5 +1,6 @@
 """Pipelined streaming passes: correctness against numpy, read-ahead and write-behind really
-overlap the consumer, no arena growth over repeated passes, early exits, errors."""
+overlap the consumer, no arena growth over repeated passes, early exits, errors; on both I/O
+engines."""
 
 import time
 
@@ -21,11 +22,11 @@ def _no_faults_left():
     clear_faults()
 
 
-@pytest.fixture
-def env(tmp_path):
+@pytest.fixture(params=["io_uring", "threads"])
+def env(tmp_path, request):
     cfg = OffloadConfig(dir=str(tmp_path / "offload"), block_bytes=BLOCK, staging_bytes=4 * BLOCK,
                         chunk_bytes=2 * BLOCK, shard_bytes=16 * BLOCK, io_threads=3, stream_depth=3,
-                        pin_memory=False)
+                        io_engine=request.param, queue_depth=4, pin_memory=False)
     plan = (ArenaPlan().extend(SsdStore.arena_requests(cfg))
             .add("state", 4 * CHUNK_ELEMS, count=2 * cfg.stream_depth)
             .add("grad", 2 * CHUNK_ELEMS, count=cfg.stream_depth))
