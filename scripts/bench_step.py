@@ -7,6 +7,8 @@ Contenders, each in its own process, in a rotating order every round:
   * ``sequential``: ``offload.overlap: false`` (forward/backward, then the streamed AdamW);
   * ``compute``: the forward/backward alone, the optimizer skipped (its gradients still go to
     SSD as they are computed: that is part of the backward);
+  * ``overlap_ssd``: overlapped, with the layer stack's weights on SSD too (``offload.params:
+    ssd``: less memory, 4 B/param more SSD traffic, the forward's copy handed over in memory);
   * ``deepspeed``: ``../shared/peers/zero_infinity/zinf_train.py`` with the lean settings
     (``sub_group_size`` 1e8, buckets 5e7, max live params 1e8), optimizer state on NVMe, when
     ``/tmp/peer/venv`` exists (``--peer off`` to skip);
@@ -47,7 +49,7 @@ SHAPES = {
     "0.54b": {"layers": 8, "hidden": 2048, "intermediate": 5632, "vocab": 32000, "heads": 16, "kv_heads": 16},
     "small": {"layers": 4, "hidden": 256, "intermediate": 688, "vocab": 4096, "heads": 4, "kv_heads": 4},
 }
-CONTENDERS = ("overlap", "sequential", "compute", "deepspeed")
+CONTENDERS = ("overlap", "sequential", "compute", "overlap_ssd", "deepspeed")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "docs" / "bench_step.json"))
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="extra override for every jaxascend contender")
-    p.add_argument("--child", choices=["overlap", "sequential", "compute"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["overlap", "sequential", "compute", "overlap_ssd"], help=argparse.SUPPRESS)
     p.add_argument("--child-dir", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -90,7 +92,9 @@ def jaxascend_overrides(shape: dict, args, mode: str, work: Path) -> list[str]:
         "model.tie_word_embeddings=false", "model.dtype=bfloat16", "model.param_dtype=bfloat16",
         # dots: matmul outputs are kept, the rest of each layer (and the fetch of its weights) recomputed
         "model.remat=dots", f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}",
-        "offload.enabled=true", "offload.params=resident", "offload.chunk_bytes=64MiB", "offload.staging_bytes=8MiB", f"offload.overlap={'true' if mode == 'overlap' else 'false'}",
+        "offload.enabled=true", f"offload.params={'ssd' if mode == 'overlap_ssd' else 'resident'}",
+        "offload.chunk_bytes=32MiB", "offload.staging_bytes=8MiB",
+        f"offload.overlap={'true' if mode.startswith('overlap') else 'false'}",
         f"offload.dir={work / 'offload'}", f"train.out_dir={work}", f"train.steps={args.steps}",
         *args.extra,
     ]
@@ -225,7 +229,13 @@ def summarize(rounds: list[dict], args) -> dict:
             if other in r:
                 ratios.setdefault(name, []).append(ostep / statistics.median(r[other]["periods"]))
         if "deepspeed" in r:
-            ratios.setdefault("overlap_rss_vs_deepspeed", []).append(o["peak_rss_bytes"] / r["deepspeed"]["peak_rss_bytes"])
+            ds = r["deepspeed"]
+            ratios.setdefault("overlap_rss_vs_deepspeed", []).append(o["peak_rss_bytes"] / ds["peak_rss_bytes"])
+            if "overlap_ssd" in r:
+                ratios.setdefault("overlap_ssd_vs_deepspeed", []).append(
+                    statistics.median(r["overlap_ssd"]["periods"]) / statistics.median(ds["periods"]))
+                ratios.setdefault("overlap_ssd_rss_vs_deepspeed", []).append(
+                    r["overlap_ssd"]["peak_rss_bytes"] / ds["peak_rss_bytes"])
         if "compute" in r and "ssd_floor_seconds" in r:
             bound = max(statistics.median(r["compute"]["periods"]), r["ssd_floor_seconds"])
             ratios.setdefault("overlap_vs_max_compute_floor", []).append(ostep / bound)
@@ -259,7 +269,8 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     meds = [steps[m]["median"] for m in names]
     errs = [[steps[m]["median"] - steps[m]["min"] for m in names], [steps[m]["max"] - steps[m]["median"] for m in names]]
-    ax.bar(names, meds, yerr=errs, capsize=4, color=["#4c72b0", "#dd8452", "#55a868", "#c44e52"][:len(names)])
+    ax.bar(names, meds, yerr=errs, capsize=4,
+           color=["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52"][:len(names)])
     floor = report["summary"]["ssd_floor_seconds"]["median"]
     if floor:
         ax.axhline(floor, color="black", ls="--", lw=1, label=f"SSD floor {floor:.1f} s")
@@ -303,7 +314,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     timeline = next((r["overlap"]["timeline"] for r in reversed(rounds) if r.get("overlap", {}).get("timeline")), None)
     for r in rounds:  # keep the JSON small: one timeline, no per-step records beyond the figures
-        for mode in ("overlap", "sequential", "compute"):
+        for mode in ("overlap", "sequential", "compute", "overlap_ssd"):
             if mode in r:
                 r[mode].pop("timeline", None)
     out.write_text(json.dumps(report, indent=1))

@@ -423,6 +423,7 @@ class OffloadEngine:
             "skipped_steps": self.loss_scale.skipped_steps,
             "params": "ssd" if self.streams_params else "resident",
             "overlap": self.overlap,
+            "io_engine": self.state.store.io_engine,
             "early_gradient_arrivals": getattr(self.state._sink, "early_arrivals", 0),
             "resident_param_bytes": self.state.layout.resident_param_bytes,
             "streamed_param_bytes": self.state.layout.streamed_param_bytes,
