@@ -172,6 +172,7 @@ class OffloadEngine:
         if refusal:
             log.info("offload.overlap: the optimizer step runs after the forward/backward, not beside it: %s", refusal)
         self.overlap = cfg.offload.overlap and refusal is None
+        self._overlap_refusal = refusal
         self._steps = 0
         self.last_timeline: Optional[StepTimeline] = None  # of the last step that ran an update
         tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
@@ -423,6 +424,7 @@ class OffloadEngine:
             "skipped_steps": self.loss_scale.skipped_steps,
             "params": "ssd" if self.streams_params else "resident",
             "overlap": self.overlap,
+            **({"overlap_refused": self._overlap_refusal} if self._overlap_refusal else {}),
             "io_engine": self.state.store.io_engine,
             "early_gradient_arrivals": getattr(self.state._sink, "early_arrivals", 0),
             "resident_param_bytes": self.state.layout.resident_param_bytes,
