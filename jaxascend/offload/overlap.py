@@ -54,7 +54,8 @@ def deprioritize_compute_threads(nice: int = COMPUTE_NICE) -> int:
     is the critical path of an overlapped step (the next backward can start only once the update
     has served the last layer), and the forward only fills the time the update waits for the
     disk. Under contention the kernel then gives the cores to the update first; when nothing
-    else runs, a nice value costs nothing."""
+    else runs, a nice value costs nothing. The change lasts for the process (taking a priority
+    back up needs CAP_SYS_NICE); threads XLA starts later are caught at the next update."""
     changed = 0
     try:
         tasks = os.listdir("/proc/self/task")
