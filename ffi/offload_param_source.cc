@@ -216,11 +216,7 @@ class ParamSource {
 
   // Layer `layer` holds its new weights: serve it (and read it ahead, if it is next in order).
   void MarkReady(int64_t layer) {
-    if (layer < 0 || layer >= num_layers()) {
-      throw nb::value_error(("ParamSource.mark_ready: layer " + std::to_string(layer) + " is out of range (" +
-                             std::to_string(num_layers()) + " layers)")
-                                .c_str());
-    }
+    CheckLayer(layer, "mark_ready");
     Status s;
     {
       nb::gil_scoped_release release;
@@ -255,13 +251,7 @@ class ParamSource {
   // Forgets what is in flight, then queues the first `depth` layers of `order`.
   void Begin(const std::vector<int32_t>& order, int depth) {
     if (depth < 1) throw nb::value_error("ParamSource.begin: depth must be >= 1");
-    for (int32_t layer : order) {
-      if (layer < 0 || layer >= num_layers()) {
-        throw nb::value_error(("ParamSource.begin: layer " + std::to_string(layer) + " is out of range (" +
-                               std::to_string(num_layers()) + " layers)")
-                                  .c_str());
-      }
-    }
+    for (int32_t layer : order) CheckLayer(layer, "begin");
     Status s;
     {
       nb::gil_scoped_release release;

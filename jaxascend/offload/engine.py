@@ -280,12 +280,8 @@ class OffloadEngine:
         if self._source is not None:
             timeline.add_fetches(self._source.take_events())
         if previous is not None:  # done by now: the forward has used every layer it updated
-            previous.join()
+            self._take(previous, timing)
             timeline.add_update(previous.trace, previous.layer_ready_at)
-            for index, leaf in previous.leaves.items():
-                self._leaves[index] = leaf
-            self.opt_state = ssd_adamw_state(self.state)
-            self._account(previous.stats, timing)
             timing["overlap_fraction"] = previous.overlap_with(started, ended)
         if self._source is not None:  # the weights read during the forward/backward, and the waits
             after = self._source.stats()
@@ -352,14 +348,17 @@ class OffloadEngine:
     def finish_update(self) -> None:
         """Waits for the optimizer step running in the background (overlap); raises its error."""
         update, self._update = self._update, None
-        if update is None:
-            return
+        if update is not None:
+            self._take(update, {})
+
+    def _take(self, update: BackgroundUpdate, timing: dict) -> None:
+        """Joins a background update and takes what it left: its new leaves, the optax count, its
+        bytes and timing (into ``timing``); raises its error."""
         update.join()
         for index, leaf in update.leaves.items():
             self._leaves[index] = leaf
-        self.ssd_bytes_read += update.stats.bytes_read
-        self.ssd_bytes_written += update.stats.bytes_written
         self.opt_state = ssd_adamw_state(self.state)
+        self._account(update.stats, timing)
 
     def _ssd_arrays(self) -> SsdArrays:
         # The step's state slots are idle between steps; checkpoints stream through them.

@@ -97,7 +97,6 @@ class BackgroundUpdate:
         self.stats: Optional[StepStats] = None
         self.started = 0.0
         self.ended = 0.0
-        self.front_ready_at = 0.0
         self.trace: Optional[list] = [] if trace else None  # per chunk: (what, begin, end, leaf, layer)
         self.layer_ready_at: dict[int, float] = {}
         self._front = threading.Event()
@@ -108,20 +107,16 @@ class BackgroundUpdate:
         self.started = time.perf_counter()
         deprioritize_compute_threads()
         if not self._front_needed:
-            self._front_ready()
+            self._front.set()
         self._thread.start()
         return self
-
-    def _front_ready(self) -> None:
-        self.front_ready_at = time.perf_counter()
-        self._front.set()
 
     def _on_leaf(self, leaf, host: np.ndarray) -> None:
         if leaf.index in self._outputs:  # written in place; the source serves it
             return
         self.leaves[leaf.index] = self._put(host)
         if not self._front.is_set() and self._front_needed <= self.leaves.keys():
-            self._front_ready()
+            self._front.set()
 
     def _on_layer(self, layer: int) -> None:
         self.layer_ready_at[layer] = time.perf_counter()
@@ -142,10 +137,6 @@ class BackgroundUpdate:
             self.ended = time.perf_counter()
             self._front.set()
             self._done.set()
-
-    @property
-    def running(self) -> bool:
-        return not self._done.is_set()
 
     def wait_front(self) -> float:
         """Waits until every leaf the next forward takes as input is updated (:attr:`leaves`);

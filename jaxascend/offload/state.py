@@ -73,7 +73,6 @@ class StepStats:
     write_busy_seconds: float
     chunks: int
     flush_seconds: float = 0.0  # waiting, before the first chunk, for the backward's gradient writes
-    started: float = 0.0  # time.perf_counter() when the step began
 
     @property
     def ssd_gbps(self) -> float:
@@ -195,11 +194,8 @@ class OffloadedAdamState:
         order = self.layout.step_order(self._chunks)
         self._step_passes = [list(g) for _, g in itertools.groupby(order, key=lambda i: self._chunks[i].leaf.streamed)]
         # The chunk that completes each layer of the stack (every stacked leaf of that layer).
-        self._layer_done = {}
-        for i in order:
-            if self._chunks[i].leaf.stacked:
-                self._layer_done[self._chunks[i].layer] = i
-        self._layer_done = {i: layer for layer, i in self._layer_done.items()}
+        last_chunk = {self._chunks[i].layer: i for i in order if self._chunks[i].leaf.stacked}
+        self._layer_done = {i: layer for layer, i in last_chunk.items()}
         # A streamed leaf's place in a parameter-source slot (the source serves them in leaf order).
         self._source_position = {leaf.index: k for k, leaf in enumerate(self.layout.streamed_leaves)}
         self._init_segments = [[Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes,
@@ -559,7 +555,7 @@ class OffloadedAdamState:
             bytes_written=after["bytes_written"] - before["bytes_written"], seconds=seconds,
             read_busy_seconds=after["read_seconds"] - before["read_seconds"],
             write_busy_seconds=after["write_seconds"] - before["write_seconds"], chunks=len(self._chunks),
-            flush_seconds=flushed, started=start)
+            flush_seconds=flushed)
         self.updates_applied += 1
         return self.last_step
 
