@@ -7,14 +7,8 @@ import pytest
 
 from jaxascend import _native
 from jaxascend.config import OffloadConfig
-from jaxascend.ssd import (ArenaError, ArenaPlan, HostArena, SlotRequest, clear_faults, injected_faults,
+from jaxascend.ssd import (ArenaError, ArenaPlan, HostArena, SlotRequest, injected_faults,
                            physical_memory_bytes)
-
-
-@pytest.fixture(autouse=True)
-def _no_faults_left():
-    yield
-    clear_faults()
 
 
 def _cfg(**kw):

@@ -17,12 +17,6 @@ from jaxascend.ssd import (ArenaPlan, ChecksumError, HostArena, Segment, SsdStor
 BLOCK = 16384
 
 
-@pytest.fixture(autouse=True)
-def _no_faults_left():
-    yield
-    clear_faults()
-
-
 def make_cfg(path, **kw):
     fields = dict(dir=str(path), block_bytes=BLOCK, staging_bytes=4 * BLOCK, chunk_bytes=4 * BLOCK,
                   shard_bytes=64 * BLOCK, io_threads=3, io_engine="io_uring", queue_depth=8, pin_memory=False)

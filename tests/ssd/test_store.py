@@ -14,7 +14,7 @@ import pytest
 from jaxascend import _native
 from jaxascend.config import OffloadConfig
 from jaxascend.ssd import (ArenaError, ArenaPlan, ChecksumError, HostArena, SsdStore, StoreError,
-                           StoreLockedError, clear_faults, injected_faults)
+                           StoreLockedError, injected_faults)
 
 BLOCK = 16384
 ENGINE = "auto"  # set per test by the `engine` fixture
@@ -25,12 +25,6 @@ def engine(request, monkeypatch):
     """Runs every test on both engines (where the kernel refuses io_uring, both are the threads)."""
     monkeypatch.setattr(sys.modules[__name__], "ENGINE", request.param)
     return request.param
-
-
-@pytest.fixture(autouse=True)
-def _no_faults_left():
-    yield
-    clear_faults()
 
 
 def make_cfg(path, **kw):

@@ -9,17 +9,11 @@ import pytest
 
 from jaxascend.config import OffloadConfig
 from jaxascend.ssd import (ArenaError, ArenaPlan, HostArena, Segment, SsdStore, StoreError, chunk_segments,
-                           clear_faults, injected_faults)
+                           injected_faults)
 
 BLOCK = 16384
 CHUNK_ELEMS = 8192  # 32 KiB of fp32 (2 blocks), 16 KiB of fp16 (1 block)
 N = 100_000  # elements per tensor: 13 chunks, the last one partial
-
-
-@pytest.fixture(autouse=True)
-def _no_faults_left():
-    yield
-    clear_faults()
 
 
 @pytest.fixture(params=["io_uring", "threads"])
