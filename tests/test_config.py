@@ -68,6 +68,7 @@ def test_int_widens_to_float(data_file, tmp_path):
         ("data.tokenizer=/no/such/folder", r"^data\.tokenizer: expected 'auto', 'byte', 'model' or a tokenizer folder"),
         ("data.seq_len=4096", r"^data\.seq_len: 4096 exceeds model\.max_position_embeddings=2048$"),
         ("train.steps", r"^--set 'train\.steps': expected section\.field=value$"),
+        ("offload.overlap=maybe", r"^offload\.overlap: expected true/false, got 'maybe'$"),
     ],
 )
 def test_bad_values_name_the_field(override, message, data_file, tmp_path):
