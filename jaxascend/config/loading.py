@@ -149,6 +149,11 @@ def _validate_cross_fields(cfg: Config) -> None:
     for p in cfg.data.paths:
         if p != "@stdlib" and not os.path.exists(os.path.expanduser(p)):
             raise ConfigError(f"data.paths: {p!r} does not exist")
+    for p in cfg.eval.paths:
+        if p != "@stdlib" and not os.path.exists(os.path.expanduser(p)):
+            raise ConfigError(f"eval.paths: {p!r} does not exist")
+    if cfg.data.chat_template is not None and not os.path.isfile(os.path.expanduser(cfg.data.chat_template)):
+        raise ConfigError(f"data.chat_template: {cfg.data.chat_template!r} is not a file")
     tok = cfg.data.tokenizer
     if tok == "model" and cfg.model.path is None:
         raise ConfigError("data.tokenizer: 'model' needs model.path to be set")

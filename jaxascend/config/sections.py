@@ -1,4 +1,4 @@
-"""The other sections of a run config (data, optimizer, offload, checkpoint, export, train) and
+"""The other sections of a run config (data, optimizer, offload, checkpoint, export, train, eval) and
 :class:`Config`, which holds one of each."""
 
 from __future__ import annotations
@@ -27,13 +27,64 @@ class DataConfig:
     batch_size: int = 8
     seed: int = 0
     max_documents: Optional[int] = None  # cap on documents read (None: all)
+    # "text": documents packed back to back, every token trained on; "prompt_completion": JSONL
+    # records with prompt_field / completion_field; "chat": JSONL records whose messages_field is
+    # a list of {"role", "content"} (OpenAI / Hugging Face form), rendered with the tokenizer's
+    # chat template or the chat_template file. For those two the loss covers the completion /
+    # assistant tokens only, unless train_on_prompt.
+    format: Literal["text", "prompt_completion", "chat"] = "text"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    chat_template: Optional[str] = None  # a Jinja template file; None: the tokenizer's own
+    train_on_prompt: bool = False
+    # Examples (prompt_completion, chat) are packed several to a row, attention kept inside each
+    # example (segment ids) and positions restarting per example; false: one example per row,
+    # padded. An example longer than a row (seq_len + 1 tokens) is truncated or dropped.
+    packing: bool = True
+    overlong: Literal["truncate", "drop"] = "truncate"
 
     def __post_init__(self):
         _check_range("data.seq_len", self.seq_len, lo=2)
         _check_range("data.batch_size", self.batch_size, lo=1)
         _check_range("data.max_documents", self.max_documents, lo=1)
-        if not self.text_field:
-            raise ConfigError("data.text_field: must be a non-empty field name")
+        for name in ("text_field", "prompt_field", "completion_field", "messages_field"):
+            if not getattr(self, name):
+                raise ConfigError(f"data.{name}: must be a non-empty field name")
+        if self.format not in ("text", "prompt_completion", "chat"):
+            raise ConfigError(f"data.format: expected one of 'text', 'prompt_completion', 'chat', got {self.format!r}")
+        if self.prompt_field == self.completion_field:
+            raise ConfigError(f"data.completion_field: {self.completion_field!r} is also data.prompt_field")
+        if self.overlong not in ("truncate", "drop"):
+            raise ConfigError(f"data.overlong: expected 'truncate' or 'drop', got {self.overlong!r}")
+        if self.chat_template is not None and self.format != "chat":
+            raise ConfigError(f"data.chat_template: only used with data.format: chat (format is {self.format!r})")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation on the compute params (no optimizer state is touched, no gradient
+    sent), and samples from the trained model at the end of the run."""
+
+    # Files or directories read like data.paths, with data's format, fields and tokenizer.
+    paths: list[str] = field(default_factory=list)
+    every_steps: int = 0  # 0: at the end of the run only (when paths are given)
+    batches: Optional[int] = None  # batches per evaluation; None: the whole held-out set
+    batch_size: Optional[int] = None  # None: data.batch_size
+    # Prompts answered (greedy unless sample_temperature > 0) at the end of the run; with
+    # data.format: chat each is sent as one user message through the chat template.
+    sample_prompts: list[str] = field(default_factory=list)
+    sample_max_tokens: int = 64
+    sample_temperature: float = 0.0
+    sample_top_p: float = 1.0
+
+    def __post_init__(self):
+        _check_range("eval.every_steps", self.every_steps, lo=0)
+        _check_range("eval.batches", self.batches, lo=1)
+        _check_range("eval.batch_size", self.batch_size, lo=1)
+        _check_range("eval.sample_max_tokens", self.sample_max_tokens, lo=1)
+        _check_range("eval.sample_temperature", self.sample_temperature, lo=0)
+        _check_range("eval.sample_top_p", self.sample_top_p, lo=0, hi=1, lo_open=True)
 
 
 @dataclass
@@ -250,6 +301,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
