@@ -17,36 +17,35 @@ from flax import nnx
 
 from jaxascend.checkpoint import Checkpointer
 from jaxascend.config import Config
-from jaxascend.models import next_token_loss
+from jaxascend.models import TokenBatch, as_token_batch, batch_loss
 from jaxascend.optim import adamw_in_memory
 
 
 def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State, tx: optax.GradientTransformation,
                     grad_accum: int) -> Callable:
-    """One jitted optimizer step over ``grad_accum`` micro-batches ``tokens[A, B, T+1]``.
+    """One jitted optimizer step over ``grad_accum`` micro-batches (a :class:`TokenBatch` ``[A, ...]``).
 
-    Gradients are accumulated in the parameter dtype (fp32 for the in-memory baseline: 4 B/param).
+    Each micro-batch's loss is its share of the step's per-token mean (:mod:`jaxascend.models.losses`),
+    so the gradients are summed, in the parameter dtype (fp32 for the in-memory baseline: 4 B/param).
     """
 
-    def loss_fn(params, tokens):
-        model = nnx.merge(graphdef, params, rest)
-        return next_token_loss(model(tokens[:, :-1]), tokens)
+    def loss_fn(params, batch):
+        return batch_loss(nnx.merge(graphdef, params, rest), batch)
 
     grad_fn = jax.value_and_grad(loss_fn)
 
     @partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, tokens):
+    def step(params, opt_state, batch: TokenBatch):
         if grad_accum == 1:
-            loss, grads = grad_fn(params, tokens[0])
+            loss, grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch))
         else:
-            def micro(acc, micro_tokens):
-                loss, g = grad_fn(params, micro_tokens)
+            def micro(acc, micro_batch):
+                loss, g = grad_fn(params, micro_batch)
                 return jax.tree.map(jnp.add, acc, g), loss
 
             zeros = jax.tree.map(jnp.zeros_like, params)
-            grads, losses = jax.lax.scan(micro, zeros, tokens)
-            grads = jax.tree.map(lambda g: g / grad_accum, grads)
-            loss = losses.mean()
+            grads, losses = jax.lax.scan(micro, zeros, batch)
+            loss = losses.sum()
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -67,9 +66,10 @@ class InMemoryEngine:
         self.opt_state = self.tx.init(self.params)
         self._step = make_train_step(self.graphdef, self.rest, self.tx, cfg.train.grad_accum)
 
-    def step(self, tokens: np.ndarray) -> dict[str, Any]:
-        """Dispatches one step asynchronously; the stats are device scalars (no sync here)."""
-        self.params, self.opt_state, stats = self._step(self.params, self.opt_state, tokens)
+    def step(self, tokens) -> dict[str, Any]:
+        """Dispatches one step over ``tokens`` (a :class:`TokenBatch` ``[A, ...]``, or plain rows
+        ``int32 [A, B, T+1]``) asynchronously; the stats are device scalars (no sync here)."""
+        self.params, self.opt_state, stats = self._step(self.params, self.opt_state, as_token_batch(tokens))
         return stats
 
     def save_checkpoint(self, ckpt: Checkpointer, step: int, meta: dict) -> None:

@@ -1,5 +1,5 @@
 """Decoder-only causal LMs in Flax NNX: the Llama family (llama, qwen2, mistral, qwen3, phi3),
-GPT-2 and Gemma 3 (text), and their next-token loss.
+GPT-2 and Gemma 3 (text), and their next-token loss (over every target, or a weighted subset).
 
     model = build_model(cfg.model, vocab_size=259, rngs=nnx.Rngs(0))
     logits = model(input_ids)            # int32 [B, T] -> float32 [B, T, V]
@@ -21,7 +21,8 @@ from jaxascend.models.gpt2 import GPT2LMHeadModel
 from jaxascend.models.vocab import is_large_table, table_blocks
 from jaxascend.models.layers import DTYPES, OFFLOADED_ACTIVATIONS, REMAT_POLICIES, layer_forward, scan_layers
 from jaxascend.models.llama import LLAMA_ARCHS, LlamaForCausalLM
-from jaxascend.models.losses import next_token_loss
+from jaxascend.models.losses import (TokenBatch, as_token_batch, batch_loss, forward, loss_sum_and_count, micro_batch,
+                                      next_token_loss, token_batch, token_losses)
 
 ARCHS = LLAMA_ARCHS + ("gpt2",) + GEMMA3_ARCHS
 
@@ -52,7 +53,7 @@ def count_params(model: nnx.Module) -> int:
 
 __all__ = [
     "ARCHS", "DTYPES", "GPT2LMHeadModel", "Gemma3ForCausalLM", "LlamaForCausalLM", "OFFLOADED_ACTIVATIONS",
-    "REMAT_POLICIES",
-    "build_model", "count_params", "is_large_table", "layer_forward", "next_token_loss", "norm_scale_init",
-    "scan_layers", "table_blocks",
+    "REMAT_POLICIES", "TokenBatch",
+    "as_token_batch", "batch_loss", "build_model", "count_params", "is_large_table", "layer_forward", "loss_sum_and_count", "micro_batch",
+    "next_token_loss", "norm_scale_init", "scan_layers", "table_blocks", "token_batch", "token_losses", "forward",
 ]

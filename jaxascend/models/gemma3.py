@@ -101,15 +101,17 @@ class Gemma3DecoderLayer(nnx.Module):
         self.mlp = LlamaMLP(cfg, rngs=rngs)
         self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
 
-    def __call__(self, hidden: jax.Array, positions: jax.Array, is_sliding: jax.Array) -> jax.Array:
-        attn = self.self_attn(self.input_layernorm(hidden), positions, is_sliding)
+    def __call__(self, hidden: jax.Array, positions: jax.Array, is_sliding: jax.Array, *,
+                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        attn = self.self_attn(self.input_layernorm(hidden), positions, is_sliding, segment_ids=segment_ids)
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(mlp)
 
 
 class Gemma3ForCausalLM(nnx.Module):
-    """Gemma 3 LM: ``model(input_ids [B,T], positions [B,T] | None) -> float32 [B,T,V]``."""
+    """Gemma 3 LM: ``model(input_ids [B,T], positions [B,T] | None, segment_ids [B,T] | None)
+    -> float32 [B,T,V]``."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
         cfg = dataclasses.replace(cfg, hidden_act=cfg.hidden_act or DEFAULT_HIDDEN_ACT)
@@ -135,10 +137,12 @@ class Gemma3ForCausalLM(nnx.Module):
         return self.embed_tokens(input_ids, table_hook) * jnp.asarray(self.embed_scale, self.dtype)
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None) -> jax.Array:
+                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
+                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
         positions = L.default_positions(input_ids, positions)
+        L.check_segment_ids(input_ids, segment_ids)
         hidden = L.scan_layers(self.layers, self.embed(input_ids, table_hook), positions, self.remat, layer_hook,
-                               self.layer_flags)
+                               self.layer_flags, segment_ids=segment_ids)
         logits = L.lm_logits(self.norm(hidden), self.embed_tokens, self.lm_head, table_hook)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping

@@ -103,14 +103,14 @@ class GPT2Attention(nnx.Module):
         self.c_proj = _linear(cfg, d, d, rngs)
         self.num_heads = cfg.num_attention_heads
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
         batch, length, width = x.shape
         shape = (batch, length, self.num_heads, width // self.num_heads)
         q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)
         q = checkpoint_name(q.reshape(shape), "query")
         k = checkpoint_name(k.reshape(shape), "key")
         v = checkpoint_name(v.reshape(shape), "value")
-        context = L.causal_attention(q, k, v).reshape(batch, length, width)
+        context = L.causal_attention(q, k, v, segment_ids=segment_ids).reshape(batch, length, width)
         context = checkpoint_name(context, "attn_context")
         return checkpoint_name(self.c_proj(context), "attn_out")
 
@@ -137,14 +137,16 @@ class GPT2Block(nnx.Module):
         self.ln_2 = _layer_norm(cfg)
         self.mlp = GPT2MLP(cfg, rngs=rngs)
 
-    def __call__(self, hidden: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, hidden: jax.Array, positions: jax.Array, *,
+                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
         del positions  # positions enter once, through wpe, before the first block
-        hidden = hidden + self.attn(self.ln_1(hidden))
+        hidden = hidden + self.attn(self.ln_1(hidden), segment_ids)
         return hidden + self.mlp(self.ln_2(hidden))
 
 
 class GPT2LMHeadModel(nnx.Module):
-    """GPT-2 LM: ``model(input_ids [B,T], positions [B,T] | None) -> float32 [B,T,V]``.
+    """GPT-2 LM: ``model(input_ids [B,T], positions [B,T] | None, segment_ids [B,T] | None)
+    -> float32 [B,T,V]``.
 
     Positions index ``wpe``; a position >= max_position_embeddings gives NaN logits (the table
     lookup fills out-of-range rows with NaN instead of clamping).
@@ -165,12 +167,14 @@ class GPT2LMHeadModel(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None) -> jax.Array:
+                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
+                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
         if positions is None and input_ids.ndim == 2 and input_ids.shape[1] > self.max_positions:
             raise ValueError(f"input_ids: length {input_ids.shape[1]} exceeds "
                              f"model.max_position_embeddings={self.max_positions}")
         positions = L.default_positions(input_ids, positions)
+        L.check_segment_ids(input_ids, segment_ids)
         hidden = self.wte(input_ids, table_hook) + self.wpe(positions)
-        hidden = L.scan_layers(self.h, hidden, positions, self.remat, layer_hook)
+        hidden = L.scan_layers(self.h, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids)
         hidden = self.ln_f(hidden)
         return L.lm_logits(hidden, self.wte, self.lm_head, table_hook)

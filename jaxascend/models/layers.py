@@ -224,7 +224,8 @@ def causal_mask(length: int, sliding_window: Optional[int] = None) -> jax.Array:
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                      sliding_window: Optional[int] = None, scale: Optional[float] = None,
-                     is_sliding: Optional[jax.Array] = None) -> jax.Array:
+                     is_sliding: Optional[jax.Array] = None,
+                     segment_ids: Optional[jax.Array] = None) -> jax.Array:
     """Grouped-query causal attention. ``q [B,T,N,H]``, ``k, v [B,T,K,H]`` with ``N % K == 0``
     (query head ``n`` uses key/value head ``n // (N // K)``). Returns ``[B,T,N,H]`` in q's dtype;
     scores and softmax in float32.
@@ -233,6 +234,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     ``query_pre_attn_scalar ** -0.5``). ``is_sliding``, a traced bool scalar, applies
     ``sliding_window`` only where it is true: the layers of one scanned stack share a program,
     so a per-layer choice of mask must be data, not Python.
+
+    ``segment_ids`` (int ``[B, T]``): several examples packed into one row; a query sees only
+    keys of its own segment (padding is a segment of its own), so each example is attended to
+    as if it were alone.
     """
     batch, length, num_heads, head_dim = q.shape
     num_kv = k.shape[2]
@@ -242,6 +247,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     mask = causal_mask(length, sliding_window)
     if is_sliding is not None:
         mask = jnp.where(is_sliding, mask, causal_mask(length))
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
+        mask = mask & same[:, None, None]  # [B, 1, 1, T, S]: per row, shared by the heads
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
@@ -280,11 +288,15 @@ def remat_policy(name: str):
 
 
 def layer_forward(graphdef: nnx.GraphDef, layer_params: nnx.State, hidden: jax.Array,
-                  positions: jax.Array, flag: Optional[jax.Array] = None) -> jax.Array:
+                  positions: jax.Array, flag: Optional[jax.Array] = None,
+                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
     """One layer as a pure function of (its parameters, the hidden carry, positions), plus that
-    layer's entry of ``scan_layers``' ``layer_flags`` when the model has them."""
+    layer's entry of ``scan_layers``' ``layer_flags`` when the model has them, and the packed
+    rows' ``segment_ids`` (None: one sequence per row)."""
     layer = nnx.merge(graphdef, layer_params)
-    return layer(hidden, positions) if flag is None else layer(hidden, positions, flag)
+    if flag is None:
+        return layer(hidden, positions, segment_ids=segment_ids)
+    return layer(hidden, positions, flag, segment_ids=segment_ids)
 
 
 LayerHook = Callable[[nnx.State, jax.Array], nnx.State]
@@ -292,7 +304,8 @@ LayerHook = Callable[[nnx.State, jax.Array], nnx.State]
 
 def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, remat: str,
                 layer_hook: Optional[LayerHook] = None,
-                layer_flags: Optional[tuple[bool, ...]] = None) -> jax.Array:
+                layer_flags: Optional[tuple[bool, ...]] = None,
+                segment_ids: Optional[jax.Array] = None) -> jax.Array:
     """Runs ``hidden`` through the stacked ``layers`` with ``lax.scan``, one layer per step.
 
     Each step applies :func:`layer_forward` to that layer's slice of the stacked parameters,
@@ -304,6 +317,9 @@ def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, rem
     ``layer_flags`` (one bool per layer, e.g. Gemma 3's sliding-window layers) travel through the
     scan beside the parameters and reach each layer as a traced bool scalar: layers that differ
     only in such a switch still share one scanned body instead of being unrolled.
+
+    ``segment_ids`` (int ``[B, T]``, None: one sequence per row) keep the attention of packed
+    examples inside each example (see :func:`causal_attention`).
 
     Streamed weights: when every stacked parameter is a ``jax.ShapeDtypeStruct`` (the weights
     are not in memory), nothing is scanned over but the layer index; ``layer_hook`` then receives
@@ -334,7 +350,7 @@ def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, rem
             layer_params = layer_spec
         if layer_hook is not None:
             layer_params = layer_hook(layer_params, index)
-        return layer_forward(graphdef, layer_params, carry, positions, flag), None
+        return layer_forward(graphdef, layer_params, carry, positions, flag, segment_ids), None
 
     if use_checkpoint:
         # prevent_cse=False: inside scan CSE cannot merge the recomputation with the forward.
@@ -342,6 +358,14 @@ def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, rem
     xs = (None if abstract else stacked_params, jnp.arange(num_layers, dtype=jnp.int32), flags)
     hidden, _ = jax.lax.scan(step, hidden, xs)
     return hidden
+
+
+def check_segment_ids(input_ids: jax.Array, segment_ids: Optional[jax.Array]) -> None:
+    """Raises ValueError unless ``segment_ids`` is None or an integer array shaped like ``input_ids``."""
+    if segment_ids is not None and (segment_ids.shape != input_ids.shape
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"segment_ids: expected an integer array shaped like input_ids {list(input_ids.shape)}, "
+                         f"got {segment_ids.dtype}{list(segment_ids.shape)}")
 
 
 def default_positions(input_ids: jax.Array, positions: Optional[jax.Array]) -> jax.Array:

@@ -127,10 +127,10 @@ class LlamaAttention(nnx.Module):
         sliding layers have their own, chosen by ``is_sliding``)."""
         return self.rope.angles(positions)
 
-    def __call__(self, x: jax.Array, positions: jax.Array,
-                 is_sliding: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, is_sliding: Optional[jax.Array] = None, *,
+                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
         """``is_sliding`` (a traced bool; None: ``sliding_window`` on every layer) is the layer's
-        entry of ``scan_layers``' ``layer_flags``."""
+        entry of ``scan_layers``' ``layer_flags``; ``segment_ids`` keep packed examples apart."""
         batch, length, _ = x.shape
         q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
@@ -142,7 +142,7 @@ class LlamaAttention(nnx.Module):
         k = checkpoint_name(apply_rope(k, sin, cos), "key")
         v = checkpoint_name(v, "value")
         context = L.causal_attention(q, k, v, sliding_window=self.sliding_window, scale=self.scale,
-                                     is_sliding=is_sliding)
+                                     is_sliding=is_sliding, segment_ids=segment_ids)
         context = checkpoint_name(context.reshape(batch, length, -1), "attn_context")
         return checkpoint_name(self.o_proj(context), "attn_out")
 
@@ -181,13 +181,15 @@ class LlamaDecoderLayer(nnx.Module):
                                                   dtype=dtype, param_dtype=param_dtype)
         self.mlp = LlamaMLP(cfg, rngs=rngs)
 
-    def __call__(self, hidden: jax.Array, positions: jax.Array) -> jax.Array:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions)
+    def __call__(self, hidden: jax.Array, positions: jax.Array, *,
+                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, segment_ids=segment_ids)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaForCausalLM(nnx.Module):
-    """Decoder-only LM: ``model(input_ids [B,T], positions [B,T] | None) -> float32 [B,T,V]``."""
+    """Decoder-only LM: ``model(input_ids [B,T], positions [B,T] | None) -> float32 [B,T,V]``;
+    ``segment_ids [B,T]`` keep the attention of examples packed into one row apart."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
         head_dim = check_llama_config(cfg, vocab_size)
@@ -203,10 +205,12 @@ class LlamaForCausalLM(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None) -> jax.Array:
+                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
+                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
         positions = L.default_positions(input_ids, positions)
+        L.check_segment_ids(input_ids, segment_ids)
         hidden = self.embed_tokens(input_ids, table_hook)
-        hidden = L.scan_layers(self.layers, hidden, positions, self.remat, layer_hook)
+        hidden = L.scan_layers(self.layers, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids)
         hidden = self.norm(hidden)
         return L.lm_logits(hidden, self.embed_tokens, self.lm_head, table_hook)
 

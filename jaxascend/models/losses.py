@@ -1,11 +1,90 @@
-"""Training losses."""
+"""Training losses: the next-token cross-entropy, over every token or a weighted (masked) subset.
+
+    batch = token_batch(tokens, loss_mask, segment_ids, positions)   # [A, B, ...]: one optimizer step
+    loss = batch_loss(model, micro(batch, 0))                        # the step's loss = sum over micro-batches
+
+The loss of one optimizer step is the **per-token** mean over the tokens that count, across all
+its micro-batches: every counted target weighs ``1 / (counted targets in the step)``, and each
+micro-batch contributes the weighted *sum* over its own targets. So gradient accumulation is
+exact: the sum over ``A`` micro-batches of ``B`` rows is the loss of one batch of ``A * B`` rows,
+whatever the number of counted tokens in each (a per-batch mean would give a micro-batch with
+few assistant tokens as much weight as one with many).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+
+
+class TokenBatch(NamedTuple):
+    """What the forward pass and the loss read, for one micro-batch ``[B, ...]`` or a step of
+    ``A`` of them ``[A, B, ...]``. ``segment_ids`` / ``positions`` are None for plain rows (one
+    sequence per row, positions 0..T-1)."""
+
+    tokens: jax.Array  # int32 [..., B, T+1]: inputs tokens[..., :-1], targets tokens[..., 1:]
+    weights: jax.Array  # float32 [..., B, T]: each target's weight in the step's loss (0: not counted)
+    segment_ids: Optional[jax.Array] = None  # int32 [..., B, T]: the example of each input token
+    positions: Optional[jax.Array] = None  # int32 [..., B, T]: position of each input in its example
+
+
+def token_batch(tokens, loss_mask=None, segment_ids=None, positions=None) -> TokenBatch:
+    """A step's :class:`TokenBatch` (numpy, on the host) with per-token weights: each counted
+    target of all the step's micro-batches weighs ``1 / count`` (``loss_mask`` None: every target
+    counts). A step with no counted target gets all-zero weights (loss 0, no gradient)."""
+    tokens = np.asarray(tokens, np.int32)
+    shape = tokens.shape[:-1] + (tokens.shape[-1] - 1,)
+    mask = np.ones(shape, bool) if loss_mask is None else np.asarray(loss_mask, bool)
+    if mask.shape != shape:
+        raise ValueError(f"loss_mask: expected shape {list(shape)} (the targets of tokens "
+                         f"{list(tokens.shape)}), got {list(mask.shape)}")
+    for name, value in (("segment_ids", segment_ids), ("positions", positions)):
+        if value is not None and np.shape(value) != shape:
+            raise ValueError(f"{name}: expected shape {list(shape)}, got {list(np.shape(value))}")
+    count = int(mask.sum())
+    weights = mask.astype(np.float32) / np.float32(max(count, 1))
+    as_int = lambda x: None if x is None else np.asarray(x, np.int32)  # noqa: E731
+    return TokenBatch(tokens, weights, as_int(segment_ids), as_int(positions))
+
+
+def as_token_batch(batch) -> TokenBatch:
+    """``batch`` itself, or a step's plain token rows ``int32 [A, B, T+1]`` (every target counts)."""
+    return batch if isinstance(batch, TokenBatch) else token_batch(batch)
+
+
+def micro_batch(batch: TokenBatch, index: int) -> TokenBatch:
+    """Micro-batch ``index`` of a step's batch ``[A, B, ...]``."""
+    return jax.tree.map(lambda x: x[index], batch)
+
+
+def token_losses(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """float32 ``[B, T]`` cross-entropy of each target ``tokens[:, 1:]`` given ``logits [B, T, V]``."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:])
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """Mean cross-entropy of predicting ``tokens[:, 1:]`` from logits over ``tokens[:, :-1]``."""
-    labels = tokens[:, 1:]
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+    return token_losses(logits, tokens).mean()
+
+
+def forward(model, batch: TokenBatch, layer_hook=None, table_hook=None) -> jax.Array:
+    """float32 logits ``[B, T, V]`` of one micro-batch (hooks: see the models' ``__call__``)."""
+    return model(batch.tokens[:, :-1], batch.positions, layer_hook=layer_hook, table_hook=table_hook,
+                 segment_ids=batch.segment_ids)
+
+
+def batch_loss(model, batch: TokenBatch, layer_hook=None, table_hook=None) -> jax.Array:
+    """The weighted sum of one micro-batch's target losses (its share of the step's loss)."""
+    return jnp.sum(token_losses(forward(model, batch, layer_hook, table_hook), batch.tokens) * batch.weights)
+
+
+def loss_sum_and_count(model, batch: TokenBatch, layer_hook=None) -> tuple[jax.Array, jax.Array]:
+    """``(sum of the counted targets' losses, their number)`` of one micro-batch, where a target
+    counts iff its weight is non-zero: what an evaluation adds up over many batches."""
+    counted = batch.weights > 0
+    losses = token_losses(forward(model, batch, layer_hook), batch.tokens)
+    return jnp.sum(jnp.where(counted, losses, 0.0)), jnp.sum(counted.astype(jnp.int32))

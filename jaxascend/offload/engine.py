@@ -47,7 +47,7 @@ from jaxascend.checkpoint import (CHECKPOINT_SHAPE_CLASS, Checkpointer, SsdArray
 from jaxascend.config import Config, ModelConfig
 from jaxascend.hf import tree_path_to_dotted
 from jaxascend.kill_points import kill_point
-from jaxascend.models import DTYPES, is_large_table, next_token_loss, table_blocks
+from jaxascend.models import DTYPES, as_token_batch, batch_loss, is_large_table, micro_batch, table_blocks
 from jaxascend.offload.grad_sink import step_errors
 from jaxascend.offload.layout import STATE_SLOT_CLASS, OffloadLayout
 from jaxascend.offload.overlap import BackgroundUpdate
@@ -82,8 +82,8 @@ def stack_key_of(arch: str) -> str:
     return "h" if arch == "gpt2" else "layers"
 
 
-def _loss_with_hook(model, tokens, layer_hook, table_hook=None):
-    return next_token_loss(model(tokens[:, :-1], layer_hook=layer_hook, table_hook=table_hook), tokens)
+def _loss_with_hook(model, batch, layer_hook, table_hook=None):
+    return batch_loss(model, batch, layer_hook, table_hook)
 
 
 def _read_master(master, path: tuple, leaf, layer: Optional[int]) -> np.ndarray:
@@ -234,8 +234,9 @@ class OffloadEngine:
             leaves[index] = buf.reshape(self.state.leaves[index].shape)
         return self.state.layout.treedef.unflatten(leaves)
 
-    def step(self, tokens: np.ndarray, optimizer: bool = True) -> dict[str, Any]:
-        """One optimizer step over ``tokens[A, B, T+1]``; returns host scalars. Overlapped, the
+    def step(self, tokens, optimizer: bool = True) -> dict[str, Any]:
+        """One optimizer step over ``tokens`` (a :class:`~jaxascend.models.TokenBatch` ``[A, ...]``
+        or plain rows ``int32 [A, B, T+1]``, every target counted); returns host scalars. Overlapped, the
         update of this step is still running when it returns, and the timing of the optimizer
         (``optimizer_seconds``, ``overlap_fraction``, bytes) is that of the previous step's.
         ``optimizer=False``: the forward/backward only, its gradients dropped and nothing updated
@@ -243,7 +244,8 @@ class OffloadEngine:
         self._steps += 1
         timeline = StepTimeline(self._steps, self.overlap)
         scale = self.loss_scale.scale
-        micro = tokens[0] if self.cfg.train.grad_accum == 1 else tokens
+        batch = as_token_batch(tokens)
+        micro = micro_batch(batch, 0) if self.cfg.train.grad_accum == 1 else batch
         previous, self._update = self._update, None
         front_wait = 0.0
         if previous is not None:  # the new embeddings, norm and head; the stack follows layer by layer

@@ -31,9 +31,10 @@ def make_full_gradient_step(graphdef: nnx.GraphDef, rest: nnx.State, grad_accum:
     """A jitted ``step(params, tokens, loss_scale) -> (loss, grads)``: ``grads`` is the gradient
     of ``loss * loss_scale`` in the parameters' (compute) dtype; ``loss`` is unscaled.
 
-    ``tokens`` is ``[B, T+1]`` when ``grad_accum == 1``, else ``[A, B, T+1]`` (gradients averaged
-    over the ``A`` micro-batches in float32, then cast). ``loss_fn(model, tokens, layer_hook)``
-    is called with ``layer_hook=None``.
+    ``tokens`` is one micro-batch when ``grad_accum == 1``, else ``A`` of them (gradients summed
+    over the micro-batches in float32, then cast: ``loss_fn`` gives each micro-batch's share of
+    the step's per-token mean, see :mod:`jaxascend.models.losses`).
+    ``loss_fn(model, tokens, layer_hook)`` is called with ``layer_hook=None``.
     """
 
     def scaled_loss(params, tokens, loss_scale):
@@ -54,9 +55,9 @@ def make_full_gradient_step(graphdef: nnx.GraphDef, rest: nnx.State, grad_accum:
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         acc, losses = jax.lax.scan(micro, zeros, tokens)
-        count = tokens.shape[0]
-        grads = jax.tree.map(lambda a, p: (a / count).astype(p.dtype), acc, params)
-        return losses.mean(), grads
+        # Each micro-batch's loss is its share of the step's per-token mean (models.losses): summed.
+        grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
+        return losses.sum(), grads
 
     return step
 

@@ -285,11 +285,13 @@ def total_stats(stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
 
 def make_accumulating_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
                                    loss_fn) -> Any:
-    """Gradient accumulation with the sink: ``step(params, tokens[A, B, T+1], loss_scale)``.
+    """Gradient accumulation with the sink: ``step(params, batch[A, ...], loss_scale)``.
 
-    The ``A`` micro-batches' gradients are summed in a float32 accumulator (4 B/param in the
-    device memory kind; on a CPU-only machine that is host RAM), averaged, cast to the compute
-    dtype and sent to the sink leaf by leaf, layer by layer. Only ``grad_accum > 1`` pays for
+    ``loss_fn`` gives each micro-batch's share of the step's loss (the per-token weights of
+    :func:`jaxascend.models.token_batch` sum to 1 over the whole step), so the ``A``
+    micro-batches' gradients are summed, exactly as one batch of ``A * B`` rows would be, in a
+    float32 accumulator (4 B/param in the device memory kind; on a CPU-only machine that is host
+    RAM), cast to the compute dtype and sent to the sink leaf by leaf, layer by layer. Only ``grad_accum > 1`` pays for
     the accumulator; a single micro-batch uses :func:`make_offload_step`.
     """
     routes = routing.by_key()
@@ -317,14 +319,14 @@ def make_accumulating_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, rout
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         acc, losses = jax.lax.scan(micro, zeros, tokens)
-        count = tokens.shape[0]
         stats = {}
         flat, _ = jax.tree_util.tree_flatten_with_path(acc)
         dtypes = [p.dtype for p in jax.tree.leaves(params)]
         for (path, a), dtype in zip(flat, dtypes):
             stacked = _first_key(path) == routing.stack_key
             key = _layer_key(path) if stacked else jax.tree_util.keystr(path)
-            stats[key] = send(key, (a / count).astype(dtype))
-        return losses.mean(), stats
+            stats[key] = send(key, a.astype(dtype))
+        # Each micro-batch's loss is its share of the step's per-token mean (models.losses): summed.
+        return losses.sum(), stats
 
     return step
