@@ -27,7 +27,7 @@ LAYERS = [
     ("jaxascend.offload",),
     ("jaxascend.metrics", "jaxascend.in_memory_engine"),
     ("jaxascend.trainer",),
-    ("jaxascend.train", "jaxascend.export", "jaxascend.plan"),
+    ("jaxascend.train", "jaxascend.export", "jaxascend.plan", "jaxascend.plot"),
     ("jaxascend",),  # the package's own __init__: re-exports from below
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
