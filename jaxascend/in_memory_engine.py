@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxascend.checkpoint import Checkpointer
 from jaxascend.config import Config
-from jaxascend.models import TokenBatch, as_token_batch, batch_loss
+from jaxascend.models import TokenBatch, as_token_batch, batch_loss, loss_sum_and_count
 from jaxascend.optim import adamw_in_memory
 
 
@@ -65,12 +65,24 @@ class InMemoryEngine:
         self.tx = adamw_in_memory(cfg.optimizer, cfg.train.steps)
         self.opt_state = self.tx.init(self.params)
         self._step = make_train_step(self.graphdef, self.rest, self.tx, cfg.train.grad_accum)
+        graphdef, rest = self.graphdef, self.rest
+        self._eval = jax.jit(lambda params, batch: loss_sum_and_count(nnx.merge(graphdef, params, rest), batch))
 
     def step(self, tokens) -> dict[str, Any]:
         """Dispatches one step over ``tokens`` (a :class:`TokenBatch` ``[A, ...]``, or plain rows
         ``int32 [A, B, T+1]``) asynchronously; the stats are device scalars (no sync here)."""
         self.params, self.opt_state, stats = self._step(self.params, self.opt_state, as_token_batch(tokens))
         return stats
+
+    def evaluate(self, batches) -> tuple[float, int]:
+        """``(sum of the counted targets' losses, their count)`` over micro-batches ``batches``,
+        forward only, on the current parameters (the optimizer state is not touched)."""
+        total, count = 0.0, 0
+        for batch in batches:
+            loss_sum, counted = jax.device_get(self._eval(self.params, batch))  # SYNC: per batch
+            total += float(loss_sum)
+            count += int(counted)
+        return total, count
 
     def save_checkpoint(self, ckpt: Checkpointer, step: int, meta: dict) -> None:
         ckpt.save(step, params=self.params, opt_state=self.opt_state, meta=meta)

@@ -88,18 +88,22 @@ def _supersede_after(path: Path, step: int, superseded: Path) -> None:
 
 
 class Progress:
-    """A tqdm bar showing step, loss, tokens/s and peak host memory (or nothing when disabled)."""
+    """A tqdm bar showing step, loss, the last held-out loss, tokens/s, peak host memory and SSD
+    throughput (or nothing when disabled)."""
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True):
         self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
                          disable=not enabled, file=console.terminal())
+        self._eval = ""  # the last held-out loss, shown until the next one
 
     def update(self, steps: int, record: dict[str, Any] | None = None) -> None:
         self._bar.update(steps)
         if record is not None:
+            if "eval_loss" in record:
+                self._eval = f" eval={record['eval_loss']:.4f}"
             ssd = f" ssd={record['ssd_gbps']:.2f}GB/s" if record.get("ssd_gbps") else ""
             self._bar.set_postfix_str(
-                f"loss={record['loss']:.4f} tok/s={record['tokens_per_s']:.0f} "
+                f"loss={record['loss']:.4f}{self._eval} tok/s={record['tokens_per_s']:.0f} "
                 f"peak={format_bytes(record['peak_rss_bytes'])}{ssd}")
 
     def close(self) -> None:

@@ -82,9 +82,9 @@ def batch_loss(model, batch: TokenBatch, layer_hook=None, table_hook=None) -> ja
     return jnp.sum(token_losses(forward(model, batch, layer_hook, table_hook), batch.tokens) * batch.weights)
 
 
-def loss_sum_and_count(model, batch: TokenBatch, layer_hook=None) -> tuple[jax.Array, jax.Array]:
+def loss_sum_and_count(model, batch: TokenBatch, layer_hook=None, table_hook=None) -> tuple[jax.Array, jax.Array]:
     """``(sum of the counted targets' losses, their number)`` of one micro-batch, where a target
     counts iff its weight is non-zero: what an evaluation adds up over many batches."""
     counted = batch.weights > 0
-    losses = token_losses(forward(model, batch, layer_hook), batch.tokens)
+    losses = token_losses(forward(model, batch, layer_hook, table_hook), batch.tokens)
     return jnp.sum(jnp.where(counted, losses, 0.0)), jnp.sum(counted.astype(jnp.int32))

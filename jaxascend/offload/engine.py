@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +47,7 @@ from jaxascend.checkpoint import (CHECKPOINT_SHAPE_CLASS, Checkpointer, SsdArray
 from jaxascend.config import Config, ModelConfig
 from jaxascend.hf import tree_path_to_dotted
 from jaxascend.kill_points import kill_point
-from jaxascend.models import DTYPES, as_token_batch, batch_loss, is_large_table, micro_batch, table_blocks
+from jaxascend.models import DTYPES, TokenBatch, as_token_batch, batch_loss, is_large_table, micro_batch, table_blocks
 from jaxascend.offload.grad_sink import step_errors
 from jaxascend.offload.layout import STATE_SLOT_CLASS, OffloadLayout
 from jaxascend.offload.overlap import BackgroundUpdate
@@ -56,7 +56,8 @@ from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
 from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
 from jaxascend.offload.ssd_adamw import ssd_adamw_state, ssd_adamw_step
 from jaxascend.offload.state import OffloadedAdamState, _to_default_device
-from jaxascend.offload.step import SinkRouting, make_accumulating_offload_step, make_offload_step, total_stats
+from jaxascend.offload.step import (SinkRouting, make_accumulating_offload_step, make_offload_eval, make_offload_step,
+                                    total_stats)
 from jaxascend.optim import AdamWSettings, LossScaleState, update_loss_scale
 
 
@@ -214,6 +215,7 @@ class OffloadEngine:
             else:
                 make = make_offload_step if cfg.train.grad_accum == 1 else make_accumulating_offload_step
                 self._fwd_bwd = make(graphdef, rest, routing, sink.handle, _loss_with_hook)
+            self._eval = make_offload_eval(graphdef, rest, routing, source=self._source)
             self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.train.steps)
             self.opt_state = ssd_adamw_state(self.state)
             self.loss_scale = LossScaleState.initial(cfg.optimizer, compute_dtype)
@@ -309,6 +311,30 @@ class OffloadEngine:
             self.last_timeline = timeline
         return {"loss": float(loss), "grad_norm": grad_norm if not skip else float("nan"),
                 "skipped": bool(skip), "loss_scale": scale, **timing}
+
+    def evaluate(self, batches: Iterable[TokenBatch]) -> tuple[float, int]:
+        """``(sum of the counted targets' losses, their count)`` over ``batches`` (micro-batches
+        ``[B, ...]``; a target counts where its weight is non-zero), on the compute params as
+        the last update left them (waits for a running one). Forward only: no gradient is sent
+        and the optimizer state on SSD is neither read nor written; streamed weights are read
+        layer by layer through the parameter source, as in a step."""
+        self.finish_update()
+        params = self._leaves_tree()
+        total, count = 0.0, 0
+        for batch in batches:
+            if self._source is not None:
+                self._source.begin_step(forward_only=True)
+            try:
+                with step_errors(PARAM_SOURCE_ERRORS):
+                    loss_sum, counted = jax.device_get(self._eval(params, batch))  # SYNC: per batch
+            finally:
+                if self._source is not None:
+                    self._source.end_step()
+            total += float(loss_sum)
+            count += int(counted)
+        if self._source is not None:
+            self._source.take_events()  # the evaluation's fetches are not the next step's timeline
+        return total, count
 
     def _leaves_tree(self):
         return self.state.layout.treedef.unflatten(self._leaves)

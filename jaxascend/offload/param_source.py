@@ -97,10 +97,12 @@ class ParamSource:
         layers = list(range(self.num_layers))
         return layers + layers[::-1]
 
-    def begin_step(self) -> None:
+    def begin_step(self, forward_only: bool = False) -> None:
         """Starts reading the first layers of the next forward/backward (after the optimizer
-        step that wrote them)."""
-        self._native.begin(self.step_order(), self.depth)
+        step that wrote them); ``forward_only``: of a forward pass alone (an evaluation), which
+        asks for each layer once."""
+        order = list(range(self.num_layers)) if forward_only else self.step_order()
+        self._native.begin(order, self.depth)
 
     def end_step(self) -> None:
         """Waits for any read still in flight and frees its slot (call once the step is done)."""

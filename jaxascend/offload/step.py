@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxascend.models import loss_sum_and_count
 from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward, sink_gradient
 from jaxascend.offload.param_source import fetch_layer
 
@@ -144,6 +145,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     def scaled_loss(probes, params, tokens, loss_scale, bit_dtypes):
         if abstract is not None:
             params = _with_abstract_stack(params, abstract)
+        layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, dict(bit_dtypes))
 
         def top(path, x):
             if _first_key(path) == routing.stack_key:
@@ -154,26 +156,16 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
             return hook_leaf(key, x, probes[key])
 
         params = jax.tree_util.tree_map_with_path(top, params)
-        float_dtypes = dict(bit_dtypes)
 
         def layer_hook(layer_params, index):
-            fetched = {}
-            if source is not None:  # this layer's weights, read from SSD ahead of the ask
-                fetched = dict(zip(stacked_keys, fetch_layer(source.handle, index, source.specs)))
-
             def one(path, x):
                 key = "layer:" + jax.tree_util.keystr(path)
-                if key in fetched:
-                    x = fetched[key]
-                elif key in float_dtypes:  # this layer's slice, back from raw bits
-                    x = jax.lax.bitcast_convert_type(x, float_dtypes[key])
                 return hook_leaf(key, x, probes[key][index], layer=index)
 
-            return jax.tree_util.tree_map_with_path(one, layer_params)
+            return jax.tree_util.tree_map_with_path(one, layer_weights(layer_params, index))
 
         def table_hook(block, use, index):  # each block of each use sends its own gradient
-            if routing.table_key in float_dtypes:  # this block, back from raw bits
-                block = jax.lax.bitcast_convert_type(block, float_dtypes[routing.table_key])
+            block = table_block(block)
             probe = probes[f"{routing.table_key}|{use}"]
             return offload_on_backward(block, probe[index] if routing.table_blocks > 1 else probe, sink=sink,
                                        tensor=routes[routing.table_key].tensor, layer=index)
@@ -191,6 +183,60 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     def jitted(params, tokens, loss_scale, bit_dtypes=()):
         (_, loss), stats = grad_of_probes(routing.probes(), params, tokens, loss_scale, bit_dtypes)
         return loss, stats
+
+    return _OffloadStep(jitted, routing, use_bits=jax.default_backend() == "cpu")
+
+
+def _weight_hooks(routing: SinkRouting, source, stacked_keys: list[str], float_dtypes: dict[str, str]):
+    """``(layer_weights(layer_params, index), table_block(block))``: a layer's real weights
+    inside the scan (fetched from the parameter source, or its slice back from raw bits) and a
+    token-table block back from raw bits; what both the training step and the evaluation use."""
+
+    def layer_weights(layer_params, index):
+        fetched = {}
+        if source is not None:  # this layer's weights, read from SSD ahead of the ask
+            fetched = dict(zip(stacked_keys, fetch_layer(source.handle, index, source.specs)))
+
+        def one(path, x):
+            key = "layer:" + jax.tree_util.keystr(path)
+            if key in fetched:
+                return fetched[key]
+            if key in float_dtypes:  # this layer's slice, back from raw bits
+                return jax.lax.bitcast_convert_type(x, float_dtypes[key])
+            return x
+
+        return jax.tree_util.tree_map_with_path(one, layer_params)
+
+    def table_block(block):
+        if routing.table_key in float_dtypes:  # this block, back from raw bits
+            return jax.lax.bitcast_convert_type(block, float_dtypes[routing.table_key])
+        return block
+
+    return layer_weights, table_block
+
+
+def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, source=None) -> Any:
+    """A jitted ``evaluate(params, batch) -> (sum of the counted targets' losses, their count)``
+    on the compute params, forward only: nothing is differentiated, so no gradient reaches the
+    sink and the optimizer state is not read. ``params`` and ``source`` are as for
+    :func:`make_offload_step` (streamed stacked leaves None, read layer by layer through the
+    source, which the caller starts with ``begin_step(forward_only=True)``); on the CPU backend
+    the stack enters as raw bits, as in the training step, so evaluating costs no fp32 copy of it."""
+    stacked_keys = [r.key for r in routing.routes if r.layers]
+    abstract = None
+    if source is not None:
+        specs = iter(source.specs)
+        abstract = tuple(_stacked_spec(r.layers, next(specs)) if r.layers else None for r in routing.routes)
+
+    @partial(jax.jit, static_argnames="bit_dtypes")
+    def jitted(params, batch, bit_dtypes=()):
+        if abstract is not None:
+            params = _with_abstract_stack(params, abstract)
+        float_dtypes = dict(bit_dtypes)
+        layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, float_dtypes)
+        table_hook = (lambda block, use, index: table_block(block)) if routing.table_key in float_dtypes else None
+        model = nnx.merge(graphdef, params, rest)
+        return loss_sum_and_count(model, batch, layer_weights, table_hook)
 
     return _OffloadStep(jitted, routing, use_bits=jax.default_backend() == "cpu")
 
@@ -222,13 +268,13 @@ class _OffloadStep:
             return params, ()
         return stacked_as_bits(params, self._routing)
 
-    def __call__(self, params, tokens, loss_scale):
+    def __call__(self, params, *args):
         params, bit_dtypes = self._args(params)
-        return self._jitted(params, tokens, loss_scale, bit_dtypes=bit_dtypes)
+        return self._jitted(params, *args, bit_dtypes=bit_dtypes)
 
-    def lower(self, params, tokens, loss_scale):
+    def lower(self, params, *args):
         params, bit_dtypes = self._args(params)
-        return self._jitted.lower(params, tokens, loss_scale, bit_dtypes=bit_dtypes)
+        return self._jitted.lower(params, *args, bit_dtypes=bit_dtypes)
 
 
 def stacked_as_bits(params, routing: SinkRouting) -> tuple[Any, tuple[tuple[str, str], ...]]:
