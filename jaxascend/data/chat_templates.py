@@ -229,6 +229,7 @@ class ChatTemplate:
     def encode(self, messages: list[dict], train_on_prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """int32 ids of the rendered conversation and a bool array: True for trained tokens
         (the assistant turns' tokens, or every token with ``train_on_prompt``)."""
+        check_messages(messages, need_assistant=not train_on_prompt)
         rendered = self.render(messages)
         ids, offsets = self.encode_text(rendered)
         if train_on_prompt:
@@ -241,6 +242,7 @@ class ChatTemplate:
 
     def prompt_ids(self, messages: list[dict]) -> np.ndarray:
         """int32 ids of the conversation followed by the assistant header (add_generation_prompt)."""
+        check_messages(messages, need_assistant=False)
         return self.encode_text(self.render(messages, add_generation_prompt=True))[0]
 
     def stop_ids(self) -> list[int]:
@@ -283,7 +285,6 @@ def chat_prompt_ids(cfg: DataConfig, tokenizer: Tokenizer, messages: list[dict])
 
         ids = chat_prompt_ids(cfg.data, tok, [{"role": "user", "content": "What is 2 + 2?"}])
     """
-    check_messages(messages, need_assistant=False)
     return load_chat_template(cfg, tokenizer).prompt_ids(messages)
 
 

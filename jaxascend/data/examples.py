@@ -76,7 +76,7 @@ class ExampleSource:
         """``"<file>: line <n>"`` of example ``i``."""
         return f"{self.index.files[self.index.file[i]]}: line {int(self.index.line[i])}"
 
-    def _fields(self, raw: bytes, path: str, line: int):
+    def _fields(self, raw: bytes, path: str, line: int) -> tuple[str, str] | list[dict]:
         """The validated fields of one record: ``(prompt, completion)`` or the messages list."""
         cfg = self.cfg
         if cfg.format == "prompt_completion":
