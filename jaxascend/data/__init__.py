@@ -1,25 +1,40 @@
-"""Text data: documents on disk, tokenizers, and packed, resumable batches.
+"""Data: documents and instruction examples on disk, tokenizers, and packed, resumable batches.
 
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
-    stream = BatchStream(cfg.data, tokenizer)        # int32 [batch_size, seq_len + 1] per next()
+    stream = make_batch_stream(cfg.data, tokenizer)   # per next(): int32 [B, T+1] (text) or a PackedBatch
 
 * :func:`discover_files` / :func:`build_document_index` -- documents of ``.txt`` / ``.jsonl``
   files and directories (``@stdlib``: Python's standard library), indexed, read lazily;
 * :class:`ByteTokenizer` / :class:`HFTokenizer` / :func:`load_tokenizer` -- byte-level or a
   local Hugging Face tokenizer;
-* :class:`BatchStream` -- documents packed into fixed-length rows in a seeded order, with a
-  small JSON position to resume from.
+* :class:`BatchStream` -- documents (``data.format: text``) packed into fixed-length rows in a
+  seeded order, with a small JSON position to resume from;
+* :class:`ExampleSource` -- JSONL records (``prompt_completion`` or ``chat``), every one checked,
+  encoded to ids and a trained mask; :class:`ChatTemplate` / :func:`load_chat_template` render chats;
+* :class:`ExampleStream` -- examples packed into rows (:class:`PackedBatch`: tokens, loss_mask,
+  segment_ids, positions), seeded and resumable; :func:`make_batch_stream` picks the stream;
+* :func:`eval_batches` -- one pass over held-out data in file order, for every format;
+* :func:`chat_prompt_ids` / :func:`chat_stop_ids` -- a conversation's prompt for generation, and
+  the ids that end the assistant's turn.
 
 Imports only :mod:`jaxascend.config`.
 """
 
+from jaxascend.data.chat_templates import (CHAT_ROLES, ChatTemplate, chat_prompt_ids, chat_stop_ids,
+                                           check_messages, load_chat_template)
 from jaxascend.data.documents import STDLIB, DocumentIndex, build_document_index, discover_files
+from jaxascend.data.eval_data import eval_batches
+from jaxascend.data.example_packing import (ExampleStream, ExampleStreamState, PackedBatch,
+                                            make_batch_stream)
+from jaxascend.data.examples import Example, ExampleSource
 from jaxascend.data.packing import BatchStream, StreamState
 from jaxascend.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer,
                                        resolve_tokenizer_spec, tokenizer_folder, write_hf_tokenizer)
 
 __all__ = [
-    "STDLIB", "BatchStream", "ByteTokenizer", "DocumentIndex", "HFTokenizer", "StreamState", "Tokenizer",
-    "build_document_index", "discover_files", "load_tokenizer", "resolve_tokenizer_spec", "tokenizer_folder",
-    "write_hf_tokenizer",
+    "CHAT_ROLES", "STDLIB", "BatchStream", "ByteTokenizer", "ChatTemplate", "DocumentIndex", "Example",
+    "ExampleSource", "ExampleStream", "ExampleStreamState", "HFTokenizer", "PackedBatch", "StreamState",
+    "Tokenizer", "build_document_index", "chat_prompt_ids", "chat_stop_ids", "check_messages",
+    "discover_files", "eval_batches", "load_chat_template", "load_tokenizer", "make_batch_stream",
+    "resolve_tokenizer_spec", "tokenizer_folder", "write_hf_tokenizer",
 ]

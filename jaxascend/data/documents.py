@@ -90,19 +90,34 @@ def discover_files(paths: list[str], include: list[str]) -> list[str]:
 
 # ----------------------------------------------------------------------------- the document index
 
-def _parse_jsonl_line(raw: bytes, path: str, line: int, text_field: str) -> str:
+def load_jsonl_object(raw: bytes, path: str, line: int, wanted: str) -> dict:
+    """Parses one JSONL line into a dict; ``wanted`` says what the object should hold (for the error).
+
+    Raises a one-line ValueError naming the file and the 1-based line if the line is not JSON or
+    not an object.
+    """
     try:
         record = json.loads(raw)
     except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
         raise ValueError(f"{path}: line {line} is not valid JSON ({err})") from None
     if not isinstance(record, dict):
         raise ValueError(f"{path}: line {line} is a JSON {type(record).__name__}, expected an object "
-                         f"with a {text_field!r} field")
-    if text_field not in record:
+                         f"with {wanted}")
+    return record
+
+
+def jsonl_field(record: dict, path: str, line: int, name: str, config_key: str) -> object:
+    """``record[name]``, or a one-line ValueError naming the field, its config key and the fields present."""
+    if name not in record:
         keys = ", ".join(list(record)[:10])
-        raise ValueError(f"{path}: line {line} has no field {text_field!r} (data.text_field); "
+        raise ValueError(f"{path}: line {line} has no field {name!r} ({config_key}); "
                          f"fields present: {keys or 'none'}")
-    text = record[text_field]
+    return record[name]
+
+
+def _parse_jsonl_line(raw: bytes, path: str, line: int, text_field: str) -> str:
+    record = load_jsonl_object(raw, path, line, f"a {text_field!r} field")
+    text = jsonl_field(record, path, line, text_field, "data.text_field")
     if not isinstance(text, str):
         raise ValueError(f"{path}: line {line}: field {text_field!r} is a {type(text).__name__}, "
                          "expected a string")
@@ -182,8 +197,8 @@ class DocumentIndex:
         """A short hash of the document sizes, to notice data that changed under a saved state."""
         return hashlib.sha1(np.ascontiguousarray(self.length, dtype="<i8").tobytes()).hexdigest()[:16]
 
-    def read(self, i: int) -> str:
-        """Returns the text of document ``i`` (invalid UTF-8 in plain files becomes U+FFFD)."""
+    def read_bytes(self, i: int) -> bytes:
+        """Returns the raw bytes of document ``i`` (a whole file, or one JSONL line)."""
         path, offset, length = self.files[self.file[i]], int(self.offset[i]), int(self.length[i])
         with open(path, "rb") as f:
             f.seek(offset)
@@ -191,16 +206,21 @@ class DocumentIndex:
         if len(raw) != length:
             raise ValueError(f"{path}: expected {length} bytes at offset {offset} but the file is "
                              "shorter; it changed after the data index was built")
+        return raw
+
+    def read(self, i: int) -> str:
+        """Returns the text of document ``i`` (invalid UTF-8 in plain files becomes U+FFFD)."""
+        raw = self.read_bytes(i)
+        path = self.files[self.file[i]]
         if self.line[i]:
             return _parse_jsonl_line(raw, path, int(self.line[i]), self.text_field)
         return raw.decode("utf-8", errors="replace")
 
 
-def build_document_index(cfg: DataConfig) -> DocumentIndex:
-    """Finds the documents of ``cfg`` (up to ``cfg.max_documents``) without reading their text.
+def index_documents(cfg: DataConfig) -> DocumentIndex:
+    """Finds the documents of ``cfg`` (up to ``cfg.max_documents``) without reading or parsing any.
 
-    The first document of every JSONL file is parsed right away, so a wrong ``text_field`` or a
-    non-JSON file fails here rather than mid-training; later lines are checked when read.
+    :func:`build_document_index` (text) and the example index (records) check what they need on top.
     """
     limit = cfg.max_documents if cfg.max_documents is not None else np.iinfo(np.int64).max
     files = discover_files(cfg.paths, cfg.include)
@@ -237,10 +257,19 @@ def build_document_index(cfg: DataConfig) -> DocumentIndex:
         found = f"{len(files)} matching files, all empty" if files else "no file matched"
         raise ValueError(f"no documents found in data.paths {cfg.paths} with data.include {cfg.include} "
                          f"({found})")
-    index = DocumentIndex(files=used_files, text_field=cfg.text_field,
-                          **{k: np.concatenate([p[j] for p in parts])
-                             for j, k in enumerate(("file", "offset", "length", "line"))})
-    for file_no in range(len(used_files)):
+    return DocumentIndex(files=used_files, text_field=cfg.text_field,
+                         **{k: np.concatenate([p[j] for p in parts])
+                            for j, k in enumerate(("file", "offset", "length", "line"))})
+
+
+def build_document_index(cfg: DataConfig) -> DocumentIndex:
+    """Finds the documents of ``cfg`` (up to ``cfg.max_documents``) without reading their text.
+
+    The first document of every JSONL file is parsed right away, so a wrong ``text_field`` or a
+    non-JSON file fails here rather than mid-training; later lines are checked when read.
+    """
+    index = index_documents(cfg)
+    for file_no in range(len(index.files)):
         first = int(np.searchsorted(index.file, file_no))
         if index.line[first]:
             index.read(first)

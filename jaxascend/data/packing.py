@@ -54,6 +54,9 @@ class StreamState:
     def from_dict(cls, data: dict) -> "StreamState":
         if not isinstance(data, dict):
             raise ValueError(f"data stream state: expected a dict, got {type(data).__name__}")
+        if "format" in data:  # an ExampleStream's state
+            raise ValueError(f"data stream state was saved by a data.format: {data['format']} stream; "
+                             "this stream is data.format: text")
         kwargs = {}
         for name, kind in (("epoch", int), ("document", int), ("token", int), ("seed", int),
                            ("num_documents", int), ("fingerprint", str), ("vocab_size", int),
@@ -125,6 +128,10 @@ class BatchStream:
         return StreamState(epoch=self._epoch, document=self._document, token=self._token,
                            seed=self.cfg.seed, num_documents=self.num_documents,
                            fingerprint=self._fingerprint, vocab_size=self.tokenizer.vocab_size).to_dict()
+
+    def stats(self) -> dict:
+        """Documents consumed so far (whole ones, across resumes and epochs), as ExampleStream counts examples."""
+        return {"documents_seen": self._epoch * self.num_documents + self._document}
 
     def _order_of(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:

@@ -155,6 +155,38 @@ class HFTokenizer:
         ids = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The folder's own chat template (None if it has none); a dict of named templates counts."""
+        template = getattr(self._tok, "chat_template", None)
+        return template or None
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special tokens and the added tokens marked special (``<|im_end|>`` ...)."""
+        ids = set(self._tok.all_special_ids)
+        ids.update(i for i, tok in self._tok.added_tokens_decoder.items() if tok.special)
+        return frozenset(int(i) for i in ids)
+
+    def render_chat(self, messages: list[dict], chat_template: Optional[str] = None,
+                    add_generation_prompt: bool = False) -> str:
+        """``messages`` rendered by ``apply_chat_template`` (``chat_template`` text, else the folder's)."""
+        return self._tok.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of ``text`` without added special tokens, and int64 ``[n, 2]`` character offsets.
+
+        Tokenized by the same call ``apply_chat_template(..., tokenize=True)`` makes on the
+        rendered text, so the ids are identical to its ids.
+        """
+        if not getattr(self._tok, "is_fast", False):
+            raise ValueError(f"tokenizer folder {self.folder!r}: a chat's trained tokens need character "
+                             "offsets, which only a fast tokenizer (tokenizer.json) gives")
+        out = self._tok(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        offsets = np.asarray(out["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        return np.asarray(out["input_ids"], dtype=np.int32), offsets
+
     def __repr__(self) -> str:
         return f"HFTokenizer({self.folder!r}, vocab_size={self.vocab_size})"
 
