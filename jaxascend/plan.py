@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxascend import console
     from jaxascend.config import load_config
-    from jaxascend.data import BatchStream, load_tokenizer
+    from jaxascend.data import load_tokenizer, make_batch_stream
     from jaxascend.offload import plan_run
     from jaxascend.ssd import measure_disk_gbps
     from jaxascend.trainer import resolve_model_config, vocabulary_size
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides)
             model_cfg = resolve_model_config(cfg)
             tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
-            data = BatchStream(cfg.data, tokenizer)  # as the trainer has it when it plans (the runtime part)
+            data = make_batch_stream(cfg.data, tokenizer)  # as the trainer has it when it plans (the runtime part)
             vocab = vocabulary_size(cfg, model_cfg, tokenizer)
             gbps = measure_disk_gbps(cfg.offload) if args.measure_disk else args.disk_gbps
             plan = plan_run(cfg, dataclasses.replace(model_cfg, vocab_size=vocab), disk_gbps=gbps)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -21,12 +23,12 @@ from flax import nnx
 from jaxascend import console
 from jaxascend.checkpoint import Checkpointer, resume_target
 from jaxascend.config import Config, ConfigError, ModelConfig
-from jaxascend.data import BatchStream, load_tokenizer, tokenizer_folder
+from jaxascend.data import eval_batches, load_tokenizer, make_batch_stream, tokenizer_folder
 from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, export_hf, lean_init_reader,
                           load_hf_model, model_config_from_hf, save_params)
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, summary_table
-from jaxascend.models import count_params
+from jaxascend.models import TokenBatch, count_params, token_batch
 from jaxascend.offload import OffloadEngine
 from jaxascend.offload import resolve as plan_resolve
 from jaxascend.offload.timeline import write_timeline_png
@@ -51,6 +53,8 @@ class TrainResult:
     ssd_bytes_read: int
     ssd_bytes_written: int
     out_dir: str
+    eval_loss: Optional[float] = None  # the held-out loss at the end (None: no eval.paths)
+    data: dict = dataclasses.field(default_factory=dict)  # examples seen / truncated / dropped
 
 
 def resolve_model_config(cfg: Config) -> ModelConfig:
@@ -109,6 +113,42 @@ def save_outputs(cfg: Config, out_dir: Path, params, origin: Provenance, step: i
             console.note(NO_TOKENIZER_NOTE)
 
 
+def step_batch(micro_batches: list) -> TokenBatch:
+    """One optimizer step's :class:`TokenBatch` ``[A, ...]`` from its ``A`` micro-batches: plain
+    token rows (``data.format: text``, every target counts) or packed examples (loss mask,
+    segment ids, positions). The weights are the step's per-token mean (models.losses)."""
+    if isinstance(micro_batches[0], np.ndarray):
+        return token_batch(np.stack(micro_batches))
+    return token_batch(*(np.stack(parts) for parts in zip(*micro_batches)))
+
+
+def held_out_batches(cfg: Config, tokenizer) -> list[TokenBatch]:
+    """The evaluation's batches (``eval.paths`` read like ``data.paths``; ``eval.batches`` of
+    them, or all), tokenized once, before anything is written: a malformed held-out record
+    stops the run at the start. Empty without ``eval.paths``."""
+    if not cfg.eval.paths:
+        return []
+    data = dataclasses.replace(cfg.data, paths=list(cfg.eval.paths), max_documents=None,
+                               batch_size=cfg.eval.batch_size or cfg.data.batch_size)
+    try:
+        batches = [token_batch(*b) for b in eval_batches(data, tokenizer, cfg.eval.batches)]
+    except ValueError as err:
+        raise ValueError(f"eval.paths: {err}") from None
+    if not batches or not any(b.weights.any() for b in batches):
+        raise ValueError(f"eval.paths: {cfg.eval.paths} hold no token to evaluate on")
+    return batches
+
+
+def evaluate(engine, batches: list[TokenBatch]) -> dict[str, float]:
+    """The held-out loss (per-token mean over the counted targets, as in training), its
+    perplexity and the tokens it counted, on the engine's compute params."""
+    started = time.perf_counter()
+    loss_sum, count = engine.evaluate(batches)
+    loss = loss_sum / max(count, 1)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": count,
+            "eval_seconds": time.perf_counter() - started}
+
+
 def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, master=None):
     """The offloaded engine (state on SSD) or the in-memory baseline, per ``offload.enabled``;
     ``master`` reads the checkpoint's own values for the offloaded fp32 master weights."""
@@ -125,7 +165,8 @@ def run(cfg: Config) -> TrainResult:
     # shapes, the checkpoint to resume from), before anything is written.
     model_cfg = resolve_model_config(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
-    stream = BatchStream(cfg.data, tokenizer)
+    stream = make_batch_stream(cfg.data, tokenizer)
+    held_out = held_out_batches(cfg, tokenizer)
     vocab_size = vocabulary_size(cfg, model_cfg, tokenizer)
     # Plan: host memory, disk; offload.params auto -> resident or ssd. A run that cannot fit
     # the budget or the disk stops here, naming the part and by how much.
@@ -164,7 +205,7 @@ def run(cfg: Config) -> TrainResult:
         # Restore: the checkpoint checked above (train.resume: auto picks the newest).
         if start:
             meta = engine.restore_checkpoint(ckpt, start)
-            stream = BatchStream(cfg.data, tokenizer, state=meta["data_state"])
+            stream = make_batch_stream(cfg.data, tokenizer, state=meta["data_state"])
             losses = list(meta["losses"])
             if cfg.train.resume != "auto":
                 ckpt.discard_after(start)  # an explicit earlier step replaces the later ones
@@ -176,17 +217,24 @@ def run(cfg: Config) -> TrainResult:
         throughput = Throughput()
         progress = Progress(cfg.train.steps, initial=start, enabled=cfg.train.progress)
         last = cfg.train.stop_at_step or cfg.train.steps
+        final_eval = None
         for step in range(start + 1, last + 1):
-            tokens = np.stack([next(stream) for _ in range(cfg.train.grad_accum)])
-            pending.append(engine.step(tokens))
+            batch = step_batch([next(stream) for _ in range(cfg.train.grad_accum)])
+            pending.append(engine.step(batch))
             throughput.add(tokens_per_step)
-            if step % cfg.train.log_every and step != last and not ckpt.should_save(step, last):
+            evaluating = bool(held_out) and (step == last or (cfg.eval.every_steps > 0
+                                                              and step % cfg.eval.every_steps == 0))
+            if step % cfg.train.log_every and step != last and not ckpt.should_save(step, last) \
+                    and not evaluating:
                 progress.update(1)
                 continue
             fetched = jax.device_get(pending)  # SYNC: waits for the steps dispatched since the last log
             pending.clear()
             losses.extend(float(s["loss"]) for s in fetched)
             record = _log_record(step, fetched[-1], schedule, throughput, stream, engine, memory)
+            if evaluating:  # SYNC: the held-out loss on the weights after this step's update
+                final_eval = evaluate(engine, held_out)
+                record.update(final_eval)
             log.write(record)
             progress.update(1, record)
             if ckpt.should_save(step, last):
@@ -207,7 +255,8 @@ def run(cfg: Config) -> TrainResult:
                          arena_high_water_bytes=int(report.get("arena_high_water_bytes", 0)),
                          ssd_bytes_read=int(getattr(engine, "ssd_bytes_read", 0)),
                          ssd_bytes_written=int(getattr(engine, "ssd_bytes_written", 0)),
-                         out_dir=str(out_dir))
+                         out_dir=str(out_dir), eval_loss=final_eval["eval_loss"] if final_eval else None,
+                         data=stream.stats())
     (out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
     print(_summary(result))
     return result
@@ -226,7 +275,7 @@ def _write_timeline(engine, out_dir: Path) -> None:
 
 
 def _log_record(step: int, stats: dict[str, Any], schedule: optax.Schedule, throughput: Throughput,
-                stream: BatchStream, engine, memory: MemorySampler) -> dict[str, Any]:
+                stream, engine, memory: MemorySampler) -> dict[str, Any]:
     sample = memory.sample()
     report = engine.report()
     updates = step - 1 - int(report.get("skipped_steps", 0))
@@ -243,6 +292,7 @@ def _log_record(step: int, stats: dict[str, Any], schedule: optax.Schedule, thro
         "page_cache_bytes": sample.page_cache,
         "peak_page_cache_bytes": memory.peak_page_cache,
         "data_state": stream.state(),
+        **{f"data_{k}": v for k, v in stream.stats().items()},
         **report,
         **{k: v for k, v in stats.items() if k not in ("loss", "grad_norm")},
     }
@@ -254,6 +304,8 @@ def _summary(r: TrainResult) -> str:
         ("steps (skipped for overflow)", f"{r.steps} ({r.skipped_steps})"),
         ("parameters", f"{r.num_params:,}"),
         ("loss first -> last", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),
+        *([("held-out loss (perplexity)", f"{r.eval_loss:.4f} ({math.exp(min(r.eval_loss, 700.0)):.2f})")]
+          if r.eval_loss is not None else []),
         ("tokens/s", f"{r.tokens_per_s:,.0f}"),
         ("peak host memory (RSS)", f"{format_bytes(r.peak_rss_bytes)} ({r.peak_rss_bytes / r.num_params:.1f} B/param)"),
         ("peak page cache of offload files", format_bytes(r.peak_page_cache_bytes)),

@@ -26,7 +26,7 @@ The trainer's use (``state`` an :class:`~jaxascend.offload.state.OffloadedAdamSt
         r = ckpt.restore(step0, params_like=params, opt_state_like=opt_state, ssd=ssd)
         params, opt_state = r.params, r.opt_state
         state.restored(r.meta["updates_applied"])                # the shards were rebuilt
-        stream = BatchStream(cfg.data, tokenizer, state=r.meta["data_state"])
+        stream = make_batch_stream(cfg.data, tokenizer, state=r.meta["data_state"])
     ...
     if ckpt.should_save(step, cfg.train.steps):                  # after the step's SSD writes
         ckpt.save(step, params=params, opt_state=opt_state, ssd=ssd,
