@@ -78,7 +78,9 @@ def test_overlap_is_bit_identical_to_the_sequential_step(tmp_path, corpus, param
     assert all(0.0 <= r["overlap_fraction"] <= 1.0 and r["optimizer_wait_seconds"] >= 0.0 for r in updated)
     if params == "ssd":  # every layer an update wrote went to the next forward in memory
         overlapped = sum(1 for r in records if "optimizer_seconds" in r)
-        assert records[-1]["param_source_handovers"] + records[-1]["param_source_handover_skips"] == 3 * overlapped
+        handed = records[-1]["param_source_handovers"] + records[-1]["param_source_handover_skips"]
+        # The last record is written while the last step's update runs: its layers may be counted too.
+        assert 3 * overlapped <= handed <= 3 * (overlapped + 1)
         assert records[-1]["param_source_handovers"] > 0
     if case == "float16-overflow-mid":
         assert [r["skipped"] for r in records] == [False, True, False]
