@@ -62,8 +62,13 @@ def _settings(args: argparse.Namespace) -> SamplingConfig:
         raise ValueError(f"--{field.replace('_', '-')}:{rest}") from None
 
 
+def _tokenizer_spec(args: argparse.Namespace, weights: RunWeights) -> str:
+    """``--tokenizer``, else the run's tokenizer folder, else (a byte-level run) ``byte``."""
+    return args.tokenizer or weights.tokenizer or "byte"
+
+
 def _tokenizer(args: argparse.Namespace, weights: RunWeights) -> Tokenizer:
-    tokenizer = load_tokenizer(args.tokenizer or weights.tokenizer or "byte")
+    tokenizer = load_tokenizer(_tokenizer_spec(args, weights))
     if tokenizer.vocab_size > weights.model_config.vocab_size:
         raise ValueError(f"--tokenizer: {tokenizer.vocab_size} tokens, more than the model's vocabulary "
                          f"({weights.model_config.vocab_size}); is it the tokenizer the run used?")
@@ -87,7 +92,8 @@ def run(args: argparse.Namespace, chat: Optional[ChatFormat] = None) -> int:
     settings = _settings(args)
     with open_for_sampling(args.checkpoint, dtype=args.dtype) as weights:
         tokenizer = _tokenizer(args, weights)
-        stops = generation_stop_ids([args.tokenizer or weights.tokenizer, weights.model_source])
+        folder = _tokenizer_spec(args, weights)
+        stops = generation_stop_ids([None if folder == "byte" else folder, weights.model_source])
         if args.chat is not None:
             chat = chat or chat_format(args, tokenizer, stops)
             prompts = [(None, chat.prompt_ids([{"role": "user", "content": args.chat}]))]
@@ -132,6 +138,7 @@ def _generate(generator: Generator, tokenizer: Tokenizer, text: Optional[str], i
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The CLI: 0 when every prompt was generated, 2 (after one ``error:`` line) otherwise."""
     args = _parser().parse_args(argv)
     with console.one_line_output():
         try:

@@ -24,6 +24,8 @@ from jaxascend.generation import (MAX_LENGTH, MAX_NEW_TOKENS, STOP_ID, Generator
 from jaxascend.generation import text as text_module
 from jaxascend.hf import make_hf_checkpoint, param_plan, reader_from_params, save_params
 from jaxascend.models import build_model
+from tests._corpus import write_word_corpus
+from tests.test_workflow import scratch_run
 
 REPO = Path(__file__).resolve().parents[1]
 BYTES = ByteTokenizer()
@@ -111,6 +113,7 @@ def test_ids_past_the_vocab_limit_are_never_chosen():
     (dict(top_p=0.0), r"top_p: must be a number in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p: must be a number in \(0, 1\]"),
     (dict(max_new_tokens=0), "max_new_tokens: must be an integer >= 1"),
+    (dict(seed=2 ** 32), r"seed: must be an integer in \[0, 2\*\*32\)"),
 ])
 def test_sampling_config_rejects(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -282,6 +285,25 @@ def test_cli_on_a_hugging_face_folder_with_a_chat_template(tmp_path, capsys):
     assert code == 2 and err.startswith("error: --chat: the tokenizer has no chat template")
 
 
+def test_cli_on_an_offloaded_runs_checkpoint(tmp_path, capsys):
+    """A run that kept its layers on SSD, killed after its checkpoint (no params.safetensors): its
+    folder and its step give the same text, sampled one layer at a time from the fp32 masters."""
+    corpus = write_word_corpus(tmp_path / "corpus", docs=2, words_per_doc=200)
+    run = tmp_path / "run"
+    proc = scratch_run(run, corpus, "train.steps=2", "checkpoint.every_steps=2", "offload.enabled=true",
+                       "offload.params=ssd", "model.remat=full", "export.save_params=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (run / "params.safetensors").exists()
+    outs = []
+    for checkpoint, stream in ((run, "auto"), (run / "checkpoints" / "2", "auto"), (run, "off")):
+        code, out, err = run_cli(capsys, "--checkpoint", checkpoint, "--prompt", "the ", "--max-new-tokens", 6,
+                                 "--dtype", "float32", "--stream-layers", stream)
+        assert code == 0, err
+        assert ("layers read one at a time" in err) == (stream == "auto")
+        outs.append(out)
+    assert outs[0] == outs[1] == outs[2] and outs[0].startswith("the ")
+
+
 def test_python_m_jaxascend_generate(params_file):
     proc = subprocess.run([sys.executable, "-m", "jaxascend.generate", "--checkpoint", str(params_file),
                            "--prompt", "x = ", "--max-new-tokens", "3"], capture_output=True, text=True,
@@ -297,6 +319,7 @@ def test_python_m_jaxascend_generate(params_file):
     (["--checkpoint", "{params}", "--prompt", "a", "--top-p", "0"], r"--top-p: must be a number in (0, 1]"),
     (["--checkpoint", "{params}", "--prompt", "a", "--top-p", "1.5"], r"--top-p: must be a number in (0, 1]"),
     (["--checkpoint", "{params}", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens: must be an integer"),
+    (["--checkpoint", "{params}", "--prompt", "a", "--seed", "-1"], "--seed: must be an integer in [0, 2**32)"),
     (["--checkpoint", "{params}", "--prompt", "a", "--temperature", "hot"], "argument --temperature: invalid float"),
     (["--checkpoint", "{params}", "--prompt", "a" * 64], "prompt: 65 tokens, longer than the model's "
                                                           "max_position_embeddings (64)"),

@@ -43,8 +43,9 @@ class SamplingConfig:
             raise ValueError(f"temperature: must be a number >= 0 (0: greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be a number in (0, 1], got {self.top_p!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 32:
+            # jax.random.key keeps 32 bits of a seed: larger ones would alias smaller ones
+            raise ValueError(f"seed: must be an integer in [0, 2**32), got {self.seed!r}")
         if self.vocab_limit is not None and self.vocab_limit < 1:
             raise ValueError(f"vocab_limit: must be >= 1, got {self.vocab_limit!r}")
         object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))

@@ -22,7 +22,10 @@ call. Our sequence length ``T`` is static per compiled step and the trainer feed
 ``T`` at trace time: exactly HF's for those positions (other positions, which the trainer never
 passes, still choose by ``T``). dynamic below ``max_position_embeddings``
 is therefore the default RoPE; HF's dynamic module also caches the largest length it has seen,
-which a fresh HF model (and we) do not.
+which a fresh HF model (and we) do not. Cached decoding calls over positions ``start..start+t-1``
+choose from the traced ``start + t`` instead (``Rotary.angles(positions, length)``), as HF does
+with a cache: keys cached before a generation crosses longrope's original length keep the short
+factors, in HF as here.
 """
 
 from __future__ import annotations
