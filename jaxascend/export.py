@@ -9,29 +9,22 @@
   run) or, when the run was killed or went on after it, its newest complete checkpoint;
 * an Orbax step directory (``<run>/checkpoints/<step>``) or a checkpoint directory (its newest
   complete step): an offloaded run's fp32 master weights are streamed from it one layer at a time;
-* a ``params.safetensors`` file.
+* a ``params.safetensors`` file
 
-``--dtype source`` (the default) stores the dtype of the checkpoint the run started from. Errors
-print one line and exit with status 2.
+(:func:`jaxascend.checkpoint.open_weights` opens each). ``--dtype source`` (the default) stores the
+dtype of the checkpoint the run started from. Errors print one line and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from pathlib import Path
 from typing import Optional, Sequence
 
-import yaml
-
 from jaxascend import console
-from jaxascend.checkpoint import CheckpointError, CheckpointWeights, complete_steps
+from jaxascend.checkpoint import CheckpointError, open_weights
 from jaxascend.config import ConfigError, parse_bytes
-from jaxascend.data import tokenizer_folder
-from jaxascend.hf import DEFAULT_SHARD_BYTES, DTYPE_NAMES, NO_TOKENIZER_NOTE, PARAMS_FILE, ParamsFile, export_hf
-
-META_DIR = "meta"  # present in every complete step directory
+from jaxascend.hf import DEFAULT_SHARD_BYTES, DTYPE_NAMES, NO_TOKENIZER_NOTE, PARAMS_FILE, export_hf
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,75 +39,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer folder to copy (default: the one the run used)")
     return p
-
-
-class _Weights:
-    """What an export needs from any source: a reader, the model config and the provenance."""
-
-    def __init__(self, read, model_config, tokenizer, model_source, source_dtype, description, closer):
-        self.read, self.model_config, self.tokenizer = read, model_config, tokenizer
-        self.model_source, self.source_dtype, self.description = model_source, source_dtype, description
-        self.close = closer
-
-
-def _from_params_file(f: ParamsFile) -> _Weights:
-    return _Weights(f.read, f.model_config, f.tokenizer, f.model_source, f.source_dtype, f.path, f.close)
-
-
-def _from_step(step_dir: Path) -> _Weights:
-    w = CheckpointWeights(step_dir)
-    origin = w.origin or {}
-    run = w.run_config
-    if w.origin is None:  # a checkpoint made before the provenance was saved: from its run config
-        data, model = run.get("data", {}), run.get("model", {})
-        origin = {"tokenizer": tokenizer_folder(data.get("tokenizer", "byte"), model.get("path")),
-                  "model_source": model.get("path"), "source_dtype": model.get("param_dtype", "float32")}
-    return _Weights(w.read, w.model_config, origin["tokenizer"], origin["model_source"], origin["source_dtype"],
-                    f"checkpoint {step_dir}", w.close)
-
-
-def _checkpoint_dir_of(run_dir: Path) -> Path:
-    """``checkpoint.dir`` of the run in ``run_dir`` (its config.yaml), else ``<run_dir>/checkpoints``."""
-    config = run_dir / "config.yaml"
-    if config.is_file():
-        try:
-            saved = yaml.safe_load(config.read_text()) or {}
-            directory = (saved.get("checkpoint") or {}).get("dir")
-        except (yaml.YAMLError, AttributeError):
-            directory = None
-        if directory:
-            return Path(directory)
-    return run_dir / "checkpoints"
-
-
-def open_weights(checkpoint: str) -> _Weights:
-    """The weights ``--checkpoint`` names (see the module doc); ValueError naming what is missing."""
-    path = Path(os.path.expanduser(checkpoint))
-    if path.is_file():
-        return _from_params_file(ParamsFile(path))
-    if not path.is_dir():
-        raise ValueError(f"--checkpoint: {checkpoint!r} does not exist")
-    if (path / META_DIR).is_dir():
-        return _from_step(path)
-    steps = complete_steps(path)
-    if steps:  # a checkpoint directory
-        return _from_step(path / str(steps[-1]))
-    params = path / PARAMS_FILE
-    checkpoints = _checkpoint_dir_of(path)
-    steps = complete_steps(checkpoints)
-    if not params.is_file() and not steps:
-        raise ValueError(f"--checkpoint: {checkpoint!r} has no {PARAMS_FILE} and no complete checkpoint in "
-                         f"{checkpoints} (is it a run's output folder?)")
-    if not steps:
-        return _from_params_file(ParamsFile(params))
-    newest = checkpoints / str(steps[-1])
-    if params.is_file():  # the final weights, unless the run went on (or was resumed) after them
-        f = ParamsFile(params)
-        newer = steps[-1] > f.step if f.step is not None else newest.stat().st_mtime > params.stat().st_mtime
-        if not newer:
-            return _from_params_file(f)
-        f.close()
-    return _from_step(newest)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -25,9 +25,9 @@ LAYERS = [
     ("jaxascend.optim",),
     ("jaxascend.checkpoint",),
     ("jaxascend.offload",),
-    ("jaxascend.metrics", "jaxascend.in_memory_engine"),
+    ("jaxascend.metrics", "jaxascend.in_memory_engine", "jaxascend.generation"),
     ("jaxascend.trainer",),
-    ("jaxascend.train", "jaxascend.export", "jaxascend.plan", "jaxascend.plot"),
+    ("jaxascend.train", "jaxascend.export", "jaxascend.plan", "jaxascend.plot", "jaxascend.generate"),
     ("jaxascend",),  # the package's own __init__: re-exports from below
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

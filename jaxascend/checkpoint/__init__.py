@@ -5,9 +5,12 @@
 * :class:`SsdArrays` / :class:`ArraySpec` -- SSD regions streamed chunk by chunk through arena
   slots into plain zarr arrays (readable by stock Orbax and tensorstore), with a crc32c per chunk;
 * :class:`CheckpointWeights` -- one step's weights, one layer at a time, for an export;
+* :func:`open_weights` / :class:`RunWeights` -- a run's folder, a step, a checkpoint directory or
+  a ``params.safetensors`` file as one reader with its model config and tokenizer (the CLIs' input);
 * the errors: :class:`CheckpointError` and its subclasses.
 
-Imports :mod:`jaxascend.config` and :mod:`jaxascend.ssd`; knows nothing of the engines.
+Imports :mod:`jaxascend.config`, :mod:`jaxascend.ssd`, :mod:`jaxascend.data` (tokenizer folders) and
+:mod:`jaxascend.hf` (parameter files); knows nothing of the engines.
 """
 
 from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
@@ -16,11 +19,12 @@ from jaxascend.checkpoint.manager import (Checkpointer, Restored, check_compatib
                                           default_directory, read_meta, resume_target)
 from jaxascend.checkpoint.ssd_arrays import (CHECKPOINT_SHAPE_CLASS, ArraySpec, Span, SsdArrays,
                                              checkpoint_arena_requests, specs_for_offload_layout)
+from jaxascend.checkpoint.run_weights import RunWeights, open_weights
 from jaxascend.checkpoint.weights import CheckpointWeights
 
 __all__ = [
     "CHECKPOINT_SHAPE_CLASS", "ArraySpec", "CheckpointError", "CheckpointNotFoundError", "CheckpointWeights",
-    "Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError", "Restored", "Span", "SsdArrays",
-    "check_compatible", "checkpoint_arena_requests", "complete_steps", "default_directory", "read_meta",
-    "resume_target", "specs_for_offload_layout",
+    "Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError", "Restored", "RunWeights", "Span", "SsdArrays",
+    "check_compatible", "checkpoint_arena_requests", "complete_steps", "default_directory", "open_weights",
+    "read_meta", "resume_target", "specs_for_offload_layout",
 ]

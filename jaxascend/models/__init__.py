@@ -5,6 +5,9 @@ GPT-2 and Gemma 3 (text), and their next-token loss (over every target, or a wei
     logits = model(input_ids)            # int32 [B, T] -> float32 [B, T, V]
     count_params(model)
 
+    cache = model.init_cache(batch=1, length=64)          # cached decoding (models.decoding)
+    logits, cache = model.decode(prompt, cache, 0)        # prefill, then one token at a time
+
 Layers are stacked along a leading axis and run under ``lax.scan`` with the remat policy
 ``cfg.remat``; each model module documents its parameter tree against Hugging Face names.
 Imports only :mod:`jaxascend.config`.
@@ -16,6 +19,7 @@ import jax
 from flax import nnx
 
 from jaxascend.config import ModelConfig
+from jaxascend.models.decoding import KVCache, LayerKV, cache_positions, cached_attention, decode_layers, layer_decode
 from jaxascend.models.gemma3 import GEMMA3_ARCHS, Gemma3ForCausalLM
 from jaxascend.models.gpt2 import GPT2LMHeadModel
 from jaxascend.models.vocab import is_large_table, table_blocks
@@ -52,8 +56,9 @@ def count_params(model: nnx.Module) -> int:
 
 
 __all__ = [
-    "ARCHS", "DTYPES", "GPT2LMHeadModel", "Gemma3ForCausalLM", "LlamaForCausalLM", "OFFLOADED_ACTIVATIONS",
-    "REMAT_POLICIES", "TokenBatch",
-    "as_token_batch", "batch_loss", "build_model", "count_params", "is_large_table", "layer_forward", "loss_sum_and_count", "micro_batch",
+    "ARCHS", "DTYPES", "GPT2LMHeadModel", "Gemma3ForCausalLM", "KVCache", "LayerKV", "LlamaForCausalLM",
+    "OFFLOADED_ACTIVATIONS", "REMAT_POLICIES", "TokenBatch",
+    "as_token_batch", "batch_loss", "build_model", "cache_positions", "cached_attention", "count_params",
+    "decode_layers", "is_large_table", "layer_decode", "layer_forward", "loss_sum_and_count", "micro_batch",
     "next_token_loss", "norm_scale_init", "scan_layers", "table_blocks", "token_batch", "token_losses", "forward",
 ]

@@ -47,6 +47,7 @@ from flax import nnx
 
 from jaxascend.config import ModelConfig
 from jaxascend.models import layers as L
+from jaxascend.models.decoding import CachedDecoding, LayerKV
 from jaxascend.models.llama import LlamaAttention, LlamaMLP, check_llama_config
 from jaxascend.models.rope import Rotary
 
@@ -83,9 +84,10 @@ class Gemma3Attention(LlamaAttention):
                                    cfg.max_position_embeddings)
         self.scale = (cfg.query_pre_attn_scalar or head_dim) ** -0.5
 
-    def rope_angles(self, positions: jax.Array, is_sliding: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def rope_angles(self, positions: jax.Array, is_sliding: jax.Array,
+                    length: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
         # Both tables are [B, T, H/2]: computing the unused one costs nothing next to attention.
-        local, full = self.local_rope.angles(positions), self.rope.angles(positions)
+        local, full = self.local_rope.angles(positions, length), self.rope.angles(positions, length)
         return jnp.where(is_sliding, local[0], full[0]), jnp.where(is_sliding, local[1], full[1])
 
 
@@ -108,10 +110,18 @@ class Gemma3DecoderLayer(nnx.Module):
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(mlp)
 
+    def decode(self, hidden: jax.Array, positions: jax.Array, kv: LayerKV, start: jax.Array,
+               is_sliding: jax.Array) -> tuple[jax.Array, LayerKV]:
+        """The block over a cached call (see ``LlamaAttention.decode``)."""
+        attn, kv = self.self_attn.decode(self.input_layernorm(hidden), positions, kv, start, is_sliding)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp), kv
 
-class Gemma3ForCausalLM(nnx.Module):
+
+class Gemma3ForCausalLM(nnx.Module, CachedDecoding):
     """Gemma 3 LM: ``model(input_ids [B,T], positions [B,T] | None, segment_ids [B,T] | None)
-    -> float32 [B,T,V]``."""
+    -> float32 [B,T,V]``; ``model.decode(input_ids [B,t], cache, start)`` is the cached path."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
         cfg = dataclasses.replace(cfg, hidden_act=cfg.hidden_act or DEFAULT_HIDDEN_ACT)
@@ -130,11 +140,26 @@ class Gemma3ForCausalLM(nnx.Module):
         self.final_logit_softcapping = cfg.final_logit_softcapping
         self.remat = cfg.remat
         self.dtype = dtype
+        self.kv_cache_dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
 
     def embed(self, input_ids: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
         """The scaled embedding, in the compute dtype: HF multiplies by ``sqrt(hidden_size)``
         rounded to the weight dtype first (bf16 34.0 for Gemma 3 1B, not 33.94)."""
         return self.embed_tokens(input_ids, table_hook) * jnp.asarray(self.embed_scale, self.dtype)
+
+    def embed_inputs(self, input_ids: jax.Array, positions: jax.Array,
+                     table_hook: Optional[L.TableHook] = None) -> jax.Array:
+        """The first layer's input: the scaled embedding (positions enter through RoPE)."""
+        del positions
+        return self.embed(input_ids, table_hook)
+
+    def logits(self, hidden: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
+        """float32 logits ``[B, T, V]``: final norm, head, then the final logit softcapping."""
+        logits = L.lm_logits(self.norm(hidden), self.embed_tokens, self.lm_head, table_hook)
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = jnp.tanh(logits / cap) * cap
+        return logits
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
                  layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
@@ -143,8 +168,4 @@ class Gemma3ForCausalLM(nnx.Module):
         L.check_segment_ids(input_ids, segment_ids)
         hidden = L.scan_layers(self.layers, self.embed(input_ids, table_hook), positions, self.remat, layer_hook,
                                self.layer_flags, segment_ids=segment_ids)
-        logits = L.lm_logits(self.norm(hidden), self.embed_tokens, self.lm_head, table_hook)
-        if self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
-            logits = jnp.tanh(logits / cap) * cap
-        return logits
+        return self.logits(hidden, table_hook)

@@ -53,6 +53,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxascend.config import ModelConfig
 from jaxascend.models import layers as L
+from jaxascend.models.decoding import CachedDecoding, LayerKV, cached_attention
 
 
 def _check_gpt2_config(cfg: ModelConfig, vocab_size: int) -> None:
@@ -103,16 +104,29 @@ class GPT2Attention(nnx.Module):
         self.c_proj = _linear(cfg, d, d, rngs)
         self.num_heads = cfg.num_attention_heads
 
-    def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``q, k, v [B,T,N,H]`` of ``x`` (the fused ``c_attn``)."""
         batch, length, width = x.shape
         shape = (batch, length, self.num_heads, width // self.num_heads)
         q, k, v = jnp.split(self.c_attn(x), 3, axis=-1)
         q = checkpoint_name(q.reshape(shape), "query")
         k = checkpoint_name(k.reshape(shape), "key")
-        v = checkpoint_name(v.reshape(shape), "value")
+        return q, k, checkpoint_name(v.reshape(shape), "value")
+
+    def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        batch, length, width = x.shape
+        q, k, v = self.project(x)
         context = L.causal_attention(q, k, v, segment_ids=segment_ids).reshape(batch, length, width)
         context = checkpoint_name(context, "attn_context")
         return checkpoint_name(self.c_proj(context), "attn_out")
+
+    def decode(self, x: jax.Array, kv: LayerKV, start: jax.Array) -> tuple[jax.Array, LayerKV]:
+        """The cached call over ``x [B,t,D]`` at cache indices ``start ..`` (see
+        :func:`jaxascend.models.decoding.cached_attention`)."""
+        batch, length, width = x.shape
+        q, k, v = self.project(x)
+        context, kv = cached_attention(q, k, v, kv, start)
+        return self.c_proj(context.reshape(batch, length, width)), kv
 
 
 class GPT2MLP(nnx.Module):
@@ -143,14 +157,24 @@ class GPT2Block(nnx.Module):
         hidden = hidden + self.attn(self.ln_1(hidden), segment_ids)
         return hidden + self.mlp(self.ln_2(hidden))
 
+    def decode(self, hidden: jax.Array, positions: jax.Array, kv: LayerKV,
+               start: jax.Array) -> tuple[jax.Array, LayerKV]:
+        """The block over a cached call (positions entered through ``wpe``)."""
+        del positions
+        attn, kv = self.attn.decode(self.ln_1(hidden), kv, start)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.ln_2(hidden)), kv
 
-class GPT2LMHeadModel(nnx.Module):
+
+class GPT2LMHeadModel(nnx.Module, CachedDecoding):
     """GPT-2 LM: ``model(input_ids [B,T], positions [B,T] | None, segment_ids [B,T] | None)
-    -> float32 [B,T,V]``.
+    -> float32 [B,T,V]``; ``model.decode(input_ids [B,t], cache, start)`` is the cached path.
 
     Positions index ``wpe``; a position >= max_position_embeddings gives NaN logits (the table
     lookup fills out-of-range rows with NaN instead of clamping).
     """
+
+    LAYER_STACK = "h"  # the stacked blocks, for CachedDecoding
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
         _check_gpt2_config(cfg, vocab_size)
@@ -165,6 +189,17 @@ class GPT2LMHeadModel(nnx.Module):
         self.max_positions = cfg.max_position_embeddings
         self.remat = cfg.remat
         self.dtype = dtype
+        heads = cfg.num_attention_heads
+        self.kv_cache_dims = (cfg.num_hidden_layers, heads, cfg.hidden_size // heads)
+
+    def embed_inputs(self, input_ids: jax.Array, positions: jax.Array,
+                     table_hook: Optional[L.TableHook] = None) -> jax.Array:
+        """The first block's input: token plus position embeddings."""
+        return self.wte(input_ids, table_hook) + self.wpe(positions)
+
+    def logits(self, hidden: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
+        """float32 logits ``[B, T, V]`` of the last block's output: ``ln_f``, then the head."""
+        return L.lm_logits(self.ln_f(hidden), self.wte, self.lm_head, table_hook)
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
                  layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
@@ -174,7 +209,6 @@ class GPT2LMHeadModel(nnx.Module):
                              f"model.max_position_embeddings={self.max_positions}")
         positions = L.default_positions(input_ids, positions)
         L.check_segment_ids(input_ids, segment_ids)
-        hidden = self.wte(input_ids, table_hook) + self.wpe(positions)
+        hidden = self.embed_inputs(input_ids, positions, table_hook)
         hidden = L.scan_layers(self.h, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids)
-        hidden = self.ln_f(hidden)
-        return L.lm_logits(hidden, self.wte, self.lm_head, table_hook)
+        return self.logits(hidden, table_hook)

@@ -55,6 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxascend.config import ModelConfig, validate_rope_scaling
 from jaxascend.models import layers as L
+from jaxascend.models.decoding import CachedDecoding, LayerKV, cached_attention
 from jaxascend.models.rope import Rotary, apply_rope
 
 LLAMA_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3")
@@ -122,29 +123,46 @@ class LlamaAttention(nnx.Module):
         self.sliding_window = cfg.sliding_window
         self.scale = None  # head_dim ** -0.5 (Gemma 3 sets its own)
 
-    def rope_angles(self, positions: jax.Array, is_sliding: Optional[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def rope_angles(self, positions: jax.Array, is_sliding: Optional[jax.Array],
+                    length: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
         """``(sin, cos)`` of this layer; every Llama-family layer has the same RoPE (Gemma 3's
-        sliding layers have their own, chosen by ``is_sliding``)."""
-        return self.rope.angles(positions)
+        sliding layers have their own, chosen by ``is_sliding``). ``length``: see ``Rotary.angles``."""
+        return self.rope.angles(positions, length)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, is_sliding: Optional[jax.Array] = None, *,
-                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        """``is_sliding`` (a traced bool; None: ``sliding_window`` on every layer) is the layer's
-        entry of ``scan_layers``' ``layer_flags``; ``segment_ids`` keep packed examples apart."""
+    def project(self, x: jax.Array, positions: jax.Array, is_sliding: Optional[jax.Array],
+                rope_length: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``q [B,T,N,H]`` and ``k, v [B,T,K,H]`` of ``x``: projections, q/k norms, RoPE."""
         batch, length, _ = x.shape
         q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        sin, cos = self.rope_angles(positions, is_sliding)
+        sin, cos = self.rope_angles(positions, is_sliding, rope_length)
         q = checkpoint_name(apply_rope(q, sin, cos), "query")
         k = checkpoint_name(apply_rope(k, sin, cos), "key")
-        v = checkpoint_name(v, "value")
+        return q, k, checkpoint_name(v, "value")
+
+    def __call__(self, x: jax.Array, positions: jax.Array, is_sliding: Optional[jax.Array] = None, *,
+                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        """``is_sliding`` (a traced bool; None: ``sliding_window`` on every layer) is the layer's
+        entry of ``scan_layers``' ``layer_flags``; ``segment_ids`` keep packed examples apart."""
+        batch, length, _ = x.shape
+        q, k, v = self.project(x, positions, is_sliding)
         context = L.causal_attention(q, k, v, sliding_window=self.sliding_window, scale=self.scale,
                                      is_sliding=is_sliding, segment_ids=segment_ids)
         context = checkpoint_name(context.reshape(batch, length, -1), "attn_context")
         return checkpoint_name(self.o_proj(context), "attn_out")
+
+    def decode(self, x: jax.Array, positions: jax.Array, kv: LayerKV, start: jax.Array,
+               is_sliding: Optional[jax.Array] = None) -> tuple[jax.Array, LayerKV]:
+        """The cached call over ``x [B,t,D]`` at cache indices ``positions`` (``start`` ..):
+        this call's keys and values go into ``kv``, the queries attend over all of it."""
+        batch, length, _ = x.shape
+        q, k, v = self.project(x, positions, is_sliding, rope_length=start + length)
+        context, kv = cached_attention(q, k, v, kv, start, sliding_window=self.sliding_window, scale=self.scale,
+                                       is_sliding=is_sliding)
+        return self.o_proj(context.reshape(batch, length, -1)), kv
 
 
 class LlamaMLP(nnx.Module):
@@ -186,10 +204,19 @@ class LlamaDecoderLayer(nnx.Module):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, segment_ids=segment_ids)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def decode(self, hidden: jax.Array, positions: jax.Array, kv: LayerKV,
+               start: jax.Array) -> tuple[jax.Array, LayerKV]:
+        """The block over a cached call (see ``LlamaAttention.decode``)."""
+        attn, kv = self.self_attn.decode(self.input_layernorm(hidden), positions, kv, start)
+        hidden = hidden + attn
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), kv
 
-class LlamaForCausalLM(nnx.Module):
+
+class LlamaForCausalLM(nnx.Module, CachedDecoding):
     """Decoder-only LM: ``model(input_ids [B,T], positions [B,T] | None) -> float32 [B,T,V]``;
-    ``segment_ids [B,T]`` keep the attention of examples packed into one row apart."""
+    ``segment_ids [B,T]`` keep the attention of examples packed into one row apart.
+    ``model.decode(input_ids [B,t], cache, start) -> (logits, cache)`` is the cached path
+    (:mod:`jaxascend.models.decoding`)."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
         head_dim = check_llama_config(cfg, vocab_size)
@@ -203,14 +230,24 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = L.output_head(cfg, vocab_size, rngs)
         self.remat = cfg.remat
         self.dtype = dtype
+        self.kv_cache_dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+
+    def embed_inputs(self, input_ids: jax.Array, positions: jax.Array,
+                     table_hook: Optional[L.TableHook] = None) -> jax.Array:
+        """The first layer's input ``[B, T, D]`` (positions enter through RoPE, not here)."""
+        del positions
+        return self.embed_tokens(input_ids, table_hook)
+
+    def logits(self, hidden: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
+        """float32 logits ``[B, T, V]`` of the last layer's output: final norm, then the head."""
+        return L.lm_logits(self.norm(hidden), self.embed_tokens, self.lm_head, table_hook)
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
                  layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
         positions = L.default_positions(input_ids, positions)
         L.check_segment_ids(input_ids, segment_ids)
-        hidden = self.embed_tokens(input_ids, table_hook)
+        hidden = self.embed_inputs(input_ids, positions, table_hook)
         hidden = L.scan_layers(self.layers, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids)
-        hidden = self.norm(hidden)
-        return L.lm_logits(hidden, self.embed_tokens, self.lm_head, table_hook)
+        return self.logits(hidden, table_hook)
 

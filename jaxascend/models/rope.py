@@ -22,7 +22,10 @@ call. Our sequence length ``T`` is static per compiled step and the trainer feed
 ``T`` at trace time: exactly HF's for those positions (other positions, which the trainer never
 passes, still choose by ``T``). dynamic below ``max_position_embeddings``
 is therefore the default RoPE; HF's dynamic module also caches the largest length it has seen,
-which a fresh HF model (and we) do not.
+which a fresh HF model (and we) do not. Cached decoding calls over positions ``start..start+t-1``
+choose from the traced ``start + t`` instead (``Rotary.angles(positions, length)``), as HF does
+with a cache: keys cached before a generation crosses longrope's original length keep the short
+factors, in HF as here.
 """
 
 from __future__ import annotations
@@ -201,11 +204,35 @@ class Rotary:
     def attention_factor(self) -> float:
         return rope_attention_factor(self.scaling_dict, self.max_position_embeddings)
 
-    def angles(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``(sin, cos)`` for int positions ``[B, T]``; the frequencies are chosen from the static
-        ``T`` (see the module docstring) and both are scaled by the attention factor."""
-        inv_freq = self.inverse_frequencies(positions.shape[1])
+    def angles(self, positions: jax.Array, length: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+        """``(sin, cos)`` for int positions ``[B, T]``, both scaled by the attention factor. The
+        frequencies are chosen from the static ``T`` (see the module docstring), or, when
+        ``length`` is given, from that traced int scalar: a cached decoding call over positions
+        ``start..start+T-1`` passes ``start + T``, as transformers chooses from
+        ``max(position_ids) + 1``."""
+        if length is None:
+            inv_freq = self.inverse_frequencies(positions.shape[1])
+        else:
+            inv_freq = self.inverse_frequencies_at(length)
         return rope_angles(positions, inv_freq, self.attention_factor)
+
+    def inverse_frequencies_at(self, length: jax.Array) -> jax.Array:
+        """float32 ``[rotary_dim // 2]`` for a call whose sequence length is the traced int scalar
+        ``length``: longrope switches to its long factors past the original length; dynamic
+        rescales theta past ``max_position_embeddings`` (in float32, as transformers does)."""
+        scaling = self.scaling_dict or {}
+        base = jnp.asarray(self.inverse_frequencies(1))  # short factors; dynamic's unscaled ones
+        if scaling.get("rope_type") == "longrope":
+            original = scaling["original_max_position_embeddings"]
+            return jnp.where(length > original, jnp.asarray(self.inverse_frequencies(original + 1)), base)
+        if scaling.get("rope_type") == "dynamic":
+            mpe, factor = self.max_position_embeddings, float(scaling["factor"])
+            dim = rotary_dim(self.head_dim, self.partial_rotary_factor)
+            grown = jnp.maximum(length, mpe).astype(jnp.float32)
+            theta = self.theta * (factor * grown / mpe - (factor - 1)) ** (dim / (dim - 2))
+            scaled = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
+            return jnp.where(length > mpe, scaled, base)
+        return base
 
 
 def rope_angles(positions: jax.Array, inv_freq, attention_factor: float = 1.0) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,28 @@
+"""Sampling from a trained model: a key/value-cached decoding loop over any weight source.
+
+* :class:`Generator` -- the model in the compute dtype, built one tensor at a time from a reader
+  ``read(path, layer)`` or an in-memory tree, with jitted prefill/step functions over a cache of a
+  bucketed length; ``stream_layers=True`` keeps only the embeddings, final norm and head resident
+  and reads each layer just before it runs (the next one on a thread meanwhile);
+* :class:`SamplingConfig` / :func:`sample_logits` -- greedy, temperature, top-p, seed, stop ids;
+* :class:`TextStream` -- new tokens to printable text as they come (whole UTF-8 characters);
+* :func:`sample_texts` -- prompts in, continuations out (e.g. at the end of a training run);
+* :class:`ChatFormat` / :func:`template_chat_format` -- a conversation through a chat template;
+* :func:`open_for_sampling` / :func:`streams_layers` -- a run, checkpoint, params file or Hugging
+  Face folder as weights, and whether the run kept its layers on SSD.
+
+Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.data`,
+:mod:`jaxascend.hf` and :mod:`jaxascend.checkpoint`; the generate CLI uses it.
+"""
+
+from jaxascend.generation.chat import NO_TEMPLATE, ChatFormat, read_template, template_chat_format
+from jaxascend.generation.generator import MAX_LENGTH, MAX_NEW_TOKENS, STOP_ID, Generation, Generator, check_prompt
+from jaxascend.generation.sampling import SamplingConfig, bucket_length, sample_logits, top_p_filter
+from jaxascend.generation.text import TextStream, generation_stop_ids, sample_texts
+from jaxascend.generation.weights import LayerStream, open_for_sampling, read_params, streams_layers
+
+__all__ = [
+    "MAX_LENGTH", "MAX_NEW_TOKENS", "NO_TEMPLATE", "STOP_ID", "ChatFormat", "Generation", "Generator", "LayerStream",
+    "SamplingConfig", "TextStream", "bucket_length", "check_prompt", "generation_stop_ids", "open_for_sampling", "read_params",
+    "read_template", "sample_logits", "sample_texts", "streams_layers", "template_chat_format", "top_p_filter",
+]
