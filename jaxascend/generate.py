@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 from jaxascend import console
 from jaxascend.checkpoint import CheckpointError, RunWeights
 from jaxascend.data import Tokenizer, load_tokenizer
 from jaxascend.generation import (MAX_LENGTH, STOP_ID, ChatFormat, Generator, SamplingConfig, TextStream,
-                                  check_prompt, generation_stop_ids, open_for_sampling, read_template,
+                                  check_prompt, generation_stop_ids, open_for_sampling, check_template_file,
                                   streams_layers, template_chat_format)
 from jaxascend.models import DTYPES
 
@@ -75,9 +76,16 @@ def _tokenizer(args: argparse.Namespace, weights: RunWeights) -> Tokenizer:
     return tokenizer
 
 
-def chat_format(args: argparse.Namespace, tokenizer: Tokenizer, stop_ids: tuple[int, ...]) -> ChatFormat:
-    """How ``--chat`` becomes a prompt: ``--chat-template`` or the tokenizer's own template."""
-    template = read_template(args.chat_template) if args.chat_template else None
+def chat_format(args: argparse.Namespace, tokenizer: Tokenizer, stop_ids: tuple[int, ...],
+                run_config: Optional[dict] = None) -> ChatFormat:
+    """How ``--chat`` becomes a prompt: ``--chat-template``, else the template the run trained
+    with (its config's ``data.chat_template``, when that file still exists), else the
+    tokenizer's own."""
+    template = check_template_file(args.chat_template) if args.chat_template else None
+    if template is None:
+        trained = ((run_config or {}).get("data") or {}).get("chat_template")
+        if trained and Path(trained).expanduser().is_file():
+            template = trained
     return template_chat_format(tokenizer, template, stop_ids)
 
 
@@ -95,7 +103,7 @@ def run(args: argparse.Namespace, chat: Optional[ChatFormat] = None) -> int:
         folder = _tokenizer_spec(args, weights)
         stops = generation_stop_ids([None if folder == "byte" else folder, weights.model_source])
         if args.chat is not None:
-            chat = chat or chat_format(args, tokenizer, stops)
+            chat = chat or chat_format(args, tokenizer, stops, weights.run_config)
             prompts = [(None, chat.prompt_ids([{"role": "user", "content": args.chat}]))]
             stops = chat.stop_ids
         else:

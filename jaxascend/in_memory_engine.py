@@ -93,6 +93,10 @@ class InMemoryEngine:
         self.params, self.opt_state = restored.params, restored.opt_state
         return restored.meta
 
+    def compute_weights(self) -> nnx.State:
+        """The parameters to sample from (fp32 here; the sampler casts to the compute dtype)."""
+        return self.params
+
     def export_params(self) -> nnx.State:
         """The weights to save or export: the fp32 parameters themselves here."""
         return self.params

@@ -26,6 +26,7 @@ from jaxascend.config import Config, ConfigError, ModelConfig
 from jaxascend.data import eval_batches, load_tokenizer, make_batch_stream, tokenizer_folder
 from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, export_hf, lean_init_reader,
                           load_hf_model, model_config_from_hf, save_params)
+from jaxascend.generation import SamplePrompts
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.models import TokenBatch, count_params, token_batch
@@ -172,6 +173,7 @@ def run(cfg: Config) -> TrainResult:
     # the budget or the disk stops here, naming the part and by how much.
     cfg, plan = plan_resolve(cfg, dataclasses.replace(model_cfg, vocab_size=vocab_size))
     plan.check()
+    samples = SamplePrompts.from_config(cfg, tokenizer, dataclasses.replace(model_cfg, vocab_size=vocab_size))
     streamed = cfg.offload.enabled and cfg.offload.params == "ssd"
     start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
     # The checkpoint's tensors (names, shapes, dtypes) are checked when the reader opens.
@@ -244,6 +246,9 @@ def run(cfg: Config) -> TrainResult:
         ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
         if cfg.export.save_params or cfg.export.enabled:
             save_outputs(cfg, out_dir, engine.export_params(), origin, last)  # fp32 master weights
+        if samples is not None:  # the trained model answers eval.sample_prompts
+            _write_samples(samples.generate(origin.model_config, engine.compute_weights(), tokenizer,
+                                            stream_layers=streamed), out_dir)
         report = engine.report()
         _write_timeline(engine, out_dir)
 
@@ -272,6 +277,13 @@ def _write_timeline(engine, out_dir: Path) -> None:
     (out_dir / "timeline.json").write_text(json.dumps(data, indent=1))
     if not write_timeline_png(data, out_dir / "timeline.png"):
         console.note("timeline.png not drawn: matplotlib is not installed (timeline.json has the events)")
+
+
+def _write_samples(results: list[dict], out_dir: Path) -> None:
+    """``samples.json``, and each prompt with its answer on the terminal."""
+    (out_dir / "samples.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
+    for r in results:
+        print(f"> {r['prompt']}\n{r['completion']}")
 
 
 def _log_record(step: int, stats: dict[str, Any], schedule: optax.Schedule, throughput: Throughput,

@@ -16,11 +16,11 @@ import pytest
 import yaml
 from flax import nnx
 
-from jaxascend.config import ModelConfig
+from jaxascend.config import ModelConfig, load_config
 from jaxascend.data import ByteTokenizer, HFTokenizer, write_hf_tokenizer
 from jaxascend.generate import main
 from jaxascend.generation import (MAX_LENGTH, MAX_NEW_TOKENS, STOP_ID, Generator, LayerStream, SamplingConfig,
-                                  TextStream, bucket_length, sample_logits, sample_texts, template_chat_format)
+                                  SamplePrompts, TextStream, bucket_length, sample_logits, template_chat_format)
 from jaxascend.generation import text as text_module
 from jaxascend.hf import make_hf_checkpoint, param_plan, reader_from_params, save_params
 from jaxascend.models import build_model
@@ -161,10 +161,17 @@ def test_bad_prompts_are_refused(generator, prompt, message):
         generator.generate(prompt)
 
 
-def test_sample_texts_decodes_what_the_generator_makes(model_cfg, params, generator):
-    texts = sample_texts(model_cfg, params, BYTES, ["def main(", "import "], SamplingConfig(max_new_tokens=8))
-    expect = generator.generate(BYTES.encode("def main("), SamplingConfig(max_new_tokens=8, stop_ids=(BYTES.eos_id,)))
-    assert texts[0] == BYTES.decode(expect.tokens) and len(texts) == 2
+def test_end_of_run_samples_decode_what_the_generator_makes(model_cfg, params, generator):
+    cfg = load_config("configs/tiny.yaml", ["eval.sample_prompts=['def main(', 'import ']", "eval.sample_max_tokens=8"])
+    samples = SamplePrompts.from_config(cfg, BYTES, model_cfg)
+    results = samples.generate(model_cfg, params, BYTES)
+    expect = generator.generate([BYTES.bos_id] + BYTES.encode("def main("),  # framed as training documents
+                                SamplingConfig(max_new_tokens=8, stop_ids=(BYTES.eos_id,)))
+    assert results[0]["completion"] == BYTES.decode(expect.tokens) and len(results) == 2
+    assert results[0]["prompt"] == "def main(" and results[0]["new_tokens"] == len(expect.tokens)
+    long = load_config("configs/tiny.yaml", ["eval.sample_prompts=['ok', '" + "x" * 70 + "']"])
+    with pytest.raises(ValueError, match=r"eval.sample_prompts\[1\]: prompt: 71 tokens, longer than"):
+        SamplePrompts.from_config(long, BYTES, model_cfg)
 
 def test_streamed_weights_are_read_one_layer_at_a_time_one_ahead():
     cfg = tiny_config(num_hidden_layers=4)
@@ -222,10 +229,16 @@ def test_text_stream_of_a_bpe_tokenizer_prints_what_decoding_all_gives(tmp_path)
     assert printed == tok.decode(prompt + new)[len(tok.decode(prompt)):]
 
 
-def test_a_chat_template_file_renders_the_conversation():
-    chat = template_chat_format(BYTES, CHAT_TEMPLATE, stop_ids=(7,))
+def test_a_chat_template_file_renders_the_conversation(tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    chat = template_chat_format(BYTES, str(template), stop_ids=(7,))
     ids = chat.prompt_ids([{"role": "user", "content": "hi"}])
     assert BYTES.decode(ids) == "<user>hi</user><assistant>" and chat.stop_ids == (7, BYTES.eos_id)
+    # The training data's renderer: the byte tokenizer's special names become its special ids.
+    template.write_text("{{ bos_token }}" + CHAT_TEMPLATE)
+    ids = template_chat_format(BYTES, str(template)).prompt_ids([{"role": "user", "content": "hi"}])
+    assert ids[0] == BYTES.bos_id and BYTES.decode(ids[1:]) == "<user>hi</user><assistant>"
     with pytest.raises(ValueError, match="--chat: the tokenizer has no chat template; pass --chat-template FILE"):
         template_chat_format(BYTES)
 

@@ -80,3 +80,24 @@ def test_a_malformed_record_stops_the_run_before_anything_is_written(tmp_path, w
     assert len(lines) == 1 and lines[0].startswith("error: ")
     assert f"{bad}" in lines[0] and "line 3" in lines[0] and "robot" in lines[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("params", ["resident", "ssd"])
+def test_end_of_run_samples_match_the_generate_cli(tmp_path, capsys, params):
+    """The trained model answers eval.sample_prompts at the end (samples.json, the terminal), with
+    the compute weights as the run left them, and generate on the saved run says the same."""
+    from jaxascend.generate import main
+
+    extra = ["model.remat=full"] if params == "ssd" else []
+    run(_cfg(tmp_path, params, "train.steps=3", f"offload.params={params}", "export.save_params=true",
+             "eval.sample_prompts=['What is the capital of Japan?']", "eval.sample_max_tokens=12", *extra))
+    samples = json.loads((tmp_path / params / "samples.json").read_text())
+    assert [s["prompt"] for s in samples] == ["What is the capital of Japan?"]
+    assert 0 < samples[0]["new_tokens"] <= 12
+    printed = capsys.readouterr().out
+    assert f"> What is the capital of Japan?\n{samples[0]['completion']}\n" in printed
+    code = main(["--checkpoint", str(tmp_path / params), "--chat", "What is the capital of Japan?",
+                 "--max-new-tokens", "12"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out == samples[0]["completion"] + "\n"

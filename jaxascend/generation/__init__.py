@@ -6,7 +6,8 @@
   and reads each layer just before it runs (the next one on a thread meanwhile);
 * :class:`SamplingConfig` / :func:`sample_logits` -- greedy, temperature, top-p, seed, stop ids;
 * :class:`TextStream` -- new tokens to printable text as they come (whole UTF-8 characters);
-* :func:`sample_texts` -- prompts in, continuations out (e.g. at the end of a training run);
+* :class:`SamplePrompts` -- ``eval.sample_prompts`` answered at the end of a training run (as chat
+  turns with ``data.format: chat``);
 * :class:`ChatFormat` / :func:`template_chat_format` -- a conversation through a chat template;
 * :func:`open_for_sampling` / :func:`streams_layers` -- a run, checkpoint, params file or Hugging
   Face folder as weights, and whether the run kept its layers on SSD.
@@ -15,14 +16,15 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.data`,
 :mod:`jaxascend.hf` and :mod:`jaxascend.checkpoint`; the generate CLI uses it.
 """
 
-from jaxascend.generation.chat import NO_TEMPLATE, ChatFormat, read_template, template_chat_format
+from jaxascend.generation.chat import NO_TEMPLATE, ChatFormat, check_template_file, template_chat_format
 from jaxascend.generation.generator import MAX_LENGTH, MAX_NEW_TOKENS, STOP_ID, Generation, Generator, check_prompt
 from jaxascend.generation.sampling import SamplingConfig, bucket_length, sample_logits, top_p_filter
-from jaxascend.generation.text import TextStream, generation_stop_ids, sample_texts
+from jaxascend.generation.run_samples import SamplePrompts
+from jaxascend.generation.text import TextStream, generation_stop_ids
 from jaxascend.generation.weights import LayerStream, open_for_sampling, read_params, streams_layers
 
 __all__ = [
-    "MAX_LENGTH", "MAX_NEW_TOKENS", "NO_TEMPLATE", "STOP_ID", "ChatFormat", "Generation", "Generator", "LayerStream",
+    "MAX_LENGTH", "MAX_NEW_TOKENS", "NO_TEMPLATE", "STOP_ID", "SamplePrompts", "ChatFormat", "Generation", "Generator", "LayerStream",
     "SamplingConfig", "TextStream", "bucket_length", "check_prompt", "generation_stop_ids", "open_for_sampling", "read_params",
-    "read_template", "sample_logits", "sample_texts", "streams_layers", "template_chat_format", "top_p_filter",
+    "check_template_file", "sample_logits", "streams_layers", "template_chat_format", "top_p_filter",
 ]

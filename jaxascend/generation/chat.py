@@ -1,14 +1,15 @@
-"""Chat prompts: a conversation rendered by a chat template into the ids the model continues.
+"""Chat prompts: a conversation rendered by the chat template the run trained with.
 
-    chat = template_chat_format(tokenizer)              # the tokenizer's own template
+    chat = template_chat_format(tokenizer, "data/sft_tiny/template.jinja")   # or None: the tokenizer's own
     ids = chat.prompt_ids([{"role": "user", "content": "Hi"}])
     settings = SamplingConfig(stop_ids=chat.stop_ids)
 
 A :class:`ChatFormat` is two things: ``prompt_ids(messages)`` (the conversation with the
 assistant's turn opened, ``add_generation_prompt=True``) and the ids that end the assistant's
-turn. Anything that provides them plugs into the generate CLI (``jaxascend.generate.run``'s
-``chat_format``); :func:`template_chat_format` is the one built from a Hugging Face tokenizer's
-chat template or a Jinja template file.
+turn. :func:`template_chat_format` builds it from :class:`jaxascend.data.ChatTemplate`, the very
+renderer the training data went through (a Hugging Face tokenizer's ``apply_chat_template``, or
+a Jinja file rendered as transformers renders it, with the byte tokenizer's special names as its
+special ids), so a prompt is framed exactly as the training conversations were.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment  # as transformers renders chat templates
 
-from jaxascend.data import Tokenizer
+from jaxascend.config import DataConfig
+from jaxascend.data import HFTokenizer, Tokenizer, load_chat_template
 
 Messages = list[dict]  # [{"role": "user", "content": "..."}, ...]
 NO_TEMPLATE = ("--chat: the tokenizer has no chat template; pass --chat-template FILE "
@@ -36,8 +36,8 @@ class ChatFormat:
     stop_ids: tuple[int, ...]
 
 
-def read_template(path: str) -> str:
-    """The text of a chat template file; ValueError naming the file when it cannot be read."""
+def check_template_file(path: str) -> str:
+    """``path`` itself if it names a readable, non-empty file; ValueError naming it otherwise."""
     file = Path(path).expanduser()
     try:
         text = file.read_text()
@@ -45,50 +45,17 @@ def read_template(path: str) -> str:
         raise ValueError(f"--chat-template: cannot read {str(file)!r} ({getattr(err, 'strerror', None) or err})") from None
     if not text.strip():
         raise ValueError(f"--chat-template: {str(file)!r} is empty")
-    return text
-
-
-def _as_ids(rendered) -> np.ndarray:
-    """transformers returns a list of ids, or (5.x by default) a mapping holding ``input_ids``."""
-    if hasattr(rendered, "keys"):
-        rendered = rendered["input_ids"]
-    ids = np.asarray(rendered, dtype=np.int32)
-    return ids.reshape(-1)
+    return str(file)
 
 
 def template_chat_format(tokenizer: Tokenizer, template: Optional[str] = None,
                          stop_ids: tuple[int, ...] = ()) -> ChatFormat:
-    """The chat format of ``tokenizer``: a Hugging Face tokenizer renders with ``template`` (the
-    text of a Jinja chat template) or its own ``chat_template``; any other tokenizer (bytes)
-    renders ``template`` with Jinja and encodes the text. ValueError (:data:`NO_TEMPLATE`) when
-    there is no template. ``stop_ids`` (e.g. the generation config's eos ids) join the
-    tokenizer's eos."""
-    stops = tuple(dict.fromkeys(tuple(stop_ids) + (tokenizer.eos_id,)))
-    hf = getattr(tokenizer, "_tok", None)  # HFTokenizer's transformers tokenizer
-    if hf is not None:
-        if template is None and not getattr(hf, "chat_template", None):
-            raise ValueError(NO_TEMPLATE)
-
-        def hf_prompt(messages: Messages) -> np.ndarray:
-            try:
-                return _as_ids(hf.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                                      tokenize=True))
-            except TemplateError as err:
-                raise ValueError(f"chat template: {err}") from None
-
-        return ChatFormat(hf_prompt, stops)
-    if template is None:
+    """The chat format of ``tokenizer`` with the Jinja file ``template`` (None: the tokenizer's
+    own ``chat_template``); ValueError (:data:`NO_TEMPLATE`) when there is neither. The stop ids
+    are ``stop_ids`` (e.g. the generation config's eos ids), the tokenizer's eos and the
+    template's end-of-turn token when it is a single special token."""
+    if template is None and not (isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template is not None):
         raise ValueError(NO_TEMPLATE)
-    try:
-        compiled = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
-    except TemplateError as err:
-        raise ValueError(f"chat template: {err}") from None
-
-    def text_prompt(messages: Messages) -> np.ndarray:
-        try:
-            text = compiled.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
-        except TemplateError as err:
-            raise ValueError(f"chat template: {err}") from None
-        return np.asarray(tokenizer.encode(text), dtype=np.int32)
-
-    return ChatFormat(text_prompt, stops)
+    chat = load_chat_template(DataConfig(format="chat", chat_template=template), tokenizer)
+    stops = tuple(dict.fromkeys(tuple(stop_ids) + (tokenizer.eos_id,) + tuple(chat.stop_ids())))
+    return ChatFormat(chat.prompt_ids, stops)

@@ -1,23 +1,17 @@
-"""Text in and out of the sampler: streaming new tokens as text, and whole prompts to whole texts.
+"""Text out of the sampler: new tokens streamed as text, and the generation config's stop ids.
 
     stream = TextStream(tokenizer, context=prompt_ids)
     gen.generate(prompt_ids, settings, on_token=lambda t: print(stream.push(t), end="", flush=True))
     print(stream.flush())
-
-    sample_texts(model_cfg, params, tokenizer, ["def main(", "import "], SamplingConfig(max_new_tokens=32))
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from jaxascend.config import ModelConfig
 from jaxascend.data import Tokenizer
-from jaxascend.generation.generator import Generator
-from jaxascend.generation.sampling import SamplingConfig
 
 GENERATION_CONFIG = "generation_config.json"
 _CONTEXT_TOKENS = 5  # prompt tokens decoded with the first new ones (a leading space depends on them)
@@ -76,22 +70,3 @@ def generation_stop_ids(folders: Iterable[Optional[str]]) -> tuple[int, ...]:
         if isinstance(eos, list) and all(isinstance(i, int) for i in eos):
             return tuple(eos)
     return ()
-
-
-def sample_texts(model_cfg: ModelConfig, weights, tokenizer: Tokenizer, prompts: Sequence[str],
-                 settings: Optional[SamplingConfig] = None, *, stream_layers: bool = False,
-                 dtype: Optional[str] = None) -> list[str]:
-    """The continuation of each prompt, as text (prompt not included), e.g. to show what a run
-    learned at its end. ``weights``: a reader or an in-memory tree (the trainer's params),
-    see :class:`Generator`; ``settings`` default to greedy and 64 new tokens. Generation also
-    stops at the tokenizer's eos, and never picks ids the tokenizer does not have."""
-    settings = settings or SamplingConfig(max_new_tokens=64)
-    stops = tuple(dict.fromkeys(settings.stop_ids + (tokenizer.eos_id,)))
-    limit = min(settings.vocab_limit or tokenizer.vocab_size, tokenizer.vocab_size)
-    settings = dataclasses.replace(settings, stop_ids=stops, vocab_limit=limit)
-    texts = []
-    with Generator(model_cfg, weights, dtype=dtype, stream_layers=stream_layers) as generator:
-        for prompt in prompts:
-            out = generator.generate(tokenizer.encode(prompt), settings)
-            texts.append(tokenizer.decode(out.tokens))
-    return texts

@@ -417,6 +417,28 @@ class OffloadEngine:
         self.loss_scale = LossScaleState.from_dict(restored.meta["loss_scale"])
         return restored.meta
 
+    def compute_weights(self):
+        """The compute params to sample from (the end-of-run samples): the tree itself when the
+        layer stack is resident, else a reader ``read(path, layer)`` that reads a streamed
+        layer from SSD when asked, one at a time (waits for a running update first)."""
+        params = self.params
+        if not self.streams_params:
+            return params
+        leaves = jax.tree.leaves(params, is_leaf=lambda x: x is None)
+        index = {path: i for i, path in enumerate(self._paths)}
+
+        def read(path: tuple[str, ...], layer):
+            if tuple(path) not in index:
+                raise ValueError(f"offload: no parameter {'.'.join(path)!r}")
+            i = index[tuple(path)]
+            leaf = self.state.leaves[i]
+            if leaf.streamed:
+                return self.state.read_params(leaf, layer)
+            value = np.asarray(leaves[i])
+            return value if layer is None else value[layer]
+
+        return read
+
     def export_params(self):
         """The weights to save or export, as a reader ``read(path, layer)`` of the fp32 master
         weights on SSD: an exporter pulls one tensor (one layer of a stack) at a time, so saving
