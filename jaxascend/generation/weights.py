@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxascend.checkpoint import RunWeights, open_weights
 from jaxascend.hf import (CONFIG_FILE, HFParamReader, ParamMapping, aligned_empty, model_config_from_hf,
-                          reader_from_params, tree_path_to_dotted)
+                          param_leaves, reader_from_params)
 
 
 def open_for_sampling(checkpoint: str, *, dtype: Optional[str] = None) -> RunWeights:
@@ -51,14 +51,7 @@ def streams_layers(run_config: Optional[dict]) -> bool:
 
 def in_memory_leaves(weights) -> Optional[dict[tuple[str, ...], Any]]:
     """``{path: array}`` of an in-memory tree (module, state or nested dict), None for a reader."""
-    if callable(weights) and not isinstance(weights, (nnx.Module, nnx.State, dict)):
-        return None
-    if isinstance(weights, nnx.Module):
-        weights = nnx.state(weights, nnx.Param)
-    if isinstance(weights, nnx.State):
-        weights = nnx.to_pure_dict(weights)
-    return {tuple(tree_path_to_dotted(path).split(".")): leaf
-            for path, leaf in jax.tree_util.tree_leaves_with_path(weights)}
+    return param_leaves(weights)
 
 
 def _put(tree: dict, path: tuple[str, ...], value) -> None:

@@ -20,7 +20,8 @@ from jaxascend.hf.config_map import (CONFIG_FILE, detect_arch, hf_config_dict, m
                                      model_config_from_hf_dict, read_hf_config)
 from jaxascend.hf.errors import (CorruptFileError, DTypeMismatchError, HFCheckpointError, MissingTensorError,
                                  ShapeMismatchError, UnexpectedTensorError, UnsupportedModelError)
-from jaxascend.hf.export import DEFAULT_SHARD_BYTES, NO_TOKENIZER_NOTE, ParamReader, export_hf, reader_from_params
+from jaxascend.hf.export import (DEFAULT_SHARD_BYTES, NO_TOKENIZER_NOTE, ParamReader, export_hf, param_leaves,
+                                 reader_from_params)
 from jaxascend.hf.lean_init import build_model_lean, lean_init_reader
 from jaxascend.hf.load import HFParamReader, aligned_empty, iter_hf_params, load_hf_model, load_hf_params
 from jaxascend.hf.names import ParamMapping, abstract_params, param_plan, tree_path_to_dotted
@@ -37,5 +38,5 @@ __all__ = [
     "build_model_lean", "detect_arch", "export_hf", "hf_config_dict", "iter_hf_params", "lean_init_reader",
     "load_hf_model",
     "load_hf_params", "make_hf_checkpoint", "model_config_from_hf", "model_config_from_hf_dict", "param_plan",
-    "preset_config", "read_hf_config", "reader_from_params", "save_params", "tree_path_to_dotted", "write_safetensors", "write_sharded",
+    "param_leaves", "preset_config", "read_hf_config", "reader_from_params", "save_params", "tree_path_to_dotted", "write_safetensors", "write_sharded",
 ]

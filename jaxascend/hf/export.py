@@ -54,16 +54,24 @@ NO_TOKENIZER_NOTE = ("the run used the byte tokenizer, which has no Hugging Face
                      "the export holds no tokenizer")
 
 
-def reader_from_params(params: ParamSource) -> ParamReader:
-    """A :data:`ParamReader` over in-memory parameters (module, state or nested dict of arrays)."""
+def param_leaves(params: ParamSource) -> Optional[dict[tuple[str, ...], Any]]:
+    """``{path: array}`` of in-memory parameters (module, state or nested dict of arrays), None
+    for a reader."""
     if callable(params) and not isinstance(params, (nnx.Module, nnx.State, dict)):
-        return params
+        return None
     if isinstance(params, nnx.Module):
         params = nnx.state(params, nnx.Param)
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
-    flat = {tuple(tree_path_to_dotted(path).split(".")): leaf
+    return {tuple(tree_path_to_dotted(path).split(".")): leaf
             for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def reader_from_params(params: ParamSource) -> ParamReader:
+    """A :data:`ParamReader` over in-memory parameters (module, state or nested dict of arrays)."""
+    flat = param_leaves(params)
+    if flat is None:
+        return params
 
     def read(path: tuple[str, ...], layer: Optional[int]):
         if path not in flat:
