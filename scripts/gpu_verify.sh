@@ -9,7 +9,9 @@
 #   3. a short offloaded training run with the compute params on the GPU;
 #   4. the same run with offload.params: ssd (the parameter source's host callback feeding each
 #      layer to the device) against the resident run: the losses must be equal;
-#   5. offload.overlap on and off, weights resident and streamed: the losses must be equal.
+#   5. offload.overlap on and off, weights resident and streamed: the losses must be equal;
+#   6. chat fine-tuning (sft-tiny) with the held-out eval and end-of-run samples, resident and
+#      streamed, generate on the result, and the decode / masked-loss tests on the GPU backend.
 # Output goes to ${OUT:-/tmp/gpu_verify}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,3 +69,15 @@ print(p, "losses equal:", [r["loss"] for r in a] == [r["loss"] for r in b], "ove
       "early arrivals:", b[-1].get("early_gradient_arrivals"), "overlap_fraction:", b[-1].get("overlap_fraction"))
 PY
 done
+echo "== chat fine-tuning with held-out eval and end-of-run samples on the GPU (resident and streamed), then generate"
+for placement in resident ssd; do
+  rm -rf /tmp/gpu_sft_$placement
+  $py -m jaxascend.train --config configs/sft-tiny.yaml --set train.steps=30 --set eval.every_steps=10 \
+      --set train.out_dir=/tmp/gpu_sft_$placement --set train.progress=false --set model.remat=dots \
+      --set offload.params=$placement >"$out/sft_$placement.txt" 2>&1
+  tail -16 "$out/sft_$placement.txt"
+  $py -m jaxascend.generate --checkpoint /tmp/gpu_sft_$placement --chat "What is the capital of Japan?" \
+      --max-new-tokens 40 2>&1 | tee "$out/generate_$placement.txt"
+done
+$py -m pytest -p no:cacheprovider -q -rs tests/models/test_decode.py tests/offload/test_masked_loss_and_eval.py \
+    2>&1 | tee "$out/pytest_sft.txt" | tail -8
