@@ -23,6 +23,8 @@ from flax import nnx
 from jaxascend import console
 from jaxascend.checkpoint import Checkpointer, resume_target
 from jaxascend.config import Config, ConfigError, ModelConfig
+from jaxascend.distributed import initialize as initialize_distributed
+from jaxascend.distributed import process_dir
 from jaxascend.data import eval_batches, load_tokenizer, make_batch_stream, tokenizer_folder
 from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, export_hf, lean_init_reader,
                           load_hf_model, model_config_from_hf, save_params)
@@ -160,6 +162,14 @@ def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, master=
 
 def run(cfg: Config) -> TrainResult:
     """Trains ``cfg.train.steps`` optimizer steps and writes metrics and a summary to ``out_dir``."""
+    # Join the job (train.distributed, or the JAX_* / SLURM / Open MPI environment): one process
+    # unless either asks for more.
+    group = initialize_distributed(cfg.train.distributed)
+    if group.count > 1:
+        raise ConfigError(f"train.distributed: this job has {group.count} processes; data-parallel training "
+                          "(each process owning 1/P of the SSD state) is not built yet, so a run is one process")
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload,
+                                                               dir=process_dir(cfg.offload.dir, group.index)))
     out_dir = Path(cfg.train.out_dir)
 
     # Check: everything the run reads (config.json, tokenizer, data, the weights' names and

@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxascend"
 # Bottom to top. A module may import from its own layer and the layers below it. Top-level
 # modules are named as modules, subpackages by their name.
 LAYERS = [
-    ("jaxascend._native", "jaxascend.native", "jaxascend.config", "jaxascend.kill_points", "jaxascend.console"),
+    ("jaxascend._native", "jaxascend.native", "jaxascend.config", "jaxascend.kill_points", "jaxascend.console",
+     "jaxascend.distributed"),
     ("jaxascend.ssd",),
     ("jaxascend.models",),
     ("jaxascend.data",),

@@ -42,6 +42,9 @@ def _coerce(value: Any, tp, name: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        sections = [a for a in args if dataclasses.is_dataclass(a)]
+        if len(sections) == 1 and isinstance(value, dict):  # a nested section: its own errors, by field
+            return _build(sections[0], value, name)
         for arg in args:
             if arg is type(None):
                 continue

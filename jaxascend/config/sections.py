@@ -143,7 +143,9 @@ class OffloadConfig:
     """
 
     enabled: bool = False
-    dir: Optional[str] = None  # shard files live here (locked while a run uses it); None: <train.out_dir>/offload
+    # Shard files live here (locked while a run uses it); None: <train.out_dir>/offload. "{process}"
+    # in it becomes the process number (a multi-process job: each process its own directory).
+    dir: Optional[str] = None
     arena_bytes: Optional[Any] = None  # e.g. "2GiB"; None: exactly what the arena plan needs
     host_memory_budget: Optional[Any] = None  # e.g. "16GiB"; the arena must fit in it
     # Streaming granularity of the optimizer step: 8 MiB read and wrote faster than 64 MiB
@@ -257,6 +259,40 @@ class ExportConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """One process of a multi-process job on JAX's own runtime (``jax.distributed``).
+
+    ``coordinator`` / ``num_processes`` / ``process_id`` name the job explicitly; left unset,
+    ``jax.distributed.initialize()`` finds them itself: the ``JAX_COORDINATOR_ADDRESS`` /
+    ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` variables (``python -m jaxascend.launch`` sets
+    them), SLURM or Open MPI. The timeouts bound how long a process waits for the others at the
+    start, how soon a dead peer is noticed, and how long the end waits for the rest."""
+
+    coordinator: Optional[str] = None  # "host:port" of process 0's coordination service
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    initialization_timeout_seconds: int = 300
+    heartbeat_timeout_seconds: int = 100
+    shutdown_timeout_seconds: int = 300
+
+    def __post_init__(self):
+        _check_range("train.distributed.num_processes", self.num_processes, lo=1)
+        _check_range("train.distributed.process_id", self.process_id, lo=0)
+        for name in ("initialization_timeout_seconds", "heartbeat_timeout_seconds", "shutdown_timeout_seconds"):
+            _check_range(f"train.distributed.{name}", getattr(self, name), lo=1)
+        given = [self.coordinator is not None, self.num_processes is not None, self.process_id is not None]
+        if any(given) and not all(given):
+            raise ConfigError("train.distributed: give coordinator, num_processes and process_id together, "
+                              "or none of them (then the environment says: JAX_* variables, SLURM, Open MPI)")
+        if self.coordinator is not None and (":" not in self.coordinator or
+                                             not self.coordinator.rsplit(":", 1)[1].isdigit()):
+            raise ConfigError(f"train.distributed.coordinator: expected host:port, got {self.coordinator!r}")
+        if all(given) and self.process_id >= self.num_processes:
+            raise ConfigError(f"train.distributed.process_id: {self.process_id} is not below "
+                              f"num_processes={self.num_processes}")
+
+
+@dataclass
 class TrainConfig:
     """The loop: how long, how often to log, where outputs go."""
 
@@ -272,6 +308,9 @@ class TrainConfig:
     # Stop after this step (saving a checkpoint there) as if interrupted: a time-boxed job that a
     # later run with the same config resumes. None: run to train.steps.
     stop_at_step: Optional[int] = None
+    # A multi-process job (see DistributedConfig); None: one process, unless the environment
+    # says otherwise (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES set, as jaxascend.launch does).
+    distributed: Optional[DistributedConfig] = None
 
     def __post_init__(self):
         self.resume = validate_resume(self.resume)
