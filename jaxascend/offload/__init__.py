@@ -22,8 +22,8 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.hf` (p
 """
 
 from jaxascend.offload.engine import OffloadEngine
-from jaxascend.offload.grad_sink import (GradientSinkError, MemorySink, fetch_step_outputs, offload_on_backward,
-                                         register_memory_sink, sink_gradient, unregister_sink)
+from jaxascend.offload.grad_sink import (GradientScatter, GradientSinkError, MemorySink, fetch_step_outputs,
+                                         offload_on_backward, register_memory_sink, sink_gradient, unregister_sink)
 from jaxascend.offload.layout import (GRAD_SLOT_CLASS, PARAM_SLOT_CLASS, SOURCE_SLOT_CLASS, STATE_SLOT_CLASS,
                                      OffloadLayout)
 from jaxascend.offload.overlap import BackgroundUpdate
@@ -40,7 +40,7 @@ from jaxascend.offload.timeline import StepTimeline
 
 __all__ = [
     "BackgroundUpdate", "StepTimeline", "GRAD_SLOT_CLASS", "PARAM_SLOT_CLASS", "SOURCE_SLOT_CLASS", "STATE_SLOT_CLASS", "GradientSinkError",
-    "MemorySink", "OffloadEngine", "OffloadLayout", "OffloadedAdamState", "ParamSource", "ParamSourceError",
+    "GradientScatter", "MemorySink", "OffloadEngine", "OffloadLayout", "OffloadedAdamState", "ParamSource", "ParamSourceError",
     "PlanError", "PostBackwardCheckedStep", "RunPlan", "SinkRouting", "SinkTarget", "SsdAdamWState", "StepStats",
     "StoreGradientSink", "adamw_on_ssd", "deepspeed_zero3_estimate", "fetch_layer", "fetch_step_outputs",
     "make_accumulating_offload_step", "make_full_gradient_step", "make_offload_step", "offload_on_backward",

@@ -12,12 +12,23 @@ gradient tree never exists and the jitted step outputs only a few bytes per tens
         w_ = offload_on_backward(w, probes, sink=handle, tensor=0)
         return f(w_)
     stats = jax.grad(loss)(probes)              # stats[0] = |dw|^2, stats[1] = #inf/nan in dw
+
+Data parallel (``scatter=GradientScatter(axis, parts)``, inside ``jax.shard_map`` over ``axis``):
+each shard's cotangent is its own batch rows' contribution; the backward rule reduce-scatters it
+over the axis (``psum_scatter``, the flat gradient zero-padded to a multiple of ``parts``), so
+shard ``i`` sends only slice ``i`` of the summed gradient to its own sink (the state it owns), and
+the statistics are summed over the axis, so every shard sees the global overflow count and norm.
+The full gradient exists on no shard. The ``shard_map`` must have ``check_vma=False``: with the
+check on, JAX sums the cotangent of a replicated parameter over the axis by itself before this
+rule sees it (an all-reduce, and the reduce-scatter would then count it twice).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -106,19 +117,42 @@ def _sink_gradient_via_host(g, layer, *, sink, tensor):
     return io_callback(host, jax.ShapeDtypeStruct((PROBE_SIZE,), jnp.float32), g, layer, ordered=False)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _offload_identity(x, probe, layer, sink, tensor):
+@dataclass(frozen=True)
+class GradientScatter:
+    """Reduce-scatter each gradient over the mesh axis ``axis`` of ``parts`` shards (see the
+    module doc): the sink of shard ``i`` receives slice ``i`` of the flat, zero-padded sum."""
+
+    axis: str
+    parts: int
+
+    def slice_size(self, size: int) -> int:
+        """Elements of a ``size``-element gradient that each shard receives (the last zero-padded)."""
+        return -(-size // self.parts)
+
+    def __call__(self, g: jax.Array) -> jax.Array:
+        flat = g.reshape(-1)
+        pad = self.slice_size(flat.size) * self.parts - flat.size
+        if pad:
+            flat = jnp.pad(flat, (0, pad))
+        return jax.lax.psum_scatter(flat, self.axis, scatter_dimension=0, tiled=True)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _offload_identity(x, probe, layer, sink, tensor, scatter):
     del probe, layer
     return x
 
 
-def _offload_fwd(x, probe, layer, sink, tensor):
+def _offload_fwd(x, probe, layer, sink, tensor, scatter):
     del probe
     return x, layer
 
 
-def _offload_bwd(sink, tensor, layer, g):
-    stats = sink_gradient(g, layer, sink=sink, tensor=tensor)
+def _offload_bwd(sink, tensor, scatter, layer, g):
+    if scatter is None:
+        stats = sink_gradient(g, layer, sink=sink, tensor=tensor)
+    else:  # this shard's slice of the summed gradient; the statistics of the whole
+        stats = jax.lax.psum(sink_gradient(scatter(g), layer, sink=sink, tensor=tensor), scatter.axis)
     # The parameter's own cotangent is dropped: nobody differentiates with respect to it, so XLA
     # eliminates the zeros; the layer index is an integer input (float0 cotangent).
     return jnp.zeros_like(g), stats, None
@@ -128,14 +162,15 @@ _offload_identity.defvjp(_offload_fwd, _offload_bwd)
 
 
 def offload_on_backward(x: jax.Array, probe: jax.Array, *, sink: int, tensor: int,
-                        layer: jax.Array | int = 0) -> jax.Array:
+                        layer: jax.Array | int = 0, scatter: Optional[GradientScatter] = None) -> jax.Array:
     """Identity on ``x``; on the backward pass ``x``'s cotangent goes to the sink and ``probe``
     (f32[2]) receives ``[sum of squares, non-finite count]`` of it.
 
     ``layer`` (an int32 scalar, may be traced, e.g. a scan counter) tells the sink where in the
-    tensor's layer stack this slice belongs.
+    tensor's layer stack this slice belongs. ``scatter``: data parallel, the cotangent is
+    reduce-scattered first and the sink gets this shard's slice (see the module doc).
     """
-    return _offload_identity(x, probe, jnp.asarray(layer, jnp.int32), int(sink), int(tensor))
+    return _offload_identity(x, probe, jnp.asarray(layer, jnp.int32), int(sink), int(tensor), scatter)
 
 
 def register_memory_sink(sink: "MemorySink") -> int:
