@@ -53,11 +53,12 @@ from jaxascend.offload.layout import STATE_SLOT_CLASS, OffloadLayout
 from jaxascend.offload.overlap import BackgroundUpdate
 from jaxascend.offload.timeline import StepTimeline
 from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
+from jaxascend.offload.partition import DataParallel, Partition, local_value
 from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
 from jaxascend.offload.ssd_adamw import ssd_adamw_state, ssd_adamw_step
 from jaxascend.offload.state import OffloadedAdamState, _to_default_device
-from jaxascend.offload.step import (SinkRouting, make_accumulating_offload_step, make_offload_eval, make_offload_step,
-                                    total_stats)
+from jaxascend.offload.step import (SinkRouting, _first_key, make_accumulating_offload_step, make_offload_eval,
+                                    make_offload_step, total_stats)
 from jaxascend.optim import AdamWSettings, LossScaleState, update_loss_scale
 
 
@@ -75,6 +76,20 @@ def overlap_refusal(cfg: Config) -> Optional[str]:
     if cfg.model.remat == "none" and cfg.offload.params != "ssd":
         return ("model.remat: none (the layer scan would keep every layer it fetched for the backward: 2 B/param "
                 "more; remat dots recomputes only the fetch and the element-wise work)")
+    return None
+
+
+def partition_refusal(cfg: Config, model_cfg: ModelConfig) -> Optional[str]:
+    """What a data-parallel job (more than one process) cannot run yet (None: it can)."""
+    if cfg.offload.params == "ssd":
+        return "offload.params: ssd is not supported yet (use resident: each process holds the whole compute weights)"
+    if cfg.train.grad_accum > 1:
+        return "train.grad_accum > 1 is not supported yet (raise data.batch_size: the rows are split over processes)"
+    if cfg.offload.post_backward_overflow_check or cfg.offload.fp32_grad_buffer:
+        return "the ablation switches (post_backward_overflow_check, fp32_grad_buffer) are single-process"
+    if model_cfg.vocab_size and is_large_table(jax.ShapeDtypeStruct((model_cfg.vocab_size, model_cfg.hidden_size),
+                                                                  DTYPES[model_cfg.dtype])):
+        return "a token table computed in blocks (a large vocabulary) is not supported yet"
     return None
 
 
@@ -138,12 +153,21 @@ class OffloadEngine:
     name = "offload"
 
     def __init__(self, cfg: Config, model: nnx.Module, model_cfg: ModelConfig,
-                 master: Optional[Callable[[tuple, Optional[int]], np.ndarray]] = None):
+                 master: Optional[Callable[[tuple, Optional[int]], np.ndarray]] = None,
+                 partition: Optional[Partition] = None):
         """``master``: where the fp32 master weights start, as a reader ``read(path, layer)`` of
         one layer at a time (e.g. :class:`~jaxascend.hf.load.HFParamReader` over the checkpoint
         the run fine-tunes, whose values the compute copy in ``model`` only approximates);
         None: from ``model``'s parameters. ``cfg.offload.params`` must be resolved ("auto" is
-        taken as "resident"; the trainer resolves it with :func:`jaxascend.plan.resolve`)."""
+        taken as "resident"; the trainer resolves it with :func:`jaxascend.plan.resolve`).
+
+        ``partition``: this process's place in a data-parallel job (see
+        :mod:`jaxascend.offload.partition`): its SSD state holds 1/P of every tensor, its rows of
+        each global batch are its share of the step, and the updated weights are all-gathered."""
+        refused = partition_refusal(cfg, model_cfg) if partition is not None and partition.count > 1 else None
+        if refused:
+            raise ValueError(f"train.distributed: {partition.count} processes: {refused}")
+        self.data_parallel = DataParallel(partition) if partition is not None and partition.count > 1 else None
         self.cfg = cfg
         self.compute_dtype = compute_dtype = model_cfg.dtype
         dtype = DTYPES[compute_dtype]
@@ -152,12 +176,17 @@ class OffloadEngine:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.graphdef, self.rest = graphdef, rest
         self.stack_key = stack_key_of(model_cfg.arch)
-        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
+        full_spec = spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
+        dp = self.data_parallel
+        if dp is not None:  # this process's slices of every tensor
+            spec = dp.partition.local_spec(spec, lambda path: _first_key(path) == self.stack_key)
         # The instant-offload step has each use of the token table (the lookup and, tied, the head)
         # send its gradient block by block (the sink sums the uses); the accumulating and
         # post-backward steps differentiate the whole tree and send the table's blocks at the end.
         per_use = cfg.train.grad_accum == 1 and not cfg.offload.post_backward_overflow_check
         row_blocks, blocks, large_table = table_layout(params, model_cfg)
+        if dp is not None:
+            row_blocks = [1] * len(row_blocks)
         uses = (("lookup",) + (("head",) if model_cfg.tie_word_embeddings else ())) if per_use else ()
         routing = SinkRouting.for_params(params, self.stack_key, token_table_of(model_cfg), uses, blocks,
                                          table_as_bits=large_table)
@@ -170,6 +199,8 @@ class OffloadEngine:
         self._update: Optional[BackgroundUpdate] = None  # the optimizer step running in the background
         self._resident: dict[int, np.ndarray] = {}  # overlapped, resident: stacked weights the source serves
         refusal = overlap_refusal(cfg) if cfg.offload.overlap else None
+        if cfg.offload.overlap and dp is not None:
+            refusal = "a multi-process job (the updated weights are all-gathered after the step)"
         if refusal:
             log.info("offload.overlap: the optimizer step runs after the forward/backward, not beside it: %s", refusal)
         self.overlap = cfg.offload.overlap and refusal is None
@@ -181,7 +212,18 @@ class OffloadEngine:
         self._paths = [tuple(tree_path_to_dotted(path).split("."))
                        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
         try:
-            if master is None:
+            if dp is not None:  # this process's slice of each layer, from the reader or the params
+                full = jax.tree.leaves(params)
+                take = dp.partition.take
+
+                def value(leaf, layer):
+                    if master is not None:
+                        return _read_master(master, self._paths[leaf.index], leaf, layer)
+                    x = np.asarray(full[leaf.index])
+                    return x if layer is None or not leaf.stacked else x[layer]
+
+                self.state.init_from(lambda leaf, layer: take(value(leaf, layer)).astype(np.float32))
+            elif master is None:
                 self.state.init(params)  # fp32 master weights from the loaded/initialised params
             else:
                 # A streamed leaf's compute weights are the reader's values as the resident copy
@@ -192,6 +234,9 @@ class OffloadEngine:
             # param_dtype copy is dropped once the master weights are on SSD.
             leaves = [None if leaf.streamed else x.astype(dtype)
                       for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
+            if dp is not None:  # the whole compute weights on every process, as the step's replicated input
+                leaves = [dp.replicate(x) for x in leaves]
+                self._full_shapes = [tuple(x.shape) for x in jax.tree.leaves(full_spec)]
             if self.overlap and not stream:
                 # The stack's weights move to host buffers that the optimizer updates in place and
                 # the parameter source serves to the layer scan, layer by layer.
@@ -208,6 +253,9 @@ class OffloadEngine:
             if cfg.offload.post_backward_overflow_check:  # ablation: full tree, then a scan
                 full_step = make_full_gradient_step(graphdef, rest, cfg.train.grad_accum, _loss_with_hook)
                 self._fwd_bwd = PostBackwardCheckedStep(full_step, self.state)
+            elif dp is not None:
+                self._fwd_bwd = make_offload_step(graphdef, rest, routing, sink.handle, _loss_with_hook,
+                                                  data_parallel=dp)
             elif stream or self._resident:
                 self._source = self.state.param_source(host=self._resident or None)
                 self._fwd_bwd = make_offload_step(graphdef, rest, routing, sink.handle, _loss_with_hook,
@@ -215,7 +263,7 @@ class OffloadEngine:
             else:
                 make = make_offload_step if cfg.train.grad_accum == 1 else make_accumulating_offload_step
                 self._fwd_bwd = make(graphdef, rest, routing, sink.handle, _loss_with_hook)
-            self._eval = make_offload_eval(graphdef, rest, routing, source=self._source)
+            self._eval = make_offload_eval(graphdef, rest, routing, source=self._source) if dp is None else None
             self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.train.steps)
             self.opt_state = ssd_adamw_state(self.state)
             self.loss_scale = LossScaleState.initial(cfg.optimizer, compute_dtype)
@@ -248,6 +296,13 @@ class OffloadEngine:
         scale = self.loss_scale.scale
         batch = as_token_batch(tokens)
         micro = micro_batch(batch, 0) if self.cfg.train.grad_accum == 1 else batch
+        if self.data_parallel is not None:  # the global batch: this process computes its rows
+            part = self.data_parallel.partition
+            rows = micro.tokens.shape[0]
+            if rows % part.count:
+                raise ValueError(f"data.batch_size: {rows} rows do not split evenly over {part.count} processes")
+            mine = slice(part.index * rows // part.count, (part.index + 1) * rows // part.count)
+            micro = self.data_parallel.shard_rows(jax.tree.map(lambda x: np.asarray(x)[mine], micro))
         previous, self._update = self._update, None
         front_wait = 0.0
         if previous is not None:  # the new embeddings, norm and head; the stack follows layer by layer
@@ -265,6 +320,8 @@ class OffloadEngine:
         try:
             with step_errors(PARAM_SOURCE_ERRORS):  # a sink or source failure, at dispatch or at the fetch
                 loss, stats = self._fwd_bwd(self._leaves_tree(), micro, jnp.float32(scale))
+                if self.data_parallel is not None:  # replicated: the job's loss and statistics
+                    loss, stats = local_value(loss), jax.tree.map(local_value, stats)
                 kill_point("backward")  # tests: the backward pass is running and writing gradients
                 # SYNC: the overflow check and the clip factor need the statistics, and the optimizer
                 # may read the gradient regions only once the backward pass has written all of them.
@@ -318,6 +375,8 @@ class OffloadEngine:
         the last update left them (waits for a running one). Forward only: no gradient is sent
         and the optimizer state on SSD is neither read nor written; streamed weights are read
         layer by layer through the parameter source, as in a step."""
+        if self._eval is None:
+            raise ValueError("eval.paths: evaluating a multi-process job is not supported yet")
         self.finish_update()
         params = self._leaves_tree()
         total, count = 0.0, 0
@@ -356,6 +415,10 @@ class OffloadEngine:
         timeline.add_update(trace, {})
         if new_params is not None:
             self._leaves = jax.tree.leaves(new_params, is_leaf=lambda x: x is None)
+            if self.data_parallel is not None:  # every process's slices make the whole weights again
+                dp = self.data_parallel
+                full = dp.gather(self._leaves, self._full_shapes, [leaf.stacked for leaf in self.state.leaves])
+                self._leaves = [dp.replicate(x) for x in full]
             self._account(self.state.last_step, timing)
 
     def _start_update(self, grad_scale: float, skip: bool) -> None:

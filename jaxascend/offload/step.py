@@ -114,7 +114,7 @@ def _layer_key(path) -> str:
 
 
 def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
-                      loss_fn, source=None) -> Any:
+                      loss_fn, source=None, data_parallel=None) -> Any:
     """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)`` (with ``step.lower``).
 
     ``loss_fn(model, tokens, layer_hook)`` returns the scalar loss of one batch (with a tied table
@@ -127,6 +127,11 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     ``source``: a :class:`~jaxascend.offload.param_source.ParamSource` over every leaf of the layer
     stack (``offload.params: ssd``). The stacked leaves of ``params`` are then None: the scan
     fetches each layer's weights from the source (and, under remat, again in the backward).
+
+    ``data_parallel``: a :class:`~jaxascend.offload.partition.DataParallel` over the processes of
+    a job. The step then runs under ``shard_map``: ``params`` are replicated global arrays,
+    ``tokens`` a batch of global arrays sharded by rows, each gradient is reduce-scattered so the
+    sink gets this process's slice, and the loss and statistics are the job's (summed).
     """
     routes = routing.by_key()
     stacked_keys = [r.key for r in routing.routes if r.layers]
@@ -138,9 +143,11 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
         specs = iter(source.specs)
         abstract = tuple(_stacked_spec(r.layers, next(specs)) if r.layers else None for r in routing.routes)
 
+    scatter = data_parallel.partition.scatter if data_parallel is not None else None
+
     def hook_leaf(key, x, probe, layer=0):
         route = routes[key]
-        return offload_on_backward(x, probe, sink=sink, tensor=route.tensor, layer=layer)
+        return offload_on_backward(x, probe, sink=sink, tensor=route.tensor, layer=layer, scatter=scatter)
 
     def scaled_loss(probes, params, tokens, loss_scale, bit_dtypes):
         if abstract is not None:
@@ -168,7 +175,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
             block = table_block(block)
             probe = probes[f"{routing.table_key}|{use}"]
             return offload_on_backward(block, probe[index] if routing.table_blocks > 1 else probe, sink=sink,
-                                       tensor=routes[routing.table_key].tensor, layer=index)
+                                       tensor=routes[routing.table_key].tensor, layer=index, scatter=scatter)
 
         model = nnx.merge(graphdef, params, rest)
         if routing.table_uses:
@@ -179,12 +186,25 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
 
     grad_of_probes = jax.value_and_grad(scaled_loss, has_aux=True)
 
-    @partial(jax.jit, static_argnames="bit_dtypes")
-    def jitted(params, tokens, loss_scale, bit_dtypes=()):
+    def local_step(params, tokens, loss_scale, bit_dtypes=()):
         (_, loss), stats = grad_of_probes(routing.probes(), params, tokens, loss_scale, bit_dtypes)
+        if data_parallel is not None:  # each process's loss is its rows' share of the job's
+            loss = jax.lax.psum(loss, data_parallel.partition.scatter.axis)
         return loss, stats
 
-    return _OffloadStep(jitted, routing, use_bits=jax.default_backend() == "cpu")
+    if data_parallel is None:
+        jitted = partial(jax.jit, static_argnames="bit_dtypes")(local_step)
+        return _OffloadStep(jitted, routing, use_bits=jax.default_backend() == "cpu")
+    rows = jax.sharding.PartitionSpec(data_parallel.partition.scatter.axis)
+    replicated = jax.sharding.PartitionSpec()
+
+    @jax.jit
+    def sharded(params, tokens, loss_scale):
+        return data_parallel.step(local_step, (replicated, rows, replicated), (replicated, replicated))(
+            params, tokens, loss_scale)
+
+    return _OffloadStep(lambda params, tokens, scale, bit_dtypes=(): sharded(params, tokens, scale), routing,
+                        use_bits=False)
 
 
 def _weight_hooks(routing: SinkRouting, source, stacked_keys: list[str], float_dtypes: dict[str, str]):
