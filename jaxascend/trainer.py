@@ -166,8 +166,8 @@ def run(cfg: Config) -> TrainResult:
     # unless either asks for more.
     group = initialize_distributed(cfg.train.distributed)
     if group.count > 1:
-        raise ConfigError(f"train.distributed: this job has {group.count} processes; data-parallel training "
-                          "(each process owning 1/P of the SSD state) is not built yet, so a run is one process")
+        raise ConfigError(f"train.distributed: this job has {group.count} processes; the trainer runs one process "
+                          "for now (the data-parallel engine exists, its checkpoints and exports do not yet)")
     cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload,
                                                                dir=process_dir(cfg.offload.dir, group.index)))
     out_dir = Path(cfg.train.out_dir)

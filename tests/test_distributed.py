@@ -101,8 +101,8 @@ def test_the_trainer_refuses_a_job_of_two_processes_for_now(tmp_path):
     for code_, out, err in results:
         assert code_ == 2
         assert err.strip().splitlines() == [
-            "error: train.distributed: this job has 2 processes; data-parallel training (each process owning "
-            "1/P of the SSD state) is not built yet, so a run is one process"]
+            "error: train.distributed: this job has 2 processes; the trainer runs one process for now (the "
+            "data-parallel engine exists, its checkpoints and exports do not yet)"]
     assert not (tmp_path / "never").exists()
 
 
