@@ -4,18 +4,13 @@ does with a job of more than one process today."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from jaxascend.config import ConfigError, load_config
 from jaxascend.distributed import ProcessGroup, initialize, process_dir, requested
-
-TIMEOUT = 180
+from tests._jobs import local_job
 
 
 @pytest.mark.parametrize("value, message", [
@@ -49,12 +44,6 @@ def test_a_single_process_joins_nothing(monkeypatch):
     assert process_dir("/nvme/run/offload", 3) == "/nvme/run/offload"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 CHILD = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
@@ -69,23 +58,8 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _job(code: str, n: int, extra_env=None, args=()):
-    port = _free_port()
-    procs = []
-    for i in range(n):
-        env = {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(n),
-               "JAX_PROCESS_ID": str(i), **(extra_env or {})}
-        procs.append(subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    try:
-        return [(p.wait(TIMEOUT), *p.communicate()) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-
-
 def test_two_processes_on_localhost_form_one_job_with_gloo_collectives():
-    results = _job(CHILD, 2)
+    results = local_job(CHILD, 2)
     for i, (code, out, err) in enumerate(results):
         assert code == 0, err[-2000:]
         assert f"group {i} 2 sum 3.0" in out
@@ -97,7 +71,7 @@ def test_the_trainer_refuses_a_job_of_two_processes_for_now(tmp_path):
         from jaxascend.train import main
         sys.exit(main(["--config", "configs/tiny.yaml", "--set", "train.out_dir=" + sys.argv[1]]))
     """)
-    results = _job(code, 2, args=(str(tmp_path / "never"),))
+    results = local_job(code, 2, args=(tmp_path / "never",))
     for code_, out, err in results:
         assert code_ == 2
         assert err.strip().splitlines() == [

@@ -5,16 +5,12 @@ global batches."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-TIMEOUT = 300
+from tests._jobs import local_job
 
 CHILD = textwrap.dedent("""
     import json, os, sys
@@ -54,29 +50,10 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(out, n, dtype):
     out.mkdir(parents=True, exist_ok=True)
-    port, procs = _free_port(), []
-    for i in range(n):
-        env = dict(os.environ)
-        if n > 1:
-            env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
-        procs.append(subprocess.Popen([sys.executable, "-c", CHILD, str(out), dtype], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        for p in procs:
-            code = p.wait(TIMEOUT)
-            _, err = p.communicate()
-            assert code == 0, err[-3000:]
-    finally:
-        for p in procs:
-            p.kill()
+    for code, _, err in local_job(CHILD, n, args=(out, dtype)):
+        assert code == 0, err[-3000:]
     return [json.loads((out / f"result-{i}.json").read_text()) for i in range(n)]
 
 

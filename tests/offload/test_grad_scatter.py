@@ -5,15 +5,11 @@ statistics every process sees are the global ones."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 
-TIMEOUT = 180
+from tests._jobs import local_job
 
 CHILD = textwrap.dedent("""
     import json, sys
@@ -62,12 +58,6 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _reference():
     import jax
     import jax.numpy as jnp
@@ -87,17 +77,7 @@ def _reference():
 
 
 def test_each_process_sinks_its_slice_of_the_summed_gradient():
-    port, procs = _free_port(), []
-    for i in range(2):
-        env = {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
-               "JAX_PROCESS_ID": str(i)}
-        procs.append(subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    try:
-        results = [(p.wait(TIMEOUT), *p.communicate()) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    results = local_job(CHILD, 2)
     loss, grad = _reference()
     padded = np.pad(grad, ((0, 0), (0, 1)))  # 225 -> 226 = 2 x 113
     for code, out, err in results:
