@@ -28,7 +28,8 @@ LAYERS = [
     ("jaxascend.offload",),
     ("jaxascend.metrics", "jaxascend.in_memory_engine", "jaxascend.generation"),
     ("jaxascend.trainer",),
-    ("jaxascend.train", "jaxascend.export", "jaxascend.plan", "jaxascend.plot", "jaxascend.generate"),
+    ("jaxascend.train", "jaxascend.export", "jaxascend.plan", "jaxascend.plot", "jaxascend.generate",
+     "jaxascend.launch"),
     ("jaxascend",),  # the package's own __init__: re-exports from below
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
