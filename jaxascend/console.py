@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import warnings
-from typing import Iterator, TextIO
+from typing import Callable, Iterator, TextIO
 
 _terminal: TextIO | None = None  # the real stderr while one_line_output is active
 
@@ -41,6 +41,18 @@ def first_line(err: BaseException) -> str:
 
 def error(message: str) -> None:
     print(f"error: {message}", file=terminal(), flush=True)
+
+
+def report_errors(fn: Callable[[], int], errors: tuple[type[BaseException], ...]) -> int:
+    """A CLI's exit status: ``fn()``'s, or 2 after one ``error:`` line when it raises one of
+    ``errors`` (``JAXASCEND_DEBUG=1`` lets the exception through, traceback and all)."""
+    try:
+        return fn()
+    except errors as err:
+        if debugging():
+            raise
+        error(first_line(err))
+        return 2
 
 
 def note(message: str) -> None:

@@ -148,14 +148,8 @@ def _generate(generator: Generator, tokenizer: Tokenizer, text: Optional[str], i
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The CLI: 0 when every prompt was generated, 2 (after one ``error:`` line) otherwise."""
     args = _parser().parse_args(argv)
-    with console.one_line_output():
-        try:
-            return run(args)
-        except (ValueError, OSError, CheckpointError) as err:  # ConfigError is a ValueError
-            if console.debugging():
-                raise
-            console.error(console.first_line(err))
-            return 2
+    with console.one_line_output():  # ConfigError is a ValueError
+        return console.report_errors(lambda: run(args), (ValueError, OSError, CheckpointError))
 
 
 if __name__ == "__main__":

@@ -381,13 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     args = _parser().parse_args(own)
-    try:
-        return launch(command, args.nproc, args.port, args.grace_seconds)
-    except (ValueError, LaunchError) as err:
-        if console.debugging():
-            raise
-        console.error(console.first_line(err))
-        return 2
+    return console.report_errors(lambda: launch(command, args.nproc, args.port, args.grace_seconds),
+                                 (ValueError, LaunchError))
 
 
 if __name__ == "__main__":

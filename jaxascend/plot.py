@@ -212,17 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from jaxascend import console
 
+    def plot() -> int:
+        for path in plot_runs(args.runs, args.out):
+            print(f"wrote {path}")
+        return 0
+
     with console.one_line_output():
-        try:
-            written = plot_runs(args.runs, args.out)
-        except (PlotError, OSError) as err:
-            if console.debugging():
-                raise
-            console.error(console.first_line(err))
-            return 2
-    for path in written:
-        print(f"wrote {path}")
-    return 0
+        return console.report_errors(plot, (PlotError, OSError))
 
 
 if __name__ == "__main__":

@@ -27,16 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     from jaxascend.config import load_config
     from jaxascend.trainer import run
 
-    with console.one_line_output():
-        try:
-            cfg = load_config(args.config, args.overrides)
-            run(cfg)
-        except (ValueError, OSError, CheckpointError) as err:  # ConfigError is a ValueError
-            if console.debugging():
-                raise
-            console.error(console.first_line(err))
-            return 2
-    return 0
+    def train() -> int:
+        run(load_config(args.config, args.overrides))
+        return 0
+
+    with console.one_line_output():  # ConfigError is a ValueError
+        return console.report_errors(train, (ValueError, OSError, CheckpointError))
 
 
 if __name__ == "__main__":
