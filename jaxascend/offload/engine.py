@@ -297,12 +297,7 @@ class OffloadEngine:
         batch = as_token_batch(tokens)
         micro = micro_batch(batch, 0) if self.cfg.train.grad_accum == 1 else batch
         if self.data_parallel is not None:  # the global batch: this process computes its rows
-            part = self.data_parallel.partition
-            rows = micro.tokens.shape[0]
-            if rows % part.count:
-                raise ValueError(f"data.batch_size: {rows} rows do not split evenly over {part.count} processes")
-            mine = slice(part.index * rows // part.count, (part.index + 1) * rows // part.count)
-            micro = self.data_parallel.shard_rows(jax.tree.map(lambda x: np.asarray(x)[mine], micro))
+            micro = self.data_parallel.shard_rows(micro)
         previous, self._update = self._update, None
         front_wait = 0.0
         if previous is not None:  # the new embeddings, norm and head; the stack follows layer by layer
@@ -488,31 +483,30 @@ class OffloadEngine:
         if not self.streams_params:
             return params
         leaves = jax.tree.leaves(params, is_leaf=lambda x: x is None)
-        index = {path: i for i, path in enumerate(self._paths)}
 
-        def read(path: tuple[str, ...], layer):
-            if tuple(path) not in index:
-                raise ValueError(f"offload: no parameter {'.'.join(path)!r}")
-            i = index[tuple(path)]
-            leaf = self.state.leaves[i]
+        def value(leaf, layer):
             if leaf.streamed:
                 return self.state.read_params(leaf, layer)
-            value = np.asarray(leaves[i])
-            return value if layer is None else value[layer]
+            x = np.asarray(leaves[leaf.index])
+            return x if layer is None else x[layer]
 
-        return read
+        return self._reader(value, "")
 
     def export_params(self):
         """The weights to save or export, as a reader ``read(path, layer)`` of the fp32 master
         weights on SSD: an exporter pulls one tensor (one layer of a stack) at a time, so saving
         never holds more than that in RAM."""
         self.finish_update()
+        return self._reader(lambda leaf, layer: self.state.read_state(leaf, "master", layer=layer), " to export")
+
+    def _reader(self, value: Callable, purpose: str):
+        """``read(path, layer)`` by our parameter path: ``value(leaf, layer)`` of that leaf's layout."""
         index = {path: i for i, path in enumerate(self._paths)}
 
         def read(path: tuple[str, ...], layer):
             if tuple(path) not in index:
-                raise ValueError(f"offload: no parameter {'.'.join(path)!r} to export")
-            return self.state.read_state(self.state.leaves[index[tuple(path)]], "master", layer=layer)
+                raise ValueError(f"offload: no parameter {'.'.join(path)!r}{purpose}")
+            return value(self.state.leaves[index[tuple(path)]], layer)
 
         return read
 

@@ -3,8 +3,8 @@
     dp = DataParallel(Partition(index, count))      # after jax.distributed has joined the job
     spec = dp.partition.local_spec(full_spec, stacked)   # the slices this process's SSD state holds
     master = dp.partition.take(full_layer)          # this process's slice of one layer (zero-padded)
-    batch = dp.shard_rows(local_rows)               # a global batch from this process's rows
-    full = dp.gather(new_slices, shapes)            # the updated compute params, whole, on every process
+    batch = dp.shard_rows(global_batch)             # this process's rows of it, as the job's global arrays
+    full = dp.gather(new_slices, shapes, stacked)   # the updated compute params, whole, on every process
 
 A tensor (one layer of a stacked leaf, or a whole top-level leaf) is split as a flat array,
 zero-padded to a multiple of P: process ``i`` owns elements ``[i*s, (i+1)*s)`` with
@@ -88,8 +88,13 @@ class DataParallel:
         return jax.make_array_from_process_local_data(self.replicated, np.asarray(x))
 
     def shard_rows(self, batch):
-        """A pytree of this process's rows (axis 0) as global arrays of every process's rows."""
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self.rows, np.asarray(x)), batch)
+        """A global batch (a pytree, the same on every process, rows on axis 0) as global arrays
+        of which this process supplies its contiguous block of rows."""
+        rows, part = jax.tree.leaves(batch)[0].shape[0], self.partition
+        if rows % part.count:
+            raise ValueError(f"data.batch_size: {rows} rows do not split evenly over {part.count} processes")
+        mine = slice(part.index * rows // part.count, (part.index + 1) * rows // part.count)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self.rows, np.asarray(x)[mine]), batch)
 
     def step(self, fn, in_specs, out_specs):
         """``fn`` under ``shard_map`` over the processes (``check_vma=False``: see GradientScatter)."""
