@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxascend.config import DataConfig
 from jaxascend.data.examples import Example, ExampleSource
-from jaxascend.data.packing import BatchStream
+from jaxascend.data.packing import BatchStream, state_fields
 from jaxascend.data.tokenizers import Tokenizer
 
 _READ_AHEAD_EXAMPLES = 256  # examples read and encoded per refill
@@ -139,20 +139,7 @@ class ExampleStreamState:
         if "format" not in data and "document" in data:
             raise ValueError("data stream state was saved by a data.format: text stream; this stream is "
                              f"data.format: {expected_format}")
-        kwargs = {}
-        for name, kind in _STATE_FIELDS:
-            if name not in data:
-                raise ValueError(f"data stream state: missing key {name!r}")
-            value = data[name]
-            wrong = (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))
-                     or (kind is int and value < 0))
-            if wrong:
-                what = "a bool" if kind is bool else f"a non-negative {kind.__name__}" if kind is int else "a str"
-                raise ValueError(f"data stream state: {name!r} must be {what}, got {value!r}")
-            kwargs[name] = value
-        if kwargs["version"] != 1:
-            raise ValueError(f"data stream state: version {kwargs['version']} is not supported (expected 1)")
-        return cls(**kwargs)
+        return cls(**state_fields(data, _STATE_FIELDS))
 
 
 class ExampleStream:

@@ -57,20 +57,26 @@ class StreamState:
         if "format" in data:  # an ExampleStream's state
             raise ValueError(f"data stream state was saved by a data.format: {data['format']} stream; "
                              "this stream is data.format: text")
-        kwargs = {}
-        for name, kind in (("epoch", int), ("document", int), ("token", int), ("seed", int),
-                           ("num_documents", int), ("fingerprint", str), ("vocab_size", int),
-                           ("version", int)):
-            if name not in data:
-                raise ValueError(f"data stream state: missing key {name!r}")
-            value = data[name]
-            if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
-                raise ValueError(f"data stream state: {name!r} must be a non-negative "
-                                 f"{kind.__name__}, got {value!r}")
-            kwargs[name] = value
-        if kwargs["version"] != 1:
-            raise ValueError(f"data stream state: version {kwargs['version']} is not supported (expected 1)")
-        return cls(**kwargs)
+        return cls(**state_fields(data, (("epoch", int), ("document", int), ("token", int), ("seed", int),
+                                         ("num_documents", int), ("fingerprint", str), ("vocab_size", int),
+                                         ("version", int))))
+
+
+def state_fields(data: dict, fields) -> dict:
+    """The ``(name, type)`` ``fields`` of a saved stream state, each checked (present; an int
+    non-negative, a bool a bool, a str a str; version 1), or a one-line ValueError naming it."""
+    kwargs = {}
+    for name, kind in fields:
+        if name not in data:
+            raise ValueError(f"data stream state: missing key {name!r}")
+        value = data[name]
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)) or (kind is int and value < 0):
+            what = "a bool" if kind is bool else "a non-negative int" if kind is int else "a str"
+            raise ValueError(f"data stream state: {name!r} must be {what}, got {value!r}")
+        kwargs[name] = value
+    if kwargs["version"] != 1:
+        raise ValueError(f"data stream state: version {kwargs['version']} is not supported (expected 1)")
+    return kwargs
 
 
 class BatchStream:
