@@ -100,7 +100,8 @@ class DataParallel:
         """``fn`` under ``shard_map`` over the processes (``check_vma=False``: see GradientScatter)."""
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    def gather(self, slices: Sequence[np.ndarray], shapes: Sequence[tuple], stacked: Sequence[bool]) -> list[np.ndarray]:
+    def gather(self, slices: Sequence[np.ndarray], shapes: Sequence[tuple],
+               stacked: Sequence[bool]) -> list[np.ndarray]:
         """Each tensor whole, on every process, from every process's slice of it: ``slices[k]``
         is this process's ``[L, s]`` (a stacked leaf) or ``[s]``; ``shapes[k]`` the full shape."""
         columns = []
