@@ -17,14 +17,14 @@ from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundErro
                                          IncompatibleCheckpointError)
 from jaxascend.checkpoint.manager import (Checkpointer, Restored, check_compatible, complete_steps,
                                           default_directory, read_meta, resume_target)
-from jaxascend.checkpoint.ssd_arrays import (CHECKPOINT_SHAPE_CLASS, ArraySpec, Span, SsdArrays,
+from jaxascend.checkpoint.ssd_arrays import (CHECKPOINT_SHAPE_CLASS, ArraySpec, Piece, Span, SsdArrays,
                                              checkpoint_arena_requests, specs_for_offload_layout)
 from jaxascend.checkpoint.run_weights import RunWeights, open_weights
 from jaxascend.checkpoint.weights import CheckpointWeights
 
 __all__ = [
     "CHECKPOINT_SHAPE_CLASS", "ArraySpec", "CheckpointError", "CheckpointNotFoundError", "CheckpointWeights",
-    "Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError", "Restored", "RunWeights", "Span", "SsdArrays",
+    "Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError", "Piece", "Restored", "RunWeights", "Span", "SsdArrays",
     "check_compatible", "checkpoint_arena_requests", "complete_steps", "default_directory", "open_weights",
     "read_meta", "resume_target", "specs_for_offload_layout",
 ]

@@ -216,7 +216,10 @@ class Checkpointer:
             directory = cfg.dir or default_directory(self.run_config)
         self.directory = Path(directory).absolute()
         self.existed = self.directory.is_dir()
-        partial = sorted(self.directory.glob(f"*{TMP_MARKER}*")) if self.existed else []
+        # In a job (jax.distributed) every process saves its own slices into the same step;
+        # process 0 alone tidies the directory and records the file checksums.
+        self._main = jax.process_index() == 0
+        partial = sorted(self.directory.glob(f"*{TMP_MARKER}*")) if self.existed and self._main else []
         if partial:
             action = "removing" if cfg.cleanup_partial else "ignoring"
             log.warning("checkpoint: %s %d half-written save(s) in %s: %s", action, len(partial), self.directory,
@@ -318,7 +321,8 @@ class Checkpointer:
             self._manager.wait_until_finished()
         if self._saving is not None:
             step, self._saving = self._saving, None
-            write_file_checksums(self.step_directory(step))
+            if self._main:
+                write_file_checksums(self.step_directory(step))
 
     @contextlib.contextmanager
     def _save_errors(self):

@@ -21,6 +21,17 @@ plain tensorstore read it without jaxascend -- it is exactly what Orbax's
         .zarray                  shape, dtype, chunks, compressor (none or zstd)
         0.0  1.0  ...            one file per chunk, C order
 
+A data-parallel job's checkpoint (``P`` processes, each owning a slice of every tensor, see
+:mod:`jaxascend.offload.partition`) holds one such directory per process, each written by its
+own process, and the number of them::
+
+    offloaded/
+      jaxascend_processes.json   {"processes": P}
+      process0/ ... process<P-1>/   as above; an array is that process's [layers, s] slice
+
+Restore re-partitions as it streams: a run of any number of processes reads its own slice of
+every tensor from whichever saved slices hold it (:class:`SavedTensor`).
+
 An array named ``"master/layers/mlp/w"`` is the leaf ``tree["master"]["layers"]["mlp"]["w"]``
 of ``ocp.StandardCheckpointer().restore(".../offloaded")``, or
 ``ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": ".../offloaded/master.layers.mlp.w"}})``.
@@ -56,6 +67,7 @@ from jaxascend.ssd import Segment, SlotRequest
 
 CHECKPOINT_SHAPE_CLASS = "checkpoint"
 MANIFEST_FILE = "jaxascend_arrays.json"
+PROCESSES_FILE = "jaxascend_processes.json"  # a data-parallel save: how many process<i>/ parts
 FORMAT = "jaxascend-offloaded/1"
 COMPRESSORS = {"none": None, "zstd": {"id": "zstd", "level": 1}}  # zstd level 1: Orbax's own choice
 
@@ -67,6 +79,41 @@ class Span:
     region: str
     offset: int
     nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Where an array sits in a tensor split over ``count`` processes (see
+    :mod:`jaxascend.offload.partition`): each of the tensor's layers (``shape[0]`` of a
+    ``stacked`` tensor, else one) is split as a flat array of ``size`` elements, and process
+    ``index`` holds elements ``[index * s, (index + 1) * s)`` with ``s = ceil(size / count)``,
+    zero-padded; the array is ``[layers, s]`` (``[s]`` unstacked). ``count`` 1: the whole
+    tensor, in its own shape."""
+
+    index: int
+    count: int
+    shape: tuple  # the whole tensor's
+    stacked: bool
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"Piece: process {self.index} of {self.count}")
+
+    @property
+    def layers(self) -> int:
+        return self.shape[0] if self.stacked else 1
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape[1:] if self.stacked else self.shape)
+
+    @property
+    def slice_size(self) -> int:
+        return -(-self.size // self.count)
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "count": self.count, "shape": list(self.shape), "stacked": self.stacked}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +129,7 @@ class ArraySpec:
     shape: tuple
     dtype: Any
     spans: tuple
+    piece: Optional[Piece] = None  # its place in a tensor split over processes (None: not known)
 
     def __post_init__(self):
         keys = tuple(self.name.split("/")) if isinstance(self.name, str) else ()
@@ -101,6 +149,10 @@ class ArraySpec:
         if sum(x.nbytes for x in spans) != self.nbytes:
             raise ValueError(f"ArraySpec.spans of {self.name!r} hold {sum(x.nbytes for x in spans)} bytes; "
                              f"{self.dtype}{self.shape} is {self.nbytes} bytes")
+        piece = self.piece
+        if piece is not None and self.size != piece.layers * (piece.size if piece.count == 1 else piece.slice_size):
+            raise ValueError(f"ArraySpec.piece of {self.name!r}: {self.shape} is not process {piece.index} of "
+                             f"{piece.count}'s slice of {piece.shape}")
 
     @classmethod
     def contiguous(cls, name: str, region: str, offset: int, shape, dtype) -> "ArraySpec":
@@ -155,6 +207,15 @@ class SsdArrays:
                 if s.keys[:i] in names:
                     raise ValueError(f"SsdArrays: array {'/'.join(s.keys[:i])!r} is a prefix of {s.name!r}")
 
+    @property
+    def process(self) -> tuple[int, int]:
+        """``(index, count)``: this process's place in the job the arrays are split over ((0, 1):
+        one process, or no split recorded)."""
+        places = {(s.piece.index, s.piece.count) for s in self.specs if s.piece is not None}
+        if len(places) > 1:
+            raise ValueError(f"SsdArrays: the arrays disagree on their process: {sorted(places)}")
+        return places.pop() if places else (0, 1)
+
     @classmethod
     def of(cls, value) -> "SsdArrays":
         """Accepts an :class:`SsdArrays`, ``(store, arena, specs)`` or ``(store, specs)``."""
@@ -172,14 +233,18 @@ def checkpoint_arena_requests(cfg: OffloadConfig, chunk_bytes: Optional[int] = N
     return [SlotRequest(CHECKPOINT_SHAPE_CLASS, chunk + 2 * cfg.block_bytes, cfg.stream_depth)]
 
 
-def specs_for_offload_layout(layout, tensors: Sequence[str] = ("master", "m", "v")) -> list[ArraySpec]:
+def specs_for_offload_layout(layout, tensors: Sequence[str] = ("master", "m", "v"),
+                             pieces: Optional[Sequence[Piece]] = None) -> list[ArraySpec]:
     """Array specs for :class:`jaxascend.offload.layout.OffloadLayout`'s state regions: per leaf
     and tensor an fp32 array ``"<tensor>/<leaf path>"`` of the leaf's shape, gathered from the
     chunk-interleaved ``master[n] | m[n] | v[n]`` pieces of every layer's state region; a leaf
-    whose compute weights are streamed from SSD adds ``"params/<leaf path>"`` in its dtype."""
+    whose compute weights are streamed from SSD adds ``"params/<leaf path>"`` in its dtype.
+    ``pieces`` (one per leaf): where each leaf sits in the whole tensor (a data-parallel
+    process's slices), so that a restore can re-partition."""
     specs = []
     chunk = layout.chunk_elements
-    for leaf in layout.leaves:
+    pieces = list(pieces) if pieces is not None else [None] * len(layout.leaves)
+    for leaf, piece in zip(layout.leaves, pieces):
         per_layer = leaf.layer_elements
         for k, tensor in enumerate(tensors):
             spans = []
@@ -187,12 +252,12 @@ def specs_for_offload_layout(layout, tensors: Sequence[str] = ("master", "m", "v
                 for start in range(0, per_layer, chunk):
                     n = min(chunk, per_layer - start)
                     spans.append(Span(region, 4 * len(tensors) * start + 4 * k * n, 4 * n))
-            specs.append(ArraySpec(f"{tensor}/{leaf.path}", leaf.shape, np.float32, tuple(spans)))
+            specs.append(ArraySpec(f"{tensor}/{leaf.path}", leaf.shape, np.float32, tuple(spans), piece))
         if getattr(leaf, "param_regions", ()):  # offload.params: ssd: the compute weights live on SSD too
             size = leaf.dtype.itemsize
             spans = [Span(region, size * start, size * min(chunk, per_layer - start))
                      for region in leaf.param_regions for start in range(0, per_layer, chunk)]
-            specs.append(ArraySpec(f"params/{leaf.path}", leaf.shape, leaf.dtype, tuple(spans)))
+            specs.append(ArraySpec(f"params/{leaf.path}", leaf.shape, leaf.dtype, tuple(spans), piece))
     return specs
 
 
@@ -328,7 +393,8 @@ def save_arrays(directory: Path, arrays: SsdArrays, compression: str = "none") -
                                    can_reference_source_data_indefinitely=True).result()
         entries.append({"name": spec.name, "shape": list(spec.shape), "dtype": spec.dtype.name,
                         "chunks": list(chunks), "crc32c": crcs,
-                        "spans": [[x.region, x.offset, x.nbytes] for x in spec.spans]})
+                        "spans": [[x.region, x.offset, x.nbytes] for x in spec.spans],
+                        **({"piece": spec.piece.to_dict()} if spec.piece is not None else {})})
     _fsync_tree(directory)
     manifest = {"format": FORMAT, "compression": compression, "arrays": entries}
     (directory / "_METADATA").write_text(json.dumps(orbax_tree_metadata([s.keys for s in arrays.specs])))
@@ -394,7 +460,10 @@ class _ChunkReader:
 
     def _load(self, at: int) -> int:
         """Makes the chunk holding byte ``at`` current; returns its first byte. Chunks before it
-        are skipped unread, so a reader can start anywhere (one layer of a stacked array)."""
+        are skipped unread, so a reader can start anywhere (one layer of a stacked array); reading
+        before the current chunk starts over from the first."""
+        if self.index >= 0 and at < self.grid[self.index][2] * self.itemsize:
+            self.index, self.data = -1, np.zeros(0, np.uint8)
         while self.index < 0 or self.grid[self.index][3] * self.itemsize <= at:
             self.index += 1
             idx, box, _, stop = self.grid[self.index]
@@ -435,33 +504,194 @@ def _restore_passes(spec: ArraySpec, regions: dict, block: int, piece_bytes: int
     return passes + [current] if current else passes
 
 
+def saved_processes(directory: Path) -> int:
+    """How many processes saved the ``offloaded`` item in ``directory`` (1: the plain layout)."""
+    path = Path(directory) / PROCESSES_FILE
+    if not path.exists():
+        return 1
+    try:
+        record = json.loads(path.read_text())
+        count = record["processes"]
+        if record.get("format") != FORMAT or not isinstance(count, int) or count < 2:
+            raise ValueError(f"expected format {FORMAT!r} and processes >= 2, got {record}")
+    except (ValueError, KeyError, TypeError) as err:
+        raise CorruptCheckpointError(f"checkpoint file {path} is corrupt ({err})") from None
+    return count
+
+
+def part_directory(directory: Path, index: int, count: int) -> Path:
+    """Where process ``index`` of ``count`` keeps its arrays in an ``offloaded`` item."""
+    return Path(directory) if count == 1 else Path(directory) / f"process{index}"
+
+
+def _open_zarr(array_dir: Path, entry: dict, manifest_path: Path, context=None):
+    """The zarr array of a manifest entry, checked against it."""
+    try:
+        src = ts.open(zarr_spec(array_dir), open=True, context=context).result()
+    except ValueError as err:
+        raise CorruptCheckpointError(f"checkpoint array {array_dir} cannot be opened ({err})") from None
+    layout = list(src.chunk_layout.read_chunk.shape or ())
+    if (list(src.shape) != list(entry["shape"]) or numpy_dtype(src.dtype.name).name != entry["dtype"]
+            or layout != entry["chunks"]):
+        raise CorruptCheckpointError(
+            f"checkpoint file {array_dir / '.zarray'} says {src.dtype.name}{tuple(src.shape)} in chunks "
+            f"{layout}, {manifest_path} says {entry['dtype']}{tuple(entry['shape'])} in chunks {entry['chunks']}")
+    return src
+
+
+def _chunk_reader(directory: Path, entry: dict, context=None) -> "_ChunkReader":
+    """A reader of the saved array ``entry`` of the item part in ``directory``."""
+    array_dir = directory / entry["name"].replace("/", ".")
+    manifest_path = directory / MANIFEST_FILE
+    src = _open_zarr(array_dir, entry, manifest_path, context)
+    return _ChunkReader(src, chunk_grid(tuple(entry["shape"]), entry["chunks"]), entry["crc32c"], array_dir,
+                        manifest_path, numpy_dtype(entry["dtype"]).itemsize)
+
+
+class SavedTensor:
+    """One tensor of a saved ``offloaded`` item as a whole, whatever the number of processes that
+    saved it: :meth:`copy` reads a run of one layer's elements from whichever slices hold them,
+    one zarr chunk in memory at a time (each checked against its crc32c)."""
+
+    def __init__(self, name: str, parts: list[tuple[Path, dict]], context=None):
+        self.name, self.parts, self.context = name, parts, context
+        entry = parts[0][1]
+        self.dtype = numpy_dtype(entry["dtype"])
+        self.count = len(parts)
+        piece = entry.get("piece")
+        self.shape = tuple(piece["shape"]) if piece else tuple(entry["shape"])
+        self.stacked = bool(piece["stacked"]) if piece else None  # unknown for a plain save
+        self._readers: list[Optional[_ChunkReader]] = [None] * self.count
+
+    def slice_size(self, stacked: bool) -> int:
+        size = math.prod(self.shape[1:] if stacked else self.shape)
+        return -(-size // self.count)
+
+    def copy(self, out: np.ndarray, layer: Optional[int], start: int) -> None:
+        """Fills ``out`` (uint8, whole elements) with elements ``start, start + 1, ...`` of ``layer``
+        (None: the tensor has no layers) as a flat array."""
+        isz, n, pos = self.dtype.itemsize, out.size // self.dtype.itemsize, 0
+        if self.count == 1:  # one array of the tensor's shape
+            row = math.prod(self.shape[1:]) if layer is not None else 0
+            self._reader(0).copy_to(out, ((layer or 0) * row + start) * isz)
+            return
+        s = self.slice_size(layer is not None)
+        while pos < n:
+            p, offset = divmod(start + pos, s)
+            take = min(n - pos, s - offset)
+            self._reader(p).copy_to(out[pos * isz:(pos + take) * isz], ((layer or 0) * s + offset) * isz)
+            pos += take
+
+    def release(self) -> None:
+        """Drops the chunks the readers hold (the next :meth:`copy` opens them again)."""
+        self._readers = [None] * self.count
+
+    def _reader(self, p: int) -> "_ChunkReader":
+        if self._readers[p] is None:
+            directory, entry = self.parts[p]
+            self._readers[p] = _chunk_reader(directory, entry, self.context)
+        return self._readers[p]
+
+
+def saved_tensors(directory: Path, context=None) -> dict[str, SavedTensor]:
+    """Every array of the ``offloaded`` item in ``directory`` as a :class:`SavedTensor`, by name."""
+    directory = Path(directory)
+    count = saved_processes(directory)
+    parts = [part_directory(directory, p, count) for p in range(count)]
+    manifests = [read_manifest(d) for d in parts]
+    names = [e["name"] for e in manifests[0]["arrays"]]
+    by_name: dict[str, list] = {name: [] for name in names}
+    for p, (d, manifest) in enumerate(zip(parts, manifests)):
+        entries = {e["name"]: e for e in manifest["arrays"]}
+        if sorted(entries) != sorted(names):
+            raise CorruptCheckpointError(f"checkpoint {d} holds other arrays than {parts[0]}")
+        for name in names:
+            piece = entries[name].get("piece")
+            if count > 1 and (not piece or piece["index"] != p or piece["count"] != count):
+                raise CorruptCheckpointError(f"checkpoint file {d / MANIFEST_FILE}: array {name!r} is not process "
+                                             f"{p} of {count}'s slice (it records {piece})")
+            by_name[name].append((d, entries[name]))
+    return {name: SavedTensor(name, by_name[name], context) for name in names}
+
+
+def _check_tensors_match(tensors: dict[str, SavedTensor], specs: Sequence[ArraySpec], where: Path, saved: int,
+                         count: int) -> None:
+    """Refuses to re-partition arrays whose names, whole shapes or dtypes differ from the checkpoint's."""
+    no_piece = [s.name for s in specs if s.piece is None]
+    if no_piece:
+        raise IncompatibleCheckpointError(f"checkpoint {where} was saved by {saved} process(es), this run has "
+                                          f"{count}, and array {no_piece[0]!r} records no partition to re-split")
+    missing = sorted({s.name for s in specs} - set(tensors))
+    extra = sorted(set(tensors) - {s.name for s in specs})
+    if missing or extra:
+        raise IncompatibleCheckpointError(
+            f"checkpoint {where} holds other optimizer-state arrays than this run: "
+            f"not in the checkpoint: {missing[:5] or 'none'}; only in the checkpoint: {extra[:5] or 'none'}")
+    for spec in specs:
+        t = tensors[spec.name]
+        stacked_differs = t.stacked is not None and t.stacked != spec.piece.stacked
+        if t.shape != spec.piece.shape or t.dtype != spec.dtype or stacked_differs:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {where}: array {spec.name!r} is {t.dtype.name}{t.shape} in the checkpoint, "
+                f"{spec.dtype.name}{spec.piece.shape} in this run")
+
+
+class _SliceReader:
+    """``copy_to(out, flat_byte)`` over this process's slice array of a tensor (``piece``),
+    read from a :class:`SavedTensor` saved by another number of processes; the padding past the
+    tensor's end reads as zeros."""
+
+    def __init__(self, tensor: SavedTensor, piece: Piece, itemsize: int):
+        self.tensor, self.piece, self.itemsize = tensor, piece, itemsize
+        self.s = piece.size if piece.count == 1 else piece.slice_size
+
+    def copy_to(self, out: np.ndarray, flat_byte: int) -> None:
+        isz, piece = self.itemsize, self.piece
+        first, n, pos = flat_byte // isz, out.size // isz, 0
+        while pos < n:
+            layer, k = divmod(first + pos, self.s)
+            take = min(n - pos, self.s - k)
+            g = piece.index * self.s + k  # the element of the whole layer
+            inside = max(0, min(take, piece.size - g))
+            view = out[pos * isz:(pos + take) * isz]
+            if inside:
+                self.tensor.copy(view[:inside * isz], layer if piece.stacked else None, g)
+            view[inside * isz:] = 0
+            pos += take
+
+
 def restore_arrays(directory: Path, arrays: SsdArrays) -> dict:
     """Streams every array of ``arrays`` from ``directory`` back into its store spans, one zarr
-    chunk in memory at a time, each checked against its crc32c; returns the manifest. On an
+    chunk in memory at a time, each checked against its crc32c; returns the manifest. A
+    checkpoint saved by another number of processes is re-partitioned as it streams: each array
+    is this process's slice of its tensor (:class:`Piece`), read from the saved slices. On an
     error the regions hold a partial restore."""
     directory = Path(directory)
-    manifest = read_manifest(directory)
-    check_arrays_match(manifest, arrays.specs, directory)
-    saved = {e["name"]: e for e in manifest["arrays"]}
+    saved = saved_processes(directory)
+    index, count = arrays.process
+    context = _ts_context()
+    if saved == count:  # each process reads back the arrays it wrote
+        part = part_directory(directory, index, count)
+        manifest = read_manifest(part)
+        check_arrays_match(manifest, arrays.specs, part)
+        entries = {e["name"]: e for e in manifest["arrays"]}
+
+        def open_reader(spec):
+            return _chunk_reader(part, entries[spec.name], context)
+    else:
+        tensors = saved_tensors(directory, context)
+        _check_tensors_match(tensors, arrays.specs, directory, saved, count)
+        manifest = read_manifest(part_directory(directory, 0, saved))
+
+        def open_reader(spec):
+            for t in tensors.values():
+                t.release()  # one array's chunks in memory at a time
+            return _SliceReader(tensors[spec.name], spec.piece, spec.dtype.itemsize)
     store = arrays.store
     slot_bytes, depth, block = _pass_geometry(arrays)
-    context = _ts_context()
     for spec in arrays.specs:
         regions = _regions_of(store, spec)
-        entry, array_dir = saved[spec.name], directory / spec.dirname
-        try:
-            src = ts.open(zarr_spec(array_dir), open=True, context=context).result()
-        except ValueError as err:
-            raise CorruptCheckpointError(f"checkpoint array {array_dir} cannot be opened ({err})") from None
-        layout = list(src.chunk_layout.read_chunk.shape or ())
-        dtype = numpy_dtype(src.dtype.name)
-        if list(src.shape) != list(spec.shape) or dtype != spec.dtype or layout != entry["chunks"]:
-            raise CorruptCheckpointError(
-                f"checkpoint file {array_dir / '.zarray'} says {src.dtype.name}{tuple(src.shape)} in chunks "
-                f"{layout}, {directory / MANIFEST_FILE} says {entry['dtype']}{tuple(entry['shape'])} in chunks "
-                f"{entry['chunks']}")
-        reader = _ChunkReader(src, chunk_grid(spec.shape, entry["chunks"]), entry["crc32c"], array_dir,
-                              directory / MANIFEST_FILE, spec.dtype.itemsize)
+        reader = open_reader(spec)
         for pieces in _restore_passes(spec, regions, block, slot_bytes):
             # A piece that covers only part of its first or last block reads it first (merge).
             segments = [[Segment(r, wl, wh - wl, read=(wl < lo or wh > hi), write=True)]
@@ -473,6 +703,20 @@ def restore_arrays(directory: Path, arrays: SsdArrays) -> dict:
     return manifest
 
 
+def save_item(directory: Path, arrays: SsdArrays, compression: str = "none") -> dict:
+    """Saves this process's arrays into the ``offloaded`` item ``directory``: the plain layout for
+    one process, ``process<i>/`` of a data-parallel job (process 0 also records how many)."""
+    index, count = arrays.process
+    manifest = save_arrays(part_directory(directory, index, count), arrays, compression)
+    if count > 1 and index == 0:
+        path = Path(directory) / PROCESSES_FILE
+        with open(path, "w") as f:
+            f.write(json.dumps({"format": FORMAT, "processes": count}))
+            f.flush()
+            os.fsync(f.fileno())
+    return manifest
+
+
 # ----------------------------------------------------------------------------- Orbax handler
 
 class SsdArraysHandler(ocp.CheckpointHandler):
@@ -480,13 +724,15 @@ class SsdArraysHandler(ocp.CheckpointHandler):
     the arena while the caller waits; the training loop must not touch the store meanwhile)."""
 
     def save(self, directory, args: "SsdArraysSave") -> None:
-        save_arrays(Path(str(directory)), args.arrays, args.compression)
+        # Every process of a job saves its own slices; Orbax finalises the step once all have.
+        save_item(Path(str(directory)), args.arrays, args.compression)
 
     def restore(self, directory, args: "SsdArraysRestore") -> dict:
         return restore_arrays(Path(str(directory)), args.arrays)
 
     def metadata(self, directory) -> dict:
-        return read_manifest(Path(str(directory)))
+        directory = Path(str(directory))
+        return read_manifest(part_directory(directory, 0, saved_processes(directory)))
 
 
 @ocp.args.register_with_handler(SsdArraysHandler, for_save=True)

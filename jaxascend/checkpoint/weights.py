@@ -5,8 +5,9 @@
         export_hf(w.read, w.model_config, "runs/x/hf-300", dtype="float32")
 
 An offloaded run's checkpoint holds the fp32 master weights as plain zarr arrays
-(``offloaded/master.<leaf>``, see :mod:`jaxascend.checkpoint.ssd_arrays`): :meth:`read` pulls one
-layer of one of them, reading only the zarr chunks that hold it, each checked against the crc32c
+(``offloaded/master.<leaf>``, or one slice of each per process of a data-parallel job, see
+:mod:`jaxascend.checkpoint.ssd_arrays`): :meth:`read` pulls one layer of one of them (joining
+the slices), reading only the zarr chunks that hold it, each checked against the crc32c
 in the item's manifest before use. An in-memory run's weights are its ``params`` item (the model
 fits in memory by definition); it is restored once and checked against the crc32c of every leaf.
 """
@@ -20,13 +21,11 @@ from typing import Optional, Union
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import tensorstore as ts
 
 from jaxascend.checkpoint.checksums import leaf_name, raise_if_a_file_is_corrupt, verify_checksums
 from jaxascend.checkpoint.errors import CorruptCheckpointError
 from jaxascend.checkpoint.manager import OFFLOADED, PARAMS, _root_cause, read_meta
-from jaxascend.checkpoint.ssd_arrays import MANIFEST_FILE, _ChunkReader, read_manifest
-from jaxascend.checkpoint.zarr_layout import chunk_grid, numpy_dtype, zarr_spec
+from jaxascend.checkpoint.ssd_arrays import saved_tensors
 from jaxascend.config import ModelConfig
 
 
@@ -47,11 +46,9 @@ class CheckpointWeights:
         self._record = record
         self._offloaded = OFFLOADED in record["items"]
         self._params: Optional[dict] = None
-        if self._offloaded:
-            item = self.directory / OFFLOADED
-            self._manifest_path = item / MANIFEST_FILE
-            self._arrays = {_dotted(e["name"]): e for e in read_manifest(item)["arrays"]
-                            if e["name"].startswith("master/")}
+        if self._offloaded:  # saved by one process or split over a job's (re-joined here)
+            self._arrays = {_dotted(name): t for name, t in saved_tensors(self.directory / OFFLOADED).items()
+                            if name.startswith("master/")}
         self.model_config = self._model_config()
 
     def _model_config(self) -> ModelConfig:
@@ -74,23 +71,22 @@ class CheckpointWeights:
             if value is None:
                 raise CorruptCheckpointError(f"checkpoint {self.directory / PARAMS} has no parameter {name!r}")
             return value if layer is None else value[layer]
-        entry = self._arrays.get(name)
-        if entry is None:
+        tensor = self._arrays.get(name)
+        if tensor is None:
             raise CorruptCheckpointError(f"checkpoint {self.directory / OFFLOADED} has no master weights for "
                                          f"{name!r} (it holds {len(self._arrays)} tensors)")
-        shape, dtype = tuple(entry["shape"]), numpy_dtype(entry["dtype"])
-        layer_shape = shape if layer is None else shape[1:]
+        shape = tensor.shape
         if layer is not None and not 0 <= layer < shape[0]:
             raise IndexError(f"checkpoint {self.directory}: {name!r} has {shape[0]} layers, not {layer + 1}")
-        out = np.empty(layer_shape, dtype)
-        array_dir = self.directory / OFFLOADED / entry["name"].replace("/", ".")
+        out = np.empty(shape if layer is None else shape[1:], tensor.dtype)
         try:
-            src = ts.open(zarr_spec(array_dir), open=True).result()
-        except ValueError as err:
-            raise CorruptCheckpointError(f"checkpoint array {array_dir} cannot be opened ({err})") from None
-        reader = _ChunkReader(src, chunk_grid(shape, entry["chunks"]), entry["crc32c"], array_dir,
-                              self._manifest_path, dtype.itemsize)
-        reader.copy_to(out.reshape(-1).view(np.uint8), 0 if layer is None else layer * out.nbytes)
+            if layer is None and tensor.count > 1 and tensor.stacked:  # each layer was split on its own
+                for i in range(shape[0]):
+                    tensor.copy(out[i].reshape(-1).view(np.uint8), i, 0)
+            else:
+                tensor.copy(out.reshape(-1).view(np.uint8), layer, 0)
+        finally:
+            tensor.release()  # one tensor's chunks in memory at a time
         return out
 
     def _in_memory_params(self) -> dict[str, np.ndarray]:
