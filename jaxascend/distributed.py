@@ -2,7 +2,7 @@
 
     group = initialize(cfg.train.distributed)     # ProcessGroup(index=0, count=1) for a single process
     if group.is_main: ...                          # logging, metrics, exports: process 0 only
-    offload_dir = process_dir(cfg.offload.dir, group.index)   # "{process}" -> this process's number
+    offload_dir = process_dir(cfg.offload.dir, group)   # "{process}" -> this process's number
 
 A job is requested by ``train.distributed`` (coordinator, number of processes, process id) or by
 the environment ``jax.distributed.initialize()`` reads by itself: ``JAX_COORDINATOR_ADDRESS`` /
@@ -17,6 +17,8 @@ the launcher reports which process ended and why.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -43,9 +45,9 @@ class ProcessGroup:
 
 
 def requested(cfg: Optional[DistributedConfig], environ=os.environ) -> bool:
-    """Whether a multi-process job is asked for: by ``train.distributed``, the ``JAX_*``
+    """Whether a multi-process job is asked for: by ``train.distributed.coordinator``, the ``JAX_*``
     variables, SLURM (more than one task) or Open MPI (a world of more than one)."""
-    if cfg is not None:
+    if cfg is not None and cfg.coordinator is not None:
         return True
     if environ.get("JAX_COORDINATOR_ADDRESS"):
         return True
@@ -82,7 +84,11 @@ def initialize(cfg: Optional[DistributedConfig]) -> ProcessGroup:
         return ProcessGroup(jax.process_index(), jax.process_count())
     if not requested(cfg):
         return ProcessGroup()
-    settings = cfg or from_environment(os.environ)
+    settings = cfg or DistributedConfig()
+    if settings.coordinator is None:  # the environment's job, with the section's timeouts
+        found = from_environment(os.environ)
+        settings = dataclasses.replace(settings, coordinator=found.coordinator, num_processes=found.num_processes,
+                                       process_id=found.process_id)
     # Must precede the backend's creation; GPU backends use NCCL and ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = settings.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or "the coordinator the environment names"
@@ -98,6 +104,36 @@ def initialize(cfg: Optional[DistributedConfig]) -> ProcessGroup:
     return ProcessGroup(jax.process_index(), jax.process_count())
 
 
-def process_dir(template: str, index: int) -> str:
-    """``template`` with ``{process}`` replaced by ``index``: each process's own directory."""
-    return template.replace(PROCESS_FIELD, str(index))
+class JobLostError(RuntimeError):
+    """A collective of the job failed because another process is gone (killed, crashed, its
+    machine down): this process stops too; the job resumes from its last complete checkpoint."""
+
+
+_PEER_FAILURE = ("gloo", "connection reset", "connection refused", "broken pipe", "coordination service",
+                 "heartbeat", "socket closed")
+
+
+@contextlib.contextmanager
+def job_errors(group: ProcessGroup):
+    """In a job, a collective that fails because a peer is gone becomes one
+    :class:`JobLostError` line naming this process and what failed (JAX's runtime, or the
+    launcher, names the process that ended; a peer that hangs instead is noticed by the
+    heartbeat, ``train.distributed.heartbeat_timeout_seconds``)."""
+    try:
+        yield
+    except Exception as err:  # XlaRuntimeError, or the error a sink or source made of it
+        text = " ".join(str(err).split())
+        if group.count == 1 or isinstance(err, JobLostError) or not any(k in text.lower() for k in _PEER_FAILURE):
+            raise
+        raise JobLostError(f"train.distributed: process {group.index} of {group.count} lost the job (another process "
+                           f"ended; its log, or the launcher's, says why); resume from the last complete checkpoint "
+                           f"(train.resume: auto). The failed collective: {text[:300]}") from None
+
+
+def process_dir(template: str, group: ProcessGroup) -> str:
+    """Each process's own directory: ``template`` with ``{process}`` replaced by its number, or,
+    in a job whose template has none, ``<template>/process<i>`` (processes of one machine would
+    otherwise share it); the template itself for a single process."""
+    if PROCESS_FIELD in template:
+        return template.replace(PROCESS_FIELD, str(group.index))
+    return template if group.count == 1 else f"{template.rstrip('/')}/process{group.index}"

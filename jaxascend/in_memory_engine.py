@@ -6,6 +6,8 @@ as the reference the offloaded engine is measured and tested against.
 
 from __future__ import annotations
 
+import contextlib
+
 from functools import partial
 from typing import Any, Callable
 
@@ -100,6 +102,11 @@ class InMemoryEngine:
     def export_params(self) -> nnx.State:
         """The weights to save or export: the fp32 parameters themselves here."""
         return self.params
+
+    @contextlib.contextmanager
+    def exported_weights(self):
+        """As :meth:`OffloadEngine.exported_weights` (one process: the parameters)."""
+        yield self.export_params()
 
     def report(self) -> dict[str, Any]:
         return {}

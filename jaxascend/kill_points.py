@@ -5,7 +5,8 @@ kind, as a power cut or the OOM killer would) the 7th time :func:`kill_point` is
 that name. Points: ``backward`` (a step's forward/backward has been dispatched and is running),
 ``optimizer_chunk`` (inside the streamed AdamW step, between chunks: some chunks written back,
 others not), ``checkpoint_chunk`` (inside a checkpoint save, between streamed chunks). Unset, a
-point costs one dictionary lookup.
+point costs one dictionary lookup. In a job, ``JAXASCEND_KILL_PROCESS=1`` arms the point in
+process 1 alone (the ``JAX_PROCESS_ID`` the launcher gives it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections import Counter
 _counts: Counter = Counter()
 _spec = os.environ.get("JAXASCEND_KILL_AT")
 _target = None
-if _spec:
+_process = os.environ.get("JAXASCEND_KILL_PROCESS")
+if _spec and (_process is None or _process == os.environ.get("JAX_PROCESS_ID")):
     _name, _, _nth = _spec.partition(":")
     _target = (_name, int(_nth or 1))
 

@@ -11,7 +11,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Optional, TextIO
 
 import psutil
 from tqdm import tqdm
@@ -43,10 +43,14 @@ class MetricsLog:
 
     ``resumed_from``: the step the run continues from (0: a fresh start). Records of later steps
     (written before the run was interrupted, and about to be written again) move to
-    ``metrics.superseded.jsonl``, so ``metrics.jsonl`` always holds one curve.
+    ``metrics.superseded.jsonl``, so ``metrics.jsonl`` always holds one curve. ``enabled=False``
+    (the processes of a job other than process 0) writes nothing.
     """
 
-    def __init__(self, out_dir: Path, resumed_from: int = 0):
+    def __init__(self, out_dir: Path, resumed_from: int = 0, enabled: bool = True):
+        self._file: Optional[TextIO] = None
+        if not enabled:
+            return
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
         if self.path.exists():
@@ -54,11 +58,13 @@ class MetricsLog:
         self._file: TextIO = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, sort_keys=True) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(record, sort_keys=True) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def __enter__(self) -> "MetricsLog":
         return self

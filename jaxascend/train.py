@@ -8,6 +8,7 @@ one line on stderr naming the problem and exit status 2, with nothing else aroun
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -25,14 +26,26 @@ def main(argv: list[str] | None = None) -> int:
     from jaxascend import console
     from jaxascend.checkpoint import CheckpointError
     from jaxascend.config import load_config
+    from jaxascend.distributed import JobLostError
     from jaxascend.trainer import run
 
+    lost = []
+
     def train() -> int:
-        run(load_config(args.config, args.overrides))
+        try:
+            run(load_config(args.config, args.overrides))
+        except JobLostError:
+            lost.append(True)
+            raise
         return 0
 
     with console.one_line_output():  # ConfigError is a ValueError
-        return console.report_errors(train, (ValueError, OSError, CheckpointError))
+        status = console.report_errors(train, (ValueError, OSError, CheckpointError, JobLostError))
+    if lost:  # JAX's shutdown would wait for the lost process and then abort with a stack dump
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from jaxascend import console
 from jaxascend.checkpoint import Checkpointer, resume_target
 from jaxascend.config import Config, ConfigError, ModelConfig
 from jaxascend.distributed import initialize as initialize_distributed
-from jaxascend.distributed import process_dir
+from jaxascend.distributed import job_errors, process_dir
 from jaxascend.data import eval_batches, load_tokenizer, make_batch_stream, tokenizer_folder
 from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, export_hf, lean_init_reader,
                           load_hf_model, model_config_from_hf, save_params)
@@ -32,7 +33,7 @@ from jaxascend.generation import SamplePrompts
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.models import TokenBatch, count_params, token_batch
-from jaxascend.offload import OffloadEngine
+from jaxascend.offload import OffloadEngine, Partition, partition_refusal
 from jaxascend.offload import resolve as plan_resolve
 from jaxascend.offload.timeline import write_timeline_png
 from jaxascend.optim import learning_rate_schedule
@@ -58,6 +59,7 @@ class TrainResult:
     out_dir: str
     eval_loss: Optional[float] = None  # the held-out loss at the end (None: no eval.paths)
     data: dict = dataclasses.field(default_factory=dict)  # examples seen / truncated / dropped
+    updates_this_run: int = 0  # updates applied by this invocation (a resumed run counts from its checkpoint)
 
 
 def resolve_model_config(cfg: Config) -> ModelConfig:
@@ -152,24 +154,50 @@ def evaluate(engine, batches: list[TokenBatch]) -> dict[str, float]:
             "eval_seconds": time.perf_counter() - started}
 
 
-def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, master=None):
+def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, master=None, group=None):
     """The offloaded engine (state on SSD) or the in-memory baseline, per ``offload.enabled``;
-    ``master`` reads the checkpoint's own values for the offloaded fp32 master weights."""
+    ``master`` reads the checkpoint's own values for the offloaded fp32 master weights; in a job
+    (``group`` of more than one process) this process owns its partition of the state."""
     if cfg.offload.enabled:
-        return OffloadEngine(cfg, model, model_cfg, master=master)
+        partition = Partition(group.index, group.count) if group is not None and group.count > 1 else None
+        return OffloadEngine(cfg, model, model_cfg, master=master, partition=partition)
     return InMemoryEngine(cfg, model)
+
+
+def check_job(cfg: Config, model_cfg: ModelConfig, count: int) -> None:
+    """Refuses, before anything is written, what a job of ``count`` processes cannot run: the
+    in-memory engine, a batch whose rows do not split evenly, what the data-parallel engine
+    does not support yet (:func:`~jaxascend.offload.engine.partition_refusal`)."""
+    if count == 1:
+        return
+    where = f"train.distributed: this job has {count} processes"
+    if not cfg.offload.enabled:
+        raise ConfigError(f"{where}; data parallelism partitions the SSD state (offload.enabled: true), the "
+                          "in-memory engine runs one process")
+    for name, rows in (("data.batch_size", cfg.data.batch_size), ("eval.batch_size", cfg.eval.batch_size)):
+        if rows and rows % count:
+            raise ConfigError(f"{name}: {rows} rows do not split evenly over the job's {count} processes")
+    refused = partition_refusal(cfg, model_cfg)
+    if refused:
+        raise ConfigError(f"{where}; {refused}")
 
 
 def run(cfg: Config) -> TrainResult:
     """Trains ``cfg.train.steps`` optimizer steps and writes metrics and a summary to ``out_dir``."""
     # Join the job (train.distributed, or the JAX_* / SLURM / Open MPI environment): one process
-    # unless either asks for more.
+    # unless either asks for more. Every process reads its rows of each global batch and owns
+    # 1/P of the SSD state in its own offload directory; process 0 alone writes the run's
+    # outputs (metrics, plan, exports). A process that loses its peers stops (JobLostError).
     group = initialize_distributed(cfg.train.distributed)
-    if group.count > 1:
-        raise ConfigError(f"train.distributed: this job has {group.count} processes; the trainer runs one process "
-                          "for now (the data-parallel engine exists, its checkpoints and exports do not yet)")
-    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload,
-                                                               dir=process_dir(cfg.offload.dir, group.index)))
+    with job_errors(group):
+        return _run(cfg, group)
+
+
+def _run(cfg: Config, group) -> TrainResult:
+    main = group.is_main
+    if not main:
+        logging.getLogger("jaxascend").setLevel(logging.ERROR)  # process 0 speaks for the job
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, dir=process_dir(cfg.offload.dir, group)))
     out_dir = Path(cfg.train.out_dir)
 
     # Check: everything the run reads (config.json, tokenizer, data, the weights' names and
@@ -183,6 +211,7 @@ def run(cfg: Config) -> TrainResult:
     # the budget or the disk stops here, naming the part and by how much.
     cfg, plan = plan_resolve(cfg, dataclasses.replace(model_cfg, vocab_size=vocab_size))
     plan.check()
+    check_job(cfg, dataclasses.replace(model_cfg, vocab_size=vocab_size), group.count)
     samples = SamplePrompts.from_config(cfg, tokenizer, dataclasses.replace(model_cfg, vocab_size=vocab_size))
     streamed = cfg.offload.enabled and cfg.offload.params == "ssd"
     start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
@@ -194,7 +223,8 @@ def run(cfg: Config) -> TrainResult:
 
         # Build: model, engine (optimizer state in RAM or on SSD).
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+        if main:
+            (out_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         # Streamed weights (offload.params: ssd): the layer stack is never loaded whole; the
         # engine reads it layer by layer into the SSD regions (with the master weights).
         if source is not None:
@@ -205,15 +235,16 @@ def run(cfg: Config) -> TrainResult:
         # fp32 master weights from the checkpoint's own values, not from the rounded compute copy.
         master = source.read if source else (lean_init_reader(origin.model_config, cfg.train.seed)
                                              if streamed else None)
-        engine = build_engine(cfg, model, model_cfg, master=master)
+        engine = build_engine(cfg, model, model_cfg, master=master, group=group)
         del model  # the engine holds what it needs (compute params; master weights on SSD)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     tokens_per_step = cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
 
     with engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
-            MetricsLog(out_dir, resumed_from=start) as log, \
+            MetricsLog(out_dir, resumed_from=start, enabled=main) as log, \
             MemorySampler(getattr(engine, "shard_files", list), interval=0.2) as memory:
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        if main:
+            (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         # Restore: the checkpoint checked above (train.resume: auto picks the newest).
         if start:
             meta = engine.restore_checkpoint(ckpt, start)
@@ -223,11 +254,12 @@ def run(cfg: Config) -> TrainResult:
                 ckpt.discard_after(start)  # an explicit earlier step replaces the later ones
         else:
             losses = []
+        skipped_before = int(engine.report().get("skipped_steps", 0))
 
         # Loop.
         pending: list[dict[str, Any]] = []
         throughput = Throughput()
-        progress = Progress(cfg.train.steps, initial=start, enabled=cfg.train.progress)
+        progress = Progress(cfg.train.steps, initial=start, enabled=cfg.train.progress and main)
         last = cfg.train.stop_at_step or cfg.train.steps
         final_eval = None
         for step in range(start + 1, last + 1):
@@ -254,13 +286,16 @@ def run(cfg: Config) -> TrainResult:
                                                     "origin": origin.to_dict()})
         progress.close()
         ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
-        if cfg.export.save_params or cfg.export.enabled:
-            save_outputs(cfg, out_dir, engine.export_params(), origin, last)  # fp32 master weights
-        if samples is not None:  # the trained model answers eval.sample_prompts
+        if cfg.export.save_params or cfg.export.enabled:  # fp32 master weights, one tensor at a time
+            with engine.exported_weights() as weights:  # a job's other processes serve their slices
+                if weights is not None:
+                    save_outputs(cfg, out_dir, weights, origin, last)
+        if samples is not None and main:  # the trained model answers eval.sample_prompts
             _write_samples(samples.generate(origin.model_config, engine.compute_weights(), tokenizer,
                                             stream_layers=streamed), out_dir)
         report = engine.report()
-        _write_timeline(engine, out_dir)
+        if main:
+            _write_timeline(engine, out_dir)
 
     result = TrainResult(steps=len(losses), losses=losses, num_params=num_params,
                          peak_rss_bytes=peak_rss_bytes(), peak_page_cache_bytes=memory.peak_page_cache,
@@ -271,9 +306,11 @@ def run(cfg: Config) -> TrainResult:
                          ssd_bytes_read=int(getattr(engine, "ssd_bytes_read", 0)),
                          ssd_bytes_written=int(getattr(engine, "ssd_bytes_written", 0)),
                          out_dir=str(out_dir), eval_loss=final_eval["eval_loss"] if final_eval else None,
-                         data=stream.stats())
-    (out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
-    print(_summary(result))
+                         data=stream.stats(),
+                         updates_this_run=last - start - (int(report.get("skipped_steps", 0)) - skipped_before))
+    if main:
+        (out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
+        print(_summary(result, group.count))
     return result
 
 
@@ -320,9 +357,10 @@ def _log_record(step: int, stats: dict[str, Any], schedule: optax.Schedule, thro
     }
 
 
-def _summary(r: TrainResult) -> str:
+def _summary(r: TrainResult, processes: int = 1) -> str:
     rows = [
-        ("engine", r.engine),
+        ("engine", r.engine + (f" (data parallel, {processes} processes; figures of process 0)"
+                               if processes > 1 else "")),
         ("steps (skipped for overflow)", f"{r.steps} ({r.skipped_steps})"),
         ("parameters", f"{r.num_params:,}"),
         ("loss first -> last", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),
@@ -336,8 +374,8 @@ def _summary(r: TrainResult) -> str:
         rows += [
             ("arena capacity / high-water", f"{format_bytes(r.arena_capacity_bytes)} / "
                                             f"{format_bytes(r.arena_high_water_bytes)}"),
-            ("SSD read / written per step", f"{format_bytes(r.ssd_bytes_read / max(r.steps - r.skipped_steps, 1))} / "
-                                            f"{format_bytes(r.ssd_bytes_written / max(r.steps - r.skipped_steps, 1))}"),
+            ("SSD read / written per step", f"{format_bytes(r.ssd_bytes_read / max(r.updates_this_run, 1))} / "
+                                            f"{format_bytes(r.ssd_bytes_written / max(r.updates_this_run, 1))}"),
         ]
     rows.append(("outputs", r.out_dir))
     return summary_table(rows)

@@ -33,6 +33,10 @@ def test_what_asks_for_a_job():
     assert requested(None, {"SLURM_NTASKS": "4"}) and requested(None, {"OMPI_COMM_WORLD_SIZE": "2"})
     cfg = load_config("configs/tiny.yaml", ["train.distributed={coordinator: 'h:1', num_processes: 1, process_id: 0}"])
     assert requested(cfg.train.distributed, {})
+    # Timeouts alone tune the job the environment describes; without one, a single process.
+    timeouts = load_config("configs/tiny.yaml", ["train.distributed={heartbeat_timeout_seconds: 5}"]).train.distributed
+    assert not requested(timeouts, {})
+    assert requested(timeouts, {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"})
 
 
 def test_a_single_process_joins_nothing(monkeypatch):
@@ -40,8 +44,9 @@ def test_a_single_process_joins_nothing(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     group = initialize(None)
     assert group == ProcessGroup(0, 1) and group.is_main
-    assert process_dir("/nvme/run/offload-{process}", 3) == "/nvme/run/offload-3"
-    assert process_dir("/nvme/run/offload", 3) == "/nvme/run/offload"
+    assert process_dir("/nvme/run/offload-{process}", ProcessGroup(3, 4)) == "/nvme/run/offload-3"
+    assert process_dir("/nvme/run/offload/", ProcessGroup(3, 4)) == "/nvme/run/offload/process3"
+    assert process_dir("/nvme/run/offload", ProcessGroup()) == "/nvme/run/offload"
 
 
 CHILD = textwrap.dedent("""
@@ -65,18 +70,24 @@ def test_two_processes_on_localhost_form_one_job_with_gloo_collectives():
         assert f"group {i} 2 sum 3.0" in out
 
 
-def test_the_trainer_refuses_a_job_of_two_processes_for_now(tmp_path):
+@pytest.mark.parametrize("setting,message", [
+    ("offload.enabled=false", "train.distributed: this job has 2 processes; data parallelism partitions the SSD "
+                              "state (offload.enabled: true), the in-memory engine runs one process"),
+    ("data.batch_size=3", "data.batch_size: 3 rows do not split evenly over the job's 2 processes"),
+    ("offload.params=ssd model.remat=full", "train.distributed: this job has 2 processes; offload.params: ssd is not supported yet "
+                           "(use resident: each process holds the whole compute weights)"),
+])
+def test_the_trainer_refuses_what_a_job_cannot_run_before_writing(tmp_path, setting, message):
     code = textwrap.dedent("""
         import sys
         from jaxascend.train import main
-        sys.exit(main(["--config", "configs/tiny.yaml", "--set", "train.out_dir=" + sys.argv[1]]))
+        sets = [a for s in sys.argv[2:] for a in ("--set", s)]
+        sys.exit(main(["--config", "configs/tiny.yaml", "--set", "train.out_dir=" + sys.argv[1], *sets]))
     """)
-    results = local_job(code, 2, args=(tmp_path / "never",))
+    results = local_job(code, 2, args=(tmp_path / "never", *setting.split()))
     for code_, out, err in results:
         assert code_ == 2
-        assert err.strip().splitlines() == [
-            "error: train.distributed: this job has 2 processes; the trainer runs one process for now (the "
-            "data-parallel engine exists, its checkpoints and exports do not yet)"]
+        assert err.strip().splitlines() == ["error: " + message]
     assert not (tmp_path / "never").exists()
 
 

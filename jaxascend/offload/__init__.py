@@ -14,6 +14,8 @@
   read from SSD layer by layer, ahead of the ask;
 * :class:`BackgroundUpdate` -- ``offload.overlap``: the optimizer of step t on a thread beside
   step t+1's forward/backward; :class:`StepTimeline` -- which thread did what, when;
+* :class:`Partition` / :class:`DataParallel` / :class:`JobReads` -- a data-parallel job: each
+  process's slice of every tensor, the collectives outside the step, process 0's whole-tensor reads;
 * :func:`plan_run` / :func:`resolve` / :class:`RunPlan` -- the run planner (host memory by part,
   SSD footprint and traffic, the step-time floor; ``offload.params: auto``).
 
@@ -21,12 +23,13 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.hf` (p
 :mod:`jaxascend.ssd`, :mod:`jaxascend.optim` and :mod:`jaxascend.checkpoint`.
 """
 
-from jaxascend.offload.engine import OffloadEngine
+from jaxascend.offload.engine import OffloadEngine, partition_refusal
 from jaxascend.offload.grad_sink import (GradientScatter, GradientSinkError, MemorySink, fetch_step_outputs,
                                          offload_on_backward, register_memory_sink, sink_gradient, unregister_sink)
 from jaxascend.offload.layout import (GRAD_SLOT_CLASS, PARAM_SLOT_CLASS, SOURCE_SLOT_CLASS, STATE_SLOT_CLASS,
                                      OffloadLayout)
 from jaxascend.offload.overlap import BackgroundUpdate
+from jaxascend.offload.partition import DataParallel, JobReads, Partition
 from jaxascend.offload.param_source import ParamSource, ParamSourceError, fetch_layer
 from jaxascend.offload.planner import PlanError, RunPlan, deepspeed_zero3_estimate, plan_run, resolve
 from jaxascend.offload.post_backward_check import (PostBackwardCheckedStep, make_full_gradient_step,
@@ -39,11 +42,11 @@ from jaxascend.offload.store_sink import SinkTarget, StoreGradientSink, register
 from jaxascend.offload.timeline import StepTimeline
 
 __all__ = [
-    "BackgroundUpdate", "StepTimeline", "GRAD_SLOT_CLASS", "PARAM_SLOT_CLASS", "SOURCE_SLOT_CLASS", "STATE_SLOT_CLASS", "GradientSinkError",
+    "BackgroundUpdate", "DataParallel", "JobReads", "Partition", "StepTimeline", "GRAD_SLOT_CLASS", "PARAM_SLOT_CLASS", "SOURCE_SLOT_CLASS", "STATE_SLOT_CLASS", "GradientSinkError",
     "GradientScatter", "MemorySink", "OffloadEngine", "OffloadLayout", "OffloadedAdamState", "ParamSource", "ParamSourceError",
     "PlanError", "PostBackwardCheckedStep", "RunPlan", "SinkRouting", "SinkTarget", "SsdAdamWState", "StepStats",
     "StoreGradientSink", "adamw_on_ssd", "deepspeed_zero3_estimate", "fetch_layer", "fetch_step_outputs",
     "make_accumulating_offload_step", "make_full_gradient_step", "make_offload_step", "offload_on_backward",
-    "plan_run", "post_backward_stats", "register_memory_sink", "register_store_sink", "resolve", "sink_gradient",
+    "partition_refusal", "plan_run", "post_backward_stats", "register_memory_sink", "register_store_sink", "resolve", "sink_gradient",
     "ssd_adamw", "ssd_adamw_state", "ssd_adamw_step", "stacked_as_bits", "total_stats", "unregister_sink",
 ]

@@ -32,6 +32,7 @@ running update first.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxascend.checkpoint import (CHECKPOINT_SHAPE_CLASS, Checkpointer, SsdArrays, checkpoint_arena_requests,
+from jaxascend.checkpoint import (CHECKPOINT_SHAPE_CLASS, Checkpointer, Piece, SsdArrays, checkpoint_arena_requests,
                                   specs_for_offload_layout)
 from jaxascend.config import Config, ModelConfig
 from jaxascend.hf import tree_path_to_dotted
@@ -53,7 +54,7 @@ from jaxascend.offload.layout import STATE_SLOT_CLASS, OffloadLayout
 from jaxascend.offload.overlap import BackgroundUpdate
 from jaxascend.offload.timeline import StepTimeline
 from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
-from jaxascend.offload.partition import DataParallel, Partition, local_value
+from jaxascend.offload.partition import DataParallel, JobReads, Partition, local_value
 from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
 from jaxascend.offload.ssd_adamw import ssd_adamw_state, ssd_adamw_step
 from jaxascend.offload.state import OffloadedAdamState, _to_default_device
@@ -234,9 +235,9 @@ class OffloadEngine:
             # param_dtype copy is dropped once the master weights are on SSD.
             leaves = [None if leaf.streamed else x.astype(dtype)
                       for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
+            self._full_shapes = [tuple(x.shape) for x in jax.tree.leaves(full_spec)]
             if dp is not None:  # the whole compute weights on every process, as the step's replicated input
                 leaves = [dp.replicate(x) for x in leaves]
-                self._full_shapes = [tuple(x.shape) for x in jax.tree.leaves(full_spec)]
             if self.overlap and not stream:
                 # The stack's weights move to host buffers that the optimizer updates in place and
                 # the parameter source serves to the layer scan, layer by layer.
@@ -263,7 +264,7 @@ class OffloadEngine:
             else:
                 make = make_offload_step if cfg.train.grad_accum == 1 else make_accumulating_offload_step
                 self._fwd_bwd = make(graphdef, rest, routing, sink.handle, _loss_with_hook)
-            self._eval = make_offload_eval(graphdef, rest, routing, source=self._source) if dp is None else None
+            self._eval = make_offload_eval(graphdef, rest, routing, source=self._source, data_parallel=dp)
             self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.train.steps)
             self.opt_state = ssd_adamw_state(self.state)
             self.loss_scale = LossScaleState.initial(cfg.optimizer, compute_dtype)
@@ -370,8 +371,6 @@ class OffloadEngine:
         the last update left them (waits for a running one). Forward only: no gradient is sent
         and the optimizer state on SSD is neither read nor written; streamed weights are read
         layer by layer through the parameter source, as in a step."""
-        if self._eval is None:
-            raise ValueError("eval.paths: evaluating a multi-process job is not supported yet")
         self.finish_update()
         params = self._leaves_tree()
         total, count = 0.0, 0
@@ -380,7 +379,11 @@ class OffloadEngine:
                 self._source.begin_step(forward_only=True)
             try:
                 with step_errors(PARAM_SOURCE_ERRORS):
-                    loss_sum, counted = jax.device_get(self._eval(params, batch))  # SYNC: per batch
+                    if self.data_parallel is not None:  # this process's rows; the sums are the job's
+                        loss_sum, counted = (local_value(x) for x in self._eval(
+                            params, self.data_parallel.shard_rows(batch)))
+                    else:
+                        loss_sum, counted = jax.device_get(self._eval(params, batch))  # SYNC: per batch
             finally:
                 if self._source is not None:
                     self._source.end_step()
@@ -447,14 +450,34 @@ class OffloadEngine:
         self._account(update.stats, timing)
 
     def _ssd_arrays(self) -> SsdArrays:
-        # The step's state slots are idle between steps; checkpoints stream through them.
-        return SsdArrays(self.state.store, specs_for_offload_layout(self.state.layout), slot_class=self._checkpoint_slots)
+        # The step's state slots are idle between steps; checkpoints stream through them. Each
+        # array records where it sits in its whole tensor, so that another number of processes
+        # can re-partition it on restore.
+        part = self.data_parallel.partition if self.data_parallel is not None else Partition(0, 1)
+        pieces = [Piece(part.index, part.count, self._full_shapes[leaf.index], leaf.stacked)
+                  for leaf in self.state.leaves]
+        return SsdArrays(self.state.store, specs_for_offload_layout(self.state.layout, pieces=pieces),
+                         slot_class=self._checkpoint_slots)
+
+    @property
+    def processes(self) -> int:
+        return self.data_parallel.partition.count if self.data_parallel is not None else 1
+
+    def _local_params(self):
+        """The compute params as this process holds them (a job's replicated arrays as numpy)."""
+        params = self.params  # waits for a running update
+        if self.data_parallel is None:
+            return params
+        return jax.tree.map(local_value, params)
 
     def save_checkpoint(self, ckpt: Checkpointer, step: int, meta: dict) -> None:
         """Compute params and the run's scalars, plus master/m/v streamed from SSD chunk by chunk
-        (after the update of ``step``, if it runs in the background)."""
-        params = self.params  # waits for a running update
-        meta = {**meta, "updates_applied": self.state.updates_applied, "loss_scale": self.loss_scale.to_dict()}
+        (after the update of ``step``, if it runs in the background). In a job every process
+        saves its slices of master/m/v into the same step; the compute params (the same on every
+        process) are written once."""
+        params = self._local_params()
+        meta = {**meta, "updates_applied": self.state.updates_applied, "loss_scale": self.loss_scale.to_dict(),
+                "processes": self.processes}
         ckpt.save(step, params=params, ssd=self._ssd_arrays(), meta=meta)
         if self._resident:
             # The stack's weights are views of the buffers the next (background) update writes in
@@ -464,8 +487,10 @@ class OffloadEngine:
     def restore_checkpoint(self, ckpt: Checkpointer, step: int) -> dict:
         """Rebuilds the SSD shards from checkpoint ``step`` (so a kill during an optimizer step can
         never poison a resume) and restores the compute params; returns the checkpoint's meta."""
-        restored = ckpt.restore(step, params_like=self.params, ssd=self._ssd_arrays())
+        restored = ckpt.restore(step, params_like=self._local_params(), ssd=self._ssd_arrays())
         leaves = jax.tree.leaves(restored.params, is_leaf=lambda x: x is None)
+        if self.data_parallel is not None:
+            leaves = [self.data_parallel.replicate(x) for x in leaves]
         for index, buf in self._resident.items():  # resident stacked weights: into the source's buffers
             np.copyto(buf, np.asarray(leaves[index]).reshape(-1))
             leaves[index] = None
@@ -479,7 +504,7 @@ class OffloadEngine:
         """The compute params to sample from (the end-of-run samples): the tree itself when the
         layer stack is resident, else a reader ``read(path, layer)`` that reads a streamed
         layer from SSD when asked, one at a time (waits for a running update first)."""
-        params = self.params
+        params = self._local_params()
         if not self.streams_params:
             return params
         leaves = jax.tree.leaves(params, is_leaf=lambda x: x is None)
@@ -495,9 +520,32 @@ class OffloadEngine:
     def export_params(self):
         """The weights to save or export, as a reader ``read(path, layer)`` of the fp32 master
         weights on SSD: an exporter pulls one tensor (one layer of a stack) at a time, so saving
-        never holds more than that in RAM."""
+        never holds more than that in RAM. One process only (a job: :meth:`exported_weights`)."""
+        if self.data_parallel is not None:
+            raise RuntimeError("offload: a job's weights are read through exported_weights() on every process")
         self.finish_update()
         return self._reader(lambda leaf, layer: self.state.read_state(leaf, "master", layer=layer), " to export")
+
+    @contextlib.contextmanager
+    def exported_weights(self):
+        """``with engine.exported_weights() as read:`` on every process of the job: ``read`` (the
+        reader of :meth:`export_params`) on process 0, None on the others, which meanwhile serve
+        their slices of each tensor process 0 reads (gathered one tensor, or one layer, at a time)."""
+        if self.data_parallel is None:
+            yield self.export_params()
+            return
+        self.finish_update()
+        leaves = self.state.leaves
+
+        def read_slice(index: int, layer: Optional[int]) -> np.ndarray:
+            return self.state.read_state(leaves[index], "master", layer=layer).reshape(-1)
+
+        sizes = [int(np.prod(self._full_shapes[leaf.index][1:] if leaf.stacked else self._full_shapes[leaf.index]))
+                 for leaf in leaves]
+        with JobReads(self.data_parallel, read_slice, sizes, self._full_shapes,
+                      [leaf.stacked for leaf in leaves]) as reads:
+            yield self._reader(lambda leaf, layer: reads.read(leaf.index, layer), " to export") \
+                if reads.is_reader else None
 
     def _reader(self, value: Callable, purpose: str):
         """``read(path, layer)`` by our parameter path: ``value(leaf, layer)`` of that leaf's layout."""

@@ -5,6 +5,8 @@
     master = dp.partition.take(full_layer)          # this process's slice of one layer (zero-padded)
     batch = dp.shard_rows(global_batch)             # this process's rows of it, as the job's global arrays
     full = dp.gather(new_slices, shapes, stacked)   # the updated compute params, whole, on every process
+    with JobReads(dp, read_slice) as reads:         # process 0 reads whole tensors, one at a time;
+        if reads.is_reader: export(reads.read)      # the others serve their slices until it is done
 
 A tensor (one layer of a stacked leaf, or a whole top-level leaf) is split as a flat array,
 zero-padded to a multiple of P: process ``i`` owns elements ``[i*s, (i+1)*s)`` with
@@ -17,7 +19,7 @@ compute params are all-gathered after the step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -80,6 +82,8 @@ class DataParallel:
         self.rows = NamedSharding(self.mesh, P(AXIS))
         self._gather = jax.jit(jax.shard_map(lambda xs: [jax.lax.all_gather(x, AXIS, tiled=True) for x in xs],
                                              mesh=self.mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False))
+        self._broadcast = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, AXIS), mesh=self.mesh,
+                                                in_specs=P(AXIS), out_specs=P(), check_vma=False))
 
     def replicate(self, x):
         """``x`` (the same on every process) as a replicated global array."""
@@ -116,6 +120,63 @@ class DataParallel:
             whole = whole[:, :per_layer]
             out.append(np.ascontiguousarray(whole).reshape(shape))
         return out
+
+
+    def broadcast(self, values: Sequence[int]) -> list[int]:
+        """Process 0's ``values`` (small integers) on every process (the others' are ignored)."""
+        mine = np.asarray(values if self.partition.index == 0 else np.zeros(len(values)), np.int64)[None]
+        total = self._broadcast(jax.make_array_from_process_local_data(self.rows, mine.astype(np.int32)))
+        return [int(v) for v in local_value(total)[0]]
+
+    def gather_one(self, piece: np.ndarray, size: int) -> np.ndarray:
+        """One tensor's ``size`` elements, flat, on every process, from every process's slice."""
+        whole = self._gather([jax.make_array_from_process_local_data(self.rows, np.ascontiguousarray(piece)[None])])
+        return local_value(whole[0]).reshape(-1)[:size]
+
+
+class JobReads:
+    """Process 0 reads whole tensors from a job whose processes each hold a slice of them: its
+    ``read(tensor, layer)`` names the tensor to every process (a broadcast), and each answers with
+    its slice (an all-gather), so that only one tensor is whole at a time. The other processes
+    serve inside ``__enter__`` until process 0 leaves the ``with`` block (also on an error).
+
+    ``read_slice(tensor, layer)``: this process's flat slice; ``sizes[tensor]``: elements of one
+    layer (of the whole tensor when it has none); ``shapes[tensor]``: what ``read`` returns for a
+    layer (None: for the whole tensor)."""
+
+    _STOP = -1
+
+    def __init__(self, dp: DataParallel, read_slice: Callable[[int, Optional[int]], np.ndarray],
+                 sizes: Sequence[int], shapes: Sequence[tuple], stacked: Sequence[bool]):
+        self.dp, self.read_slice = dp, read_slice
+        self.sizes, self.shapes, self.stacked = list(sizes), list(shapes), list(stacked)
+        self.is_reader = dp.partition.index == 0
+
+    def read(self, tensor: int, layer: Optional[int]) -> np.ndarray:
+        """Tensor ``tensor`` (one layer of it, or all when ``layer`` is None), whole (process 0)."""
+        if not self.is_reader:
+            raise RuntimeError("JobReads.read: only process 0 reads; the others serve")
+        if layer is None and self.stacked[tensor]:
+            return np.stack([self.read(tensor, i) for i in range(self.shapes[tensor][0])])
+        self.dp.broadcast([tensor, -1 if layer is None else layer])
+        shape = self.shapes[tensor][1:] if layer is not None else self.shapes[tensor]
+        return self._one(tensor, layer).reshape(shape)
+
+    def _one(self, tensor: int, layer: Optional[int]) -> np.ndarray:
+        return self.dp.gather_one(self.read_slice(tensor, layer), self.sizes[tensor])
+
+    def __enter__(self) -> "JobReads":
+        if not self.is_reader:
+            while True:
+                tensor, layer = self.dp.broadcast([0, 0])
+                if tensor == self._STOP:
+                    break
+                self._one(tensor, None if layer < 0 else layer)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.is_reader:
+            self.dp.broadcast([self._STOP, 0])
 
 
 def local_value(x) -> np.ndarray:

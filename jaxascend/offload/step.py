@@ -235,21 +235,23 @@ def _weight_hooks(routing: SinkRouting, source, stacked_keys: list[str], float_d
     return layer_weights, table_block
 
 
-def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, source=None) -> Any:
+def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, source=None,
+                      data_parallel=None) -> Any:
     """A jitted ``evaluate(params, batch) -> (sum of the counted targets' losses, their count)``
     on the compute params, forward only: nothing is differentiated, so no gradient reaches the
     sink and the optimizer state is not read. ``params`` and ``source`` are as for
     :func:`make_offload_step` (streamed stacked leaves None, read layer by layer through the
     source, which the caller starts with ``begin_step(forward_only=True)``); on the CPU backend
-    the stack enters as raw bits, as in the training step, so evaluating costs no fp32 copy of it."""
+    the stack enters as raw bits, as in the training step, so evaluating costs no fp32 copy of it.
+    ``data_parallel``: each process evaluates its rows of the batch (the job's global arrays);
+    the sums are the job's."""
     stacked_keys = [r.key for r in routing.routes if r.layers]
     abstract = None
     if source is not None:
         specs = iter(source.specs)
         abstract = tuple(_stacked_spec(r.layers, next(specs)) if r.layers else None for r in routing.routes)
 
-    @partial(jax.jit, static_argnames="bit_dtypes")
-    def jitted(params, batch, bit_dtypes=()):
+    def local(params, batch, bit_dtypes=()):
         if abstract is not None:
             params = _with_abstract_stack(params, abstract)
         float_dtypes = dict(bit_dtypes)
@@ -258,7 +260,18 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
         model = nnx.merge(graphdef, params, rest)
         return loss_sum_and_count(model, batch, layer_weights, table_hook)
 
-    return _OffloadStep(jitted, routing, use_bits=jax.default_backend() == "cpu")
+    if data_parallel is None:
+        return _OffloadStep(partial(jax.jit, static_argnames="bit_dtypes")(local), routing,
+                            use_bits=jax.default_backend() == "cpu")
+    axis = data_parallel.partition.scatter.axis
+    rows, replicated = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
+
+    def summed(params, batch):
+        loss_sum, count = local(params, batch)
+        return jax.lax.psum(loss_sum, axis), jax.lax.psum(count, axis)
+
+    sharded = jax.jit(data_parallel.step(summed, (replicated, rows), (replicated, replicated)))
+    return _OffloadStep(lambda params, batch, bit_dtypes=(): sharded(params, batch), routing, use_bits=False)
 
 
 def _stacked_spec(layers: int, layer: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:

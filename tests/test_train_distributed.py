@@ -1,0 +1,154 @@
+"""The trainer as a data-parallel job of processes on 127.0.0.1 (``python -m jaxascend.launch``):
+two processes train like one (losses and weights within rounding of the reduction order), each
+holding half the SSD state; process 0 alone writes the outputs; a job whose process is killed
+stops and resumes to the uninterrupted run's weights bit for bit; a checkpoint of 2 processes
+resumes with 1 (and one of 1 with 2) by re-partitioning the state."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from jaxascend.checkpoint import CheckpointWeights
+from tests._jobs import TIMEOUT, free_port
+
+SETTINGS = [
+    "model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2", "model.num_attention_heads=4",
+    "model.num_key_value_heads=2", "model.dtype=float32", "data.seq_len=32", "data.batch_size=4",
+    "data.max_documents=40", "optimizer.warmup_steps=0", "optimizer.eps=1e-4", "train.steps=6", "train.log_every=1",
+    "checkpoint.every_steps=3", "train.progress=false", "eval.batches=2", "eval.batch_size=2",
+    "train.distributed={heartbeat_timeout_seconds: 10}",
+]
+STEPS = 6
+EVAL_TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 8
+
+
+def train(out: Path, processes: int, *extra: str, env=None) -> subprocess.CompletedProcess:
+    """The trainer on the test config, as one process or a launched job of ``processes``."""
+    sets = [a for s in SETTINGS + [f"train.out_dir={out}", f"eval.paths=[{out.parent / 'eval.py'}]", *extra]
+            for a in ("--set", s)]
+    cmd = [sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml", *sets]
+    if processes > 1:
+        cmd = [sys.executable, "-m", "jaxascend.launch", "--nproc", str(processes), "--port", str(free_port()),
+               "--", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, **(env or {})})
+
+
+def trained(out: Path, processes: int, *extra: str) -> Path:
+    done = train(out, processes, *extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def eval_losses(out: Path) -> list[float]:
+    return [r["eval_loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "eval_loss" in r]
+
+
+def weights(out: Path) -> dict[str, np.ndarray]:
+    return load_file(out / "params.safetensors")
+
+
+def state_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file() and p.name.startswith("shard"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same run as one process and as a job of two, uninterrupted."""
+    root = tmp_path_factory.mktemp("dp")
+    (root / "eval.py").write_text(EVAL_TEXT)
+    return root, trained(root / "one", 1), trained(root / "two", 2)
+
+
+def test_two_processes_train_like_one_with_half_the_state_each(runs):
+    root, one, two = runs
+    # The job's loss is the sum of the two processes' halves: another summation order than one
+    # process's, so float32 losses agree to rounding, not bit for bit.
+    assert len(losses(two)) == STEPS  # process 0 alone wrote the metrics
+    np.testing.assert_allclose(losses(two), losses(one), rtol=1e-5)
+    np.testing.assert_allclose(eval_losses(two), eval_losses(one), rtol=1e-5)
+    assert len(eval_losses(two)) == 1
+    # The exported fp32 master weights, gathered a tensor at a time from both processes' slices
+    # (eps 1e-4: Adam's first steps are ~lr*sign(g), so a rounding difference in a gradient near 0
+    # would otherwise show as a whole step).
+    w1, w2 = weights(one), weights(two)
+    assert sorted(w1) == sorted(w2)
+    for name in w1:
+        np.testing.assert_allclose(w2[name], w1[name], rtol=0, atol=1e-5, err_msg=name)
+    # Each process's own offload directory holds half the state: every region (a state and a
+    # gradient region per layer of each of the 9 stacked leaves, and per top-level leaf: 40)
+    # rounds up to whole blocks on its own, so half within one block per region.
+    whole = state_bytes(one / "offload")
+    for i in (0, 1):
+        part = state_bytes(two / "offload" / f"process{i}")
+        assert abs(part - whole / 2) <= 40 * 4096, (i, part, whole)
+    # One checkpoint step, written by both: a slice of every tensor per process...
+    offloaded = two / "checkpoints" / str(STEPS) / "offloaded"
+    assert json.loads((offloaded / "jaxascend_processes.json").read_text())["processes"] == 2
+    assert (offloaded / "process0").is_dir() and (offloaded / "process1").is_dir()
+    # ... from which the whole weights read back (what `python -m jaxascend.export` reads).
+    with CheckpointWeights(two / "checkpoints" / str(STEPS)) as a, \
+            CheckpointWeights(one / "checkpoints" / str(STEPS)) as b:
+        for path in (("embed_tokens", "embedding"), ("layers", "mlp", "up_proj", "kernel"), ("norm", "scale")):
+            np.testing.assert_allclose(a.read(path), b.read(path), rtol=0, atol=1e-5, err_msg=str(path))
+            np.testing.assert_array_equal(a.read(path, 1) if path[0] == "layers" else a.read(path)[1],
+                                          a.read(path)[1])
+
+
+def test_a_killed_process_stops_the_job_which_resumes_to_the_same_weights(runs):
+    root, _, two = runs
+    out = root / "killed"
+    # Process 1 is SIGKILLed in step 5's backward pass (after the checkpoint of step 3).
+    done = train(out, 2, env={"JAXASCEND_KILL_AT": "backward:5", "JAXASCEND_KILL_PROCESS": "1"})
+    assert done.returncode != 0
+    assert "process 1 was killed by SIGKILL" in done.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]
+    trained(out, 2)  # train.resume: auto
+    assert losses(out) == losses(two)
+    w, ref = weights(out), weights(two)
+    for name in ref:
+        np.testing.assert_array_equal(w[name], ref[name], err_msg=name)
+
+
+def test_without_the_launcher_the_survivor_stops_with_one_line(runs, tmp_path):
+    root, _, _ = runs
+    port, out, procs = free_port(), tmp_path / "job", []
+    sets = [a for s in SETTINGS + [f"train.out_dir={out}", f"eval.paths=[{root / 'eval.py'}]"] for a in ("--set", s)]
+    for i in range(2):
+        env = {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": str(i), "JAXASCEND_KILL_AT": "backward:2", "JAXASCEND_KILL_PROCESS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml", *sets],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [(p.wait(TIMEOUT), *p.communicate()) for p in procs]
+    assert results[1][0] == -9
+    code, _, err = results[0]
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: train.distributed: process 0 of 2 lost the job"), err[-2000:]
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_with_another_number_of_processes(runs, first, then):
+    root, one, two = runs
+    out = root / f"from{first}to{then}"
+    trained(out, first, "train.stop_at_step=3")
+    trained(out, then)
+    # The state re-partitioned as it streamed in: the run continues as if uninterrupted (the
+    # reduction order of the processes after the resume is that of `then` processes).
+    reference = two if then == 2 else one
+    np.testing.assert_allclose(losses(out), losses(reference), rtol=1e-5)
+    w, ref = weights(out), weights(reference)
+    for name in ref:
+        np.testing.assert_allclose(w[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
