@@ -154,29 +154,43 @@ def evaluate(engine, batches: list[TokenBatch]) -> dict[str, float]:
             "eval_seconds": time.perf_counter() - started}
 
 
-def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, master=None, group=None):
+def data_parallel_partition(cfg: Config, group) -> Optional[Partition]:
+    """This process's share of a data-parallel offloaded run: its partition of the state in a
+    job of processes, ``Partition(0, 1)`` for one process with several devices (they share the
+    rows; the process owns the whole state), None for one device."""
+    if not cfg.offload.enabled:
+        return None
+    if group.count > 1:
+        return Partition(group.index, group.count)
+    return Partition(0, 1) if jax.local_device_count() > 1 else None
+
+
+def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, master=None, partition=None):
     """The offloaded engine (state on SSD) or the in-memory baseline, per ``offload.enabled``;
-    ``master`` reads the checkpoint's own values for the offloaded fp32 master weights; in a job
-    (``group`` of more than one process) this process owns its partition of the state."""
+    ``master`` reads the checkpoint's own values for the offloaded fp32 master weights;
+    ``partition``: data parallel (:func:`data_parallel_partition`)."""
     if cfg.offload.enabled:
-        partition = Partition(group.index, group.count) if group is not None and group.count > 1 else None
         return OffloadEngine(cfg, model, model_cfg, master=master, partition=partition)
     return InMemoryEngine(cfg, model)
 
 
 def check_job(cfg: Config, model_cfg: ModelConfig, count: int) -> None:
-    """Refuses, before anything is written, what a job of ``count`` processes cannot run: the
-    in-memory engine, a batch whose rows do not split evenly, what the data-parallel engine
-    does not support yet (:func:`~jaxascend.offload.engine.partition_refusal`)."""
-    if count == 1:
-        return
-    where = f"train.distributed: this job has {count} processes"
+    """Refuses, before anything is written, what data parallelism over ``count`` processes (or,
+    for one process, its local devices) cannot run: the in-memory engine in a job, a batch whose
+    rows do not split evenly, what the data-parallel engine does not support yet
+    (:func:`~jaxascend.offload.engine.partition_refusal`)."""
+    devices = len(jax.devices()) if count > 1 else jax.local_device_count()
+    if devices == 1 or (count == 1 and not cfg.offload.enabled):
+        return  # one device; or the in-memory engine, which computes on the first device
+    where = (f"train.distributed: this job has {count} processes" if count > 1 else
+             f"data parallel over this process's {devices} devices")
     if not cfg.offload.enabled:
         raise ConfigError(f"{where}; data parallelism partitions the SSD state (offload.enabled: true), the "
                           "in-memory engine runs one process")
     for name, rows in (("data.batch_size", cfg.data.batch_size), ("eval.batch_size", cfg.eval.batch_size)):
-        if rows and rows % count:
-            raise ConfigError(f"{name}: {rows} rows do not split evenly over the job's {count} processes")
+        if rows and rows % devices:
+            shards = f"the job's {count} processes" if count > 1 else f"this process's {devices} devices"
+            raise ConfigError(f"{name}: {rows} rows do not split evenly over {shards}")
     refused = partition_refusal(cfg, model_cfg)
     if refused:
         raise ConfigError(f"{where}; {refused}")
@@ -235,7 +249,7 @@ def _run(cfg: Config, group) -> TrainResult:
         # fp32 master weights from the checkpoint's own values, not from the rounded compute copy.
         master = source.read if source else (lean_init_reader(origin.model_config, cfg.train.seed)
                                              if streamed else None)
-        engine = build_engine(cfg, model, model_cfg, master=master, group=group)
+        engine = build_engine(cfg, model, model_cfg, master=master, partition=data_parallel_partition(cfg, group))
         del model  # the engine holds what it needs (compute params; master weights on SSD)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     tokens_per_step = cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
@@ -310,7 +324,7 @@ def _run(cfg: Config, group) -> TrainResult:
                          updates_this_run=last - start - (int(report.get("skipped_steps", 0)) - skipped_before))
     if main:
         (out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
-        print(_summary(result, group.count))
+        print(_summary(result, report))
     return result
 
 
@@ -357,10 +371,12 @@ def _log_record(step: int, stats: dict[str, Any], schedule: optax.Schedule, thro
     }
 
 
-def _summary(r: TrainResult, processes: int = 1) -> str:
+def _summary(r: TrainResult, report: Optional[dict] = None) -> str:
+    report = report or {}
+    processes, devices = report.get("data_parallel_processes", 1), report.get("data_parallel_devices", 1)
     rows = [
-        ("engine", r.engine + (f" (data parallel, {processes} processes; figures of process 0)"
-                               if processes > 1 else "")),
+        ("engine", r.engine + (f" (data parallel over {processes} processes; figures of process 0)" if processes > 1
+                               else f" (data parallel over {devices} devices)" if devices > 1 else "")),
         ("steps (skipped for overflow)", f"{r.steps} ({r.skipped_steps})"),
         ("parameters", f"{r.num_params:,}"),
         ("loss first -> last", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),

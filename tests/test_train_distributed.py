@@ -1,6 +1,6 @@
 """The trainer as a data-parallel job of processes on 127.0.0.1 (``python -m jaxascend.launch``):
-two processes train like one (losses and weights within rounding of the reduction order), each
-holding half the SSD state; process 0 alone writes the outputs; a job whose process is killed
+two processes, and one process on two devices, train like one (losses and weights within
+rounding of the reduction order), each process of the job holding half the SSD state; process 0 alone writes the outputs; a job whose process is killed
 stops and resumes to the uninterrupted run's weights bit for bit; a checkpoint of 2 processes
 resumes with 1 (and one of 1 with 2) by re-partitioning the state."""
 
@@ -105,6 +105,21 @@ def test_two_processes_train_like_one_with_half_the_state_each(runs):
             np.testing.assert_allclose(a.read(path), b.read(path), rtol=0, atol=1e-5, err_msg=str(path))
             np.testing.assert_array_equal(a.read(path, 1) if path[0] == "layers" else a.read(path)[1],
                                           a.read(path)[1])
+
+
+def test_one_process_on_two_devices_trains_like_one_device(runs):
+    root, one, _ = runs
+    out = root / "devices"
+    done = train(out, 1, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "offload (data parallel over 2 devices)" in done.stdout
+    # The devices share the rows; the first sends each summed gradient to the one SSD state.
+    np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
+    np.testing.assert_allclose(eval_losses(out), eval_losses(one), rtol=1e-5)
+    w, ref = weights(out), weights(one)
+    for name in ref:
+        np.testing.assert_allclose(w[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
+    assert abs(state_bytes(out / "offload") - state_bytes(one / "offload")) <= 40 * 4096
 
 
 def test_a_killed_process_stops_the_job_which_resumes_to_the_same_weights(runs):

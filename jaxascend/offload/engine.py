@@ -164,11 +164,14 @@ class OffloadEngine:
 
         ``partition``: this process's place in a data-parallel job (see
         :mod:`jaxascend.offload.partition`): its SSD state holds 1/P of every tensor, its rows of
-        each global batch are its share of the step, and the updated weights are all-gathered."""
-        refused = partition_refusal(cfg, model_cfg) if partition is not None and partition.count > 1 else None
+        each global batch are its share of the step, and the updated weights are all-gathered.
+        ``Partition(0, 1)``: one process whose several devices share the rows of each batch."""
+        refused = partition_refusal(cfg, model_cfg) if partition is not None else None
         if refused:
-            raise ValueError(f"train.distributed: {partition.count} processes: {refused}")
-        self.data_parallel = DataParallel(partition) if partition is not None and partition.count > 1 else None
+            raise ValueError(f"data parallel over {len(jax.devices())} devices: {refused}")
+        self.data_parallel = DataParallel(partition) if partition is not None else None
+        # A job's process owns its slice of every tensor; one process on several devices, all.
+        self.partitioned = partition is not None and partition.count > 1
         self.cfg = cfg
         self.compute_dtype = compute_dtype = model_cfg.dtype
         dtype = DTYPES[compute_dtype]
@@ -179,7 +182,7 @@ class OffloadEngine:
         self.stack_key = stack_key_of(model_cfg.arch)
         full_spec = spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
         dp = self.data_parallel
-        if dp is not None:  # this process's slices of every tensor
+        if self.partitioned:  # this process's slices of every tensor
             spec = dp.partition.local_spec(spec, lambda path: _first_key(path) == self.stack_key)
         # The instant-offload step has each use of the token table (the lookup and, tied, the head)
         # send its gradient block by block (the sink sums the uses); the accumulating and
@@ -201,7 +204,7 @@ class OffloadEngine:
         self._resident: dict[int, np.ndarray] = {}  # overlapped, resident: stacked weights the source serves
         refusal = overlap_refusal(cfg) if cfg.offload.overlap else None
         if cfg.offload.overlap and dp is not None:
-            refusal = "a multi-process job (the updated weights are all-gathered after the step)"
+            refusal = "data parallelism (the updated weights are replicated to every device after the step)"
         if refusal:
             log.info("offload.overlap: the optimizer step runs after the forward/backward, not beside it: %s", refusal)
         self.overlap = cfg.offload.overlap and refusal is None
@@ -213,7 +216,7 @@ class OffloadEngine:
         self._paths = [tuple(tree_path_to_dotted(path).split("."))
                        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
         try:
-            if dp is not None:  # this process's slice of each layer, from the reader or the params
+            if self.partitioned:  # this process's slice of each layer, from the reader or the params
                 full = jax.tree.leaves(params)
                 take = dp.partition.take
 
@@ -413,10 +416,12 @@ class OffloadEngine:
         timeline.add_update(trace, {})
         if new_params is not None:
             self._leaves = jax.tree.leaves(new_params, is_leaf=lambda x: x is None)
-            if self.data_parallel is not None:  # every process's slices make the whole weights again
+            if self.partitioned:  # every process's slices make the whole weights again
                 dp = self.data_parallel
                 full = dp.gather(self._leaves, self._full_shapes, [leaf.stacked for leaf in self.state.leaves])
-                self._leaves = [dp.replicate(x) for x in full]
+                self._leaves = full
+            if self.data_parallel is not None:  # the whole weights, as the next step's replicated input
+                self._leaves = [self.data_parallel.replicate(x) for x in self._leaves]
             self._account(self.state.last_step, timing)
 
     def _start_update(self, grad_scale: float, skip: bool) -> None:
@@ -453,7 +458,7 @@ class OffloadEngine:
         # The step's state slots are idle between steps; checkpoints stream through them. Each
         # array records where it sits in its whole tensor, so that another number of processes
         # can re-partition it on restore.
-        part = self.data_parallel.partition if self.data_parallel is not None else Partition(0, 1)
+        part = self.data_parallel.partition if self.partitioned else Partition(0, 1)
         pieces = [Piece(part.index, part.count, self._full_shapes[leaf.index], leaf.stacked)
                   for leaf in self.state.leaves]
         return SsdArrays(self.state.store, specs_for_offload_layout(self.state.layout, pieces=pieces),
@@ -461,7 +466,7 @@ class OffloadEngine:
 
     @property
     def processes(self) -> int:
-        return self.data_parallel.partition.count if self.data_parallel is not None else 1
+        return self.data_parallel.partition.count if self.partitioned else 1
 
     def _local_params(self):
         """The compute params as this process holds them (a job's replicated arrays as numpy)."""
@@ -521,7 +526,7 @@ class OffloadEngine:
         """The weights to save or export, as a reader ``read(path, layer)`` of the fp32 master
         weights on SSD: an exporter pulls one tensor (one layer of a stack) at a time, so saving
         never holds more than that in RAM. One process only (a job: :meth:`exported_weights`)."""
-        if self.data_parallel is not None:
+        if self.partitioned:
             raise RuntimeError("offload: a job's weights are read through exported_weights() on every process")
         self.finish_update()
         return self._reader(lambda leaf, layer: self.state.read_state(leaf, "master", layer=layer), " to export")
@@ -531,7 +536,7 @@ class OffloadEngine:
         """``with engine.exported_weights() as read:`` on every process of the job: ``read`` (the
         reader of :meth:`export_params`) on process 0, None on the others, which meanwhile serve
         their slices of each tensor process 0 reads (gathered one tensor, or one layer, at a time)."""
-        if self.data_parallel is None:
+        if not self.partitioned:
             yield self.export_params()
             return
         self.finish_update()
@@ -576,6 +581,8 @@ class OffloadEngine:
             "optimizer_seconds_step": last.seconds if last else 0.0,
             "loss_scale": self.loss_scale.scale,
             "skipped_steps": self.loss_scale.skipped_steps,
+            "data_parallel_processes": self.processes,
+            "data_parallel_devices": self.data_parallel.devices if self.data_parallel is not None else 1,
             "params": "ssd" if self.streams_params else "resident",
             "overlap": self.overlap,
             **({"overlap_refused": self._overlap_refusal} if self._overlap_refusal else {}),

@@ -120,10 +120,13 @@ def _sink_gradient_via_host(g, layer, *, sink, tensor):
 @dataclass(frozen=True)
 class GradientScatter:
     """Reduce-scatter each gradient over the mesh axis ``axis`` of ``parts`` shards (see the
-    module doc): the sink of shard ``i`` receives slice ``i`` of the flat, zero-padded sum."""
+    module doc): the sink of shard ``i`` receives slice ``i`` of the flat, zero-padded sum.
+    ``to_first``: the shards are devices of one process, which owns the whole state: the sum
+    is all-reduced and the first shard alone sends it, whole, to the sink."""
 
     axis: str
     parts: int
+    to_first: bool = False
 
     def slice_size(self, size: int) -> int:
         """Elements of a ``size``-element gradient that each shard receives (the last zero-padded)."""
@@ -151,6 +154,12 @@ def _offload_fwd(x, probe, layer, sink, tensor, scatter):
 def _offload_bwd(sink, tensor, scatter, layer, g):
     if scatter is None:
         stats = sink_gradient(g, layer, sink=sink, tensor=tensor)
+    elif scatter.to_first:  # the whole sum, sent once, by the first device
+        summed = jax.lax.psum(g, scatter.axis)
+        first = jax.lax.axis_index(scatter.axis) == 0
+        stats = jax.lax.cond(first, lambda x: sink_gradient(x, layer, sink=sink, tensor=tensor),
+                             lambda x: jnp.zeros((PROBE_SIZE,), jnp.float32), summed)
+        stats = jax.lax.psum(stats, scatter.axis)
     else:  # this shard's slice of the summed gradient; the statistics of the whole
         stats = jax.lax.psum(sink_gradient(scatter(g), layer, sink=sink, tensor=tensor), scatter.axis)
     # The parameter's own cotangent is dropped: nobody differentiates with respect to it, so XLA

@@ -62,21 +62,24 @@ class Partition:
         out[:part.size] = part
         return out
 
-    @property
-    def scatter(self) -> GradientScatter:
-        return GradientScatter(AXIS, self.count)
-
-
 class DataParallel:
-    """The job's mesh (one device per process) and the few collectives the engine needs outside
-    the step: replicated inputs, row-sharded batches, the all-gather of updated params."""
+    """The job's mesh and the few collectives the engine needs outside the step: replicated
+    inputs, row-sharded batches, the all-gather of updated params. Either a job of processes
+    with one device each (``partition.count`` > 1: each owns its slice of the state), or one
+    process with several devices (``partition`` ``(0, 1)``: it owns the whole state; the
+    devices share the batch rows and the first sends each summed gradient)."""
 
     def __init__(self, partition: Partition):
         devices = jax.devices()
-        if len(devices) != partition.count or jax.local_device_count() != 1:
-            raise ValueError(f"data parallel: {partition.count} processes need one device each; this job has "
-                             f"{len(devices)} devices, {jax.local_device_count()} in this process")
+        local = jax.local_device_count()
+        if partition.count > 1 and (len(devices) != partition.count or local != 1):
+            raise ValueError(f"data parallel: a job of {partition.count} processes runs one device per process; "
+                             f"this job has {len(devices)} devices, {local} in this process")
+        if partition.count == 1 and len(devices) < 2:
+            raise ValueError("data parallel: one process needs several devices to share the rows")
         self.partition = partition
+        self.devices = len(devices)
+        self.scatter = GradientScatter(AXIS, self.devices, to_first=partition.count == 1)
         self.mesh = Mesh(np.array(devices), (AXIS,))
         self.replicated = NamedSharding(self.mesh, P())
         self.rows = NamedSharding(self.mesh, P(AXIS))
@@ -95,8 +98,8 @@ class DataParallel:
         """A global batch (a pytree, the same on every process, rows on axis 0) as global arrays
         of which this process supplies its contiguous block of rows."""
         rows, part = jax.tree.leaves(batch)[0].shape[0], self.partition
-        if rows % part.count:
-            raise ValueError(f"data.batch_size: {rows} rows do not split evenly over {part.count} processes")
+        if rows % self.devices:
+            raise ValueError(f"data.batch_size: {rows} rows do not split evenly over {self.devices} devices")
         mine = slice(part.index * rows // part.count, (part.index + 1) * rows // part.count)
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self.rows, np.asarray(x)[mine]), batch)
 

@@ -143,7 +143,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
         specs = iter(source.specs)
         abstract = tuple(_stacked_spec(r.layers, next(specs)) if r.layers else None for r in routing.routes)
 
-    scatter = data_parallel.partition.scatter if data_parallel is not None else None
+    scatter = data_parallel.scatter if data_parallel is not None else None
 
     def hook_leaf(key, x, probe, layer=0):
         route = routes[key]
@@ -189,13 +189,13 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     def local_step(params, tokens, loss_scale, bit_dtypes=()):
         (_, loss), stats = grad_of_probes(routing.probes(), params, tokens, loss_scale, bit_dtypes)
         if data_parallel is not None:  # each process's loss is its rows' share of the job's
-            loss = jax.lax.psum(loss, data_parallel.partition.scatter.axis)
+            loss = jax.lax.psum(loss, data_parallel.scatter.axis)
         return loss, stats
 
     if data_parallel is None:
         jitted = partial(jax.jit, static_argnames="bit_dtypes")(local_step)
         return _OffloadStep(jitted, routing, use_bits=jax.default_backend() == "cpu")
-    rows = jax.sharding.PartitionSpec(data_parallel.partition.scatter.axis)
+    rows = jax.sharding.PartitionSpec(data_parallel.scatter.axis)
     replicated = jax.sharding.PartitionSpec()
 
     @jax.jit
@@ -263,7 +263,7 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     if data_parallel is None:
         return _OffloadStep(partial(jax.jit, static_argnames="bit_dtypes")(local), routing,
                             use_bits=jax.default_backend() == "cpu")
-    axis = data_parallel.partition.scatter.axis
+    axis = data_parallel.scatter.axis
     rows, replicated = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
 
     def summed(params, batch):
