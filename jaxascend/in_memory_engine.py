@@ -104,6 +104,11 @@ class InMemoryEngine:
         return self.params
 
     @contextlib.contextmanager
+    def sampled_weights(self):
+        """As :meth:`OffloadEngine.sampled_weights` (one process: :meth:`compute_weights`)."""
+        yield self.compute_weights()
+
+    @contextlib.contextmanager
     def exported_weights(self):
         """As :meth:`OffloadEngine.exported_weights` (one process: the parameters)."""
         yield self.export_params()

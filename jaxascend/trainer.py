@@ -39,6 +39,8 @@ from jaxascend.offload.timeline import write_timeline_png
 from jaxascend.optim import learning_rate_schedule
 from jaxascend.ssd import MemorySampler
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class TrainResult:
@@ -154,15 +156,30 @@ def evaluate(engine, batches: list[TokenBatch]) -> dict[str, float]:
             "eval_seconds": time.perf_counter() - started}
 
 
-def data_parallel_partition(cfg: Config, group) -> Optional[Partition]:
+def data_parallel_partition(cfg: Config, model_cfg: ModelConfig, group) -> Optional[Partition]:
     """This process's share of a data-parallel offloaded run: its partition of the state in a
-    job of processes, ``Partition(0, 1)`` for one process with several devices (they share the
-    rows; the process owns the whole state), None for one device."""
+    job of processes (:func:`check_job` has refused what it cannot run), ``Partition(0, 1)`` for
+    one process with several devices (they share the rows; the process owns the whole state),
+    None for one device, or when the run is one the devices cannot share (noted)."""
     if not cfg.offload.enabled:
         return None
     if group.count > 1:
         return Partition(group.index, group.count)
-    return Partition(0, 1) if jax.local_device_count() > 1 else None
+    devices = jax.local_device_count()
+    if devices == 1:
+        return None
+    why = partition_refusal(cfg, model_cfg, one_process=True) or _rows_refusal(cfg, devices, f"the {devices} devices")
+    if why:
+        log.warning("data parallel over this process's %d devices is off, the step runs on the first: %s", devices, why)
+        return None
+    return Partition(0, 1)
+
+
+def _rows_refusal(cfg: Config, shards: int, what: str) -> Optional[str]:
+    for name, rows in (("data.batch_size", cfg.data.batch_size), ("eval.batch_size", cfg.eval.batch_size)):
+        if rows and rows % shards:
+            return f"{name}: {rows} rows do not split evenly over {what}"
+    return None
 
 
 def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, master=None, partition=None):
@@ -175,25 +192,18 @@ def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, master=
 
 
 def check_job(cfg: Config, model_cfg: ModelConfig, count: int) -> None:
-    """Refuses, before anything is written, what data parallelism over ``count`` processes (or,
-    for one process, its local devices) cannot run: the in-memory engine in a job, a batch whose
-    rows do not split evenly, what the data-parallel engine does not support yet
-    (:func:`~jaxascend.offload.engine.partition_refusal`)."""
-    devices = len(jax.devices()) if count > 1 else jax.local_device_count()
-    if devices == 1 or (count == 1 and not cfg.offload.enabled):
-        return  # one device; or the in-memory engine, which computes on the first device
-    where = (f"train.distributed: this job has {count} processes" if count > 1 else
-             f"data parallel over this process's {devices} devices")
+    """Refuses, before anything is written, what a job of ``count`` processes cannot run: the
+    in-memory engine, a batch whose rows do not split evenly, what the data-parallel engine
+    does not support yet (:func:`~jaxascend.offload.engine.partition_refusal`)."""
+    if count == 1:
+        return
+    where = f"train.distributed: this job has {count} processes"
     if not cfg.offload.enabled:
         raise ConfigError(f"{where}; data parallelism partitions the SSD state (offload.enabled: true), the "
                           "in-memory engine runs one process")
-    for name, rows in (("data.batch_size", cfg.data.batch_size), ("eval.batch_size", cfg.eval.batch_size)):
-        if rows and rows % devices:
-            shards = f"the job's {count} processes" if count > 1 else f"this process's {devices} devices"
-            raise ConfigError(f"{name}: {rows} rows do not split evenly over {shards}")
-    refused = partition_refusal(cfg, model_cfg)
+    refused = _rows_refusal(cfg, count, f"the job's {count} processes") or partition_refusal(cfg, model_cfg)
     if refused:
-        raise ConfigError(f"{where}; {refused}")
+        raise ConfigError(refused if refused.startswith(("data.", "eval.")) else f"{where}; {refused}")
 
 
 def run(cfg: Config) -> TrainResult:
@@ -226,6 +236,7 @@ def _run(cfg: Config, group) -> TrainResult:
     cfg, plan = plan_resolve(cfg, dataclasses.replace(model_cfg, vocab_size=vocab_size))
     plan.check()
     check_job(cfg, dataclasses.replace(model_cfg, vocab_size=vocab_size), group.count)
+    partition = data_parallel_partition(cfg, dataclasses.replace(model_cfg, vocab_size=vocab_size), group)
     samples = SamplePrompts.from_config(cfg, tokenizer, dataclasses.replace(model_cfg, vocab_size=vocab_size))
     streamed = cfg.offload.enabled and cfg.offload.params == "ssd"
     start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
@@ -249,7 +260,7 @@ def _run(cfg: Config, group) -> TrainResult:
         # fp32 master weights from the checkpoint's own values, not from the rounded compute copy.
         master = source.read if source else (lean_init_reader(origin.model_config, cfg.train.seed)
                                              if streamed else None)
-        engine = build_engine(cfg, model, model_cfg, master=master, partition=data_parallel_partition(cfg, group))
+        engine = build_engine(cfg, model, model_cfg, master=master, partition=partition)
         del model  # the engine holds what it needs (compute params; master weights on SSD)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     tokens_per_step = cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
@@ -304,9 +315,11 @@ def _run(cfg: Config, group) -> TrainResult:
             with engine.exported_weights() as weights:  # a job's other processes serve their slices
                 if weights is not None:
                     save_outputs(cfg, out_dir, weights, origin, last)
-        if samples is not None and main:  # the trained model answers eval.sample_prompts
-            _write_samples(samples.generate(origin.model_config, engine.compute_weights(), tokenizer,
-                                            stream_layers=streamed), out_dir)
+        if samples is not None:  # the trained model answers eval.sample_prompts (on process 0)
+            with engine.sampled_weights() as weights:  # a job's other processes serve their slices
+                if weights is not None:
+                    _write_samples(samples.generate(origin.model_config, weights, tokenizer, stream_layers=streamed),
+                                   out_dir)
         report = engine.report()
         if main:
             _write_timeline(engine, out_dir)

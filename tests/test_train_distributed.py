@@ -122,6 +122,27 @@ def test_one_process_on_two_devices_trains_like_one_device(runs):
     assert abs(state_bytes(out / "offload") - state_bytes(one / "offload")) <= 40 * 4096
 
 
+def test_a_job_streams_its_slice_of_each_layer_from_ssd(runs):
+    root, _, _ = runs
+    streamed = ("offload.params=ssd", "model.remat=full", "eval.sample_prompts=['def ']", "eval.sample_max_tokens=8")
+    one = trained(root / "streamed-one", 1, *streamed)
+    two = trained(root / "streamed-two", 2, *streamed)
+    # Each process keeps its slice of every layer's compute weights on its SSD; the step
+    # all-gathers each layer as the scan fetches it.
+    np.testing.assert_allclose(losses(two), losses(one), rtol=1e-5)
+    w1, w2 = weights(one), weights(two)
+    for name in w1:
+        np.testing.assert_allclose(w2[name], w1[name], rtol=0, atol=1e-5, err_msg=name)
+    # The samples of process 0, from the streamed layers gathered from both (greedy).
+    samples = [json.loads((out / "samples.json").read_text()) for out in (one, two)]
+    assert samples[0] == samples[1] and samples[0][0]["prompt"] == "def "
+    # The compute weights on SSD are re-partitioned on resume too.
+    out = root / "streamed-2to1"
+    trained(out, 2, *streamed, "train.stop_at_step=3")
+    trained(out, 1, *streamed)
+    np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
+
+
 def test_a_killed_process_stops_the_job_which_resumes_to_the_same_weights(runs):
     root, _, two = runs
     out = root / "killed"

@@ -80,10 +80,11 @@ def overlap_refusal(cfg: Config) -> Optional[str]:
     return None
 
 
-def partition_refusal(cfg: Config, model_cfg: ModelConfig) -> Optional[str]:
-    """What a data-parallel job (more than one process) cannot run yet (None: it can)."""
-    if cfg.offload.params == "ssd":
-        return "offload.params: ssd is not supported yet (use resident: each process holds the whole compute weights)"
+def partition_refusal(cfg: Config, model_cfg: ModelConfig, one_process: bool = False) -> Optional[str]:
+    """What data parallelism cannot run yet (None: it can): over the processes of a job, or
+    (``one_process``) over the devices of one process."""
+    if cfg.offload.params == "ssd" and one_process:
+        return "offload.params: ssd (each device would read every layer from the one SSD state)"
     if cfg.train.grad_accum > 1:
         return "train.grad_accum > 1 is not supported yet (raise data.batch_size: the rows are split over processes)"
     if cfg.offload.post_backward_overflow_check or cfg.offload.fp32_grad_buffer:
@@ -166,7 +167,7 @@ class OffloadEngine:
         :mod:`jaxascend.offload.partition`): its SSD state holds 1/P of every tensor, its rows of
         each global batch are its share of the step, and the updated weights are all-gathered.
         ``Partition(0, 1)``: one process whose several devices share the rows of each batch."""
-        refused = partition_refusal(cfg, model_cfg) if partition is not None else None
+        refused = partition_refusal(cfg, model_cfg, one_process=partition.count == 1) if partition is not None else None
         if refused:
             raise ValueError(f"data parallel over {len(jax.devices())} devices: {refused}")
         self.data_parallel = DataParallel(partition) if partition is not None else None
@@ -226,7 +227,8 @@ class OffloadEngine:
                     x = np.asarray(full[leaf.index])
                     return x if layer is None or not leaf.stacked else x[layer]
 
-                self.state.init_from(lambda leaf, layer: take(value(leaf, layer)).astype(np.float32))
+                self.state.init_from(lambda leaf, layer: take(value(leaf, layer)).astype(np.float32),
+                                     compute=lambda leaf, x: np.asarray(x).astype(param_dtype).astype(dtype))
             elif master is None:
                 self.state.init(params)  # fp32 master weights from the loaded/initialised params
             else:
@@ -257,9 +259,11 @@ class OffloadEngine:
             if cfg.offload.post_backward_overflow_check:  # ablation: full tree, then a scan
                 full_step = make_full_gradient_step(graphdef, rest, cfg.train.grad_accum, _loss_with_hook)
                 self._fwd_bwd = PostBackwardCheckedStep(full_step, self.state)
-            elif dp is not None:
+            elif dp is not None:  # streamed: each process reads its slice of a layer; the step gathers them
+                self._source = self.state.param_source() if stream else None
                 self._fwd_bwd = make_offload_step(graphdef, rest, routing, sink.handle, _loss_with_hook,
-                                                  data_parallel=dp)
+                                                  source=self._source, data_parallel=dp,
+                                                  whole_layers=self._whole_layers())
             elif stream or self._resident:
                 self._source = self.state.param_source(host=self._resident or None)
                 self._fwd_bwd = make_offload_step(graphdef, rest, routing, sink.handle, _loss_with_hook,
@@ -267,7 +271,8 @@ class OffloadEngine:
             else:
                 make = make_offload_step if cfg.train.grad_accum == 1 else make_accumulating_offload_step
                 self._fwd_bwd = make(graphdef, rest, routing, sink.handle, _loss_with_hook)
-            self._eval = make_offload_eval(graphdef, rest, routing, source=self._source, data_parallel=dp)
+            self._eval = make_offload_eval(graphdef, rest, routing, source=self._source, data_parallel=dp,
+                                           whole_layers=self._whole_layers() if dp is not None else None)
             self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.train.steps)
             self.opt_state = ssd_adamw_state(self.state)
             self.loss_scale = LossScaleState.initial(cfg.optimizer, compute_dtype)
@@ -276,6 +281,11 @@ class OffloadEngine:
         except BaseException:
             self.state.close()
             raise
+
+    def _whole_layers(self) -> list:
+        """One whole layer of each streamed leaf (what a job's step gathers the slices into)."""
+        return [jax.ShapeDtypeStruct(self._full_shapes[leaf.index][1:], leaf.dtype)
+                for leaf in self.state.layout.streamed_leaves]
 
     @property
     def params(self):
@@ -505,10 +515,38 @@ class OffloadEngine:
         self.loss_scale = LossScaleState.from_dict(restored.meta["loss_scale"])
         return restored.meta
 
+    @contextlib.contextmanager
+    def sampled_weights(self):
+        """``with engine.sampled_weights() as weights:`` on every process: the compute params to
+        sample from (:meth:`compute_weights`) on process 0, None on the others; a job's streamed
+        layers are gathered from every process's slices as process 0 reads them."""
+        if not (self.partitioned and self.streams_params):
+            yield self.compute_weights() if self.processes == 1 or self.data_parallel.partition.index == 0 else None
+            return
+        self.finish_update()
+        params = self._local_params()
+        leaves, local = self.state.leaves, jax.tree.leaves(params, is_leaf=lambda x: x is None)
+        sizes = [int(np.prod(self._full_shapes[leaf.index][1:] if leaf.stacked else self._full_shapes[leaf.index]))
+                 for leaf in leaves]
+        with JobReads(self.data_parallel, lambda index, layer: self.state.read_params(leaves[index], layer).reshape(-1),
+                      sizes, self._full_shapes, [leaf.stacked for leaf in leaves]) as reads:
+            if not reads.is_reader:
+                yield None
+                return
+
+            def value(leaf, layer):
+                if leaf.streamed:
+                    return reads.read(leaf.index, layer)
+                x = np.asarray(local[leaf.index])
+                return x if layer is None else x[layer]
+
+            yield self._reader(value, "")
+
     def compute_weights(self):
         """The compute params to sample from (the end-of-run samples): the tree itself when the
         layer stack is resident, else a reader ``read(path, layer)`` that reads a streamed
-        layer from SSD when asked, one at a time (waits for a running update first)."""
+        layer from SSD when asked, one at a time (waits for a running update first). One
+        process's own (a job's streamed layers: :meth:`sampled_weights`)."""
         params = self._local_params()
         if not self.streams_params:
             return params

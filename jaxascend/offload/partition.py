@@ -111,19 +111,23 @@ class DataParallel:
                stacked: Sequence[bool]) -> list[np.ndarray]:
         """Each tensor whole, on every process, from every process's slice of it: ``slices[k]``
         is this process's ``[L, s]`` (a stacked leaf) or ``[s]``; ``shapes[k]`` the full shape."""
+        present = [k for k, x in enumerate(slices) if x is not None]  # a streamed leaf's are on SSD (None)
         columns = []
-        for x, is_stacked in zip(slices, stacked):
-            x = np.asarray(x)
-            columns.append(np.ascontiguousarray((x if is_stacked else x[None]).T))  # [s, L]
-        gathered = self._gather([jax.make_array_from_process_local_data(self.rows, c) for c in columns])
+        for k in present:
+            x = np.asarray(slices[k])
+            columns.append(np.ascontiguousarray((x if stacked[k] else x[None]).T))  # [s, L]
+        gathered = iter(self._gather([jax.make_array_from_process_local_data(self.rows, c) for c in columns]))
         out = []
-        for full, shape, is_stacked in zip(gathered, shapes, stacked):
+        for k, (shape, is_stacked) in enumerate(zip(shapes, stacked)):
+            if k not in present:
+                out.append(None)
+                continue
+            full = next(gathered)
             whole = local_value(full).T  # [L, P*s]
             per_layer = int(np.prod(shape[1:] if is_stacked else shape))
             whole = whole[:, :per_layer]
             out.append(np.ascontiguousarray(whole).reshape(shape))
         return out
-
 
     def broadcast(self, values: Sequence[int]) -> list[int]:
         """Process 0's ``values`` (small integers) on every process (the others' are ignored)."""

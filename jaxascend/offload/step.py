@@ -19,6 +19,7 @@ is assembled. The loss is differentiated with respect to small "probe" arrays on
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 from typing import Any, Optional
 
@@ -114,7 +115,7 @@ def _layer_key(path) -> str:
 
 
 def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
-                      loss_fn, source=None, data_parallel=None) -> Any:
+                      loss_fn, source=None, data_parallel=None, whole_layers=None) -> Any:
     """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)`` (with ``step.lower``).
 
     ``loss_fn(model, tokens, layer_hook)`` returns the scalar loss of one batch (with a tied table
@@ -131,18 +132,16 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     ``data_parallel``: a :class:`~jaxascend.offload.partition.DataParallel` over the processes of
     a job. The step then runs under ``shard_map``: ``params`` are replicated global arrays,
     ``tokens`` a batch of global arrays sharded by rows, each gradient is reduce-scattered so the
-    sink gets this process's slice, and the loss and statistics are the job's (summed).
+    sink gets this process's slice, and the loss and statistics are the job's (summed). With a
+    ``source`` too, it serves this process's slice of each layer, and ``whole_layers`` (one
+    ``jax.ShapeDtypeStruct`` per stacked leaf) are the layers the slices are all-gathered into.
     """
     routes = routing.by_key()
     stacked_keys = [r.key for r in routing.routes if r.layers]
-    abstract = None
-    if source is not None:
-        if len(source.specs) != len(stacked_keys):
-            raise ValueError(f"offload step: the parameter source serves {len(source.specs)} leaves, the layer "
-                             f"stack has {len(stacked_keys)}")
-        specs = iter(source.specs)
-        abstract = tuple(_stacked_spec(r.layers, next(specs)) if r.layers else None for r in routing.routes)
-
+    if source is not None and len(source.specs) != len(stacked_keys):
+        raise ValueError(f"offload step: the parameter source serves {len(source.specs)} leaves, the layer "
+                         f"stack has {len(stacked_keys)}")
+    abstract, gather = _stack_shapes(routing, source, data_parallel, whole_layers)
     scatter = data_parallel.scatter if data_parallel is not None else None
 
     def hook_leaf(key, x, probe, layer=0):
@@ -152,7 +151,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     def scaled_loss(probes, params, tokens, loss_scale, bit_dtypes):
         if abstract is not None:
             params = _with_abstract_stack(params, abstract)
-        layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, dict(bit_dtypes))
+        layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, dict(bit_dtypes), gather)
 
         def top(path, x):
             if _first_key(path) == routing.stack_key:
@@ -207,15 +206,40 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
                         use_bits=False)
 
 
-def _weight_hooks(routing: SinkRouting, source, stacked_keys: list[str], float_dtypes: dict[str, str]):
+def _stack_shapes(routing: SinkRouting, source, data_parallel, whole_layers):
+    """(the layer stack's abstract leaves, the gather of fetched slices or None) of a step whose
+    stack is read through ``source``: the model sees whole layers; in a job the source serves
+    this process's slice of each, all-gathered inside the step into ``whole_layers``."""
+    if source is None:
+        return None, None
+    layers = list(whole_layers) if data_parallel is not None and whole_layers is not None else list(source.specs)
+    if data_parallel is not None and (whole_layers is None or len(layers) != len(source.specs)):
+        raise ValueError("offload step: a job's parameter source serves slices; give whole_layers, one per leaf")
+    shapes = iter(layers)
+    abstract = tuple(_stacked_spec(r.layers, next(shapes)) if r.layers else None for r in routing.routes)
+    if data_parallel is None:
+        return abstract, None
+    axis = data_parallel.scatter.axis
+
+    def gather(values):
+        return [jax.lax.all_gather(x.reshape(-1), axis, tiled=True)[:math.prod(w.shape)].reshape(w.shape)
+                for x, w in zip(values, layers)]
+
+    return abstract, gather
+
+
+def _weight_hooks(routing: SinkRouting, source, stacked_keys: list[str], float_dtypes: dict[str, str],
+                  gather=None):
     """``(layer_weights(layer_params, index), table_block(block))``: a layer's real weights
     inside the scan (fetched from the parameter source, or its slice back from raw bits) and a
-    token-table block back from raw bits; what both the training step and the evaluation use."""
+    token-table block back from raw bits; what both the training step and the evaluation use.
+    ``gather``: the whole layers from the fetched slices (a job, see :func:`_stack_shapes`)."""
 
     def layer_weights(layer_params, index):
         fetched = {}
         if source is not None:  # this layer's weights, read from SSD ahead of the ask
-            fetched = dict(zip(stacked_keys, fetch_layer(source.handle, index, source.specs)))
+            values = fetch_layer(source.handle, index, source.specs)
+            fetched = dict(zip(stacked_keys, gather(values) if gather is not None else values))
 
         def one(path, x):
             key = "layer:" + jax.tree_util.keystr(path)
@@ -236,7 +260,7 @@ def _weight_hooks(routing: SinkRouting, source, stacked_keys: list[str], float_d
 
 
 def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, source=None,
-                      data_parallel=None) -> Any:
+                      data_parallel=None, whole_layers=None) -> Any:
     """A jitted ``evaluate(params, batch) -> (sum of the counted targets' losses, their count)``
     on the compute params, forward only: nothing is differentiated, so no gradient reaches the
     sink and the optimizer state is not read. ``params`` and ``source`` are as for
@@ -244,18 +268,15 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     source, which the caller starts with ``begin_step(forward_only=True)``); on the CPU backend
     the stack enters as raw bits, as in the training step, so evaluating costs no fp32 copy of it.
     ``data_parallel``: each process evaluates its rows of the batch (the job's global arrays);
-    the sums are the job's."""
+    the sums are the job's (``whole_layers`` as for :func:`make_offload_step`)."""
     stacked_keys = [r.key for r in routing.routes if r.layers]
-    abstract = None
-    if source is not None:
-        specs = iter(source.specs)
-        abstract = tuple(_stacked_spec(r.layers, next(specs)) if r.layers else None for r in routing.routes)
+    abstract, gather = _stack_shapes(routing, source, data_parallel, whole_layers)
 
     def local(params, batch, bit_dtypes=()):
         if abstract is not None:
             params = _with_abstract_stack(params, abstract)
         float_dtypes = dict(bit_dtypes)
-        layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, float_dtypes)
+        layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, float_dtypes, gather)
         table_hook = (lambda block, use, index: table_block(block)) if routing.table_key in float_dtypes else None
         model = nnx.merge(graphdef, params, rest)
         return loss_sum_and_count(model, batch, layer_weights, table_hook)
