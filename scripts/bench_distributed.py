@@ -1,5 +1,5 @@
-"""Data-parallel offloaded training, P = 1 and P = 2 processes on 127.0.0.1, the same model and
-global batch, interleaved. Per process per step: SSD bytes read and written (target: 1/P of the
+"""Data-parallel offloaded training, P = 1 and P = 2 processes on 127.0.0.1 (and D2: one process
+on two devices), the same model and global batch, interleaved. Per process per step: SSD bytes read and written (target: 1/P of the
 P = 1 figure within 5 %), the state's bytes on disk, peak system memory (RSS) and the step time.
 Prints JSON, writes docs/bench_distributed.{json,png}.
 
@@ -8,7 +8,8 @@ each) running :class:`~jaxascend.offload.OffloadEngine` with ``partition=Partiti
 random token batches; a step's time is the time between consecutive returns of
 ``engine.step`` after ``--warmup`` steps (which compile). The processes of P = 2 share the
 machine's cores and disk, so the step time here says what the partitioned step costs on one
-machine, not what two machines would gain.
+machine, not what two machines would gain. D2 is one process whose two (CPU) devices share the
+rows and the one SSD state (``--xla_force_host_platform_device_count=2``).
 
     python scripts/bench_distributed.py                        # ~55M-parameter Llama, 2 rounds
     python scripts/bench_distributed.py --shape small --rounds 1   # a smoke run
@@ -72,7 +73,10 @@ def child(args) -> None:
     model = build_model(cfg.model, shape["vocab"], rngs=nnx.Rngs(0))
     from jaxascend.models import count_params
     params = count_params(model)
-    partition = Partition(group.index, group.count) if group.count > 1 else None
+    import jax
+
+    partition = (Partition(group.index, group.count) if group.count > 1 else
+                 Partition(0, 1) if jax.local_device_count() > 1 else None)
     rng = np.random.default_rng(0)
     times, reads, writes, losses = [], [], [], []
     with OffloadEngine(cfg, model, cfg.model, partition=partition) as engine:
@@ -103,12 +107,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_contender(args, processes: int, out: Path) -> list[dict]:
+def run_contender(args, processes: int, out: Path, devices: int = 1) -> list[dict]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     port, procs = _free_port(), []
     for i in range(processes):
         env = dict(os.environ)
+        if devices > 1:
+            env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
         if processes > 1:
             env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
                        JAX_PROCESS_ID=str(i))
@@ -144,11 +150,12 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
-    rounds: dict[str, list[list[dict]]] = {"P1": [], "P2": []}
+    rounds: dict[str, list[list[dict]]] = {"P1": [], "P2": [], "D2": []}
     for r in range(args.rounds):
-        order = ("P1", "P2") if r % 2 == 0 else ("P2", "P1")  # alternate who goes first
+        order = ("P1", "P2", "D2") if r % 2 == 0 else ("D2", "P2", "P1")  # alternate who goes first
         for name in order:
-            rounds[name].append(run_contender(args, int(name[1]), Path(args.dir) / name))
+            processes, devices = (int(name[1]), 1) if name[0] == "P" else (1, int(name[1]))
+            rounds[name].append(run_contender(args, processes, Path(args.dir) / name, devices))
             print(f"round {r + 1}: {name} done", file=sys.stderr)
     metrics = {"read_bytes_per_step": lambda p: statistics.median(p["read_bytes"]),
                "written_bytes_per_step": lambda p: statistics.median(p["written_bytes"]),
@@ -161,11 +168,14 @@ def main(argv=None) -> int:
     # Per round: the P = 2 processes' median over the P = 1 process's figure of the same round.
     ratios = {k: summarize([statistics.median([get(p) for p in two]) / get(one[0])
                             for one, two in zip(rounds["P1"], rounds["P2"])]) for k, get in metrics.items()}
-    losses_equal = all(abs(a - b) <= 1e-3 * abs(b) for run1, run2 in zip(rounds["P1"], rounds["P2"])
+    ratios_d2 = {k: summarize([get(d[0]) / get(one[0]) for one, d in zip(rounds["P1"], rounds["D2"])])
+                 for k, get in metrics.items()}
+    losses_equal = all(abs(a - b) <= 1e-3 * abs(b) for run1, run2 in
+                       [*zip(rounds["P1"], rounds["P2"]), *zip(rounds["P1"], rounds["D2"])]
                        for a, b in zip(run2[0]["losses"], run1[0]["losses"]))
     report = {"shape": args.shape, "params": rounds["P1"][0][0]["params"], "rounds": args.rounds, "steps": args.steps,
               "global_batch": [args.batch, args.seq], "cpu": _cpu(),
-              "per_process": per_process, "ratio_P2_over_P1": ratios,
+              "per_process": per_process, "ratio_P2_over_P1": ratios, "ratio_D2_over_P1": ratios_d2,
               "io_target_met": all(abs(ratios[k]["median"] - 0.5) <= 0.05 * 0.5
                                    for k in ("read_bytes_per_step", "written_bytes_per_step")),
               "losses_agree_1e-3": losses_equal}
@@ -175,16 +185,19 @@ def main(argv=None) -> int:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import numpy as np
     except ImportError:
         print("note: matplotlib is not installed; no PNG", file=sys.stderr)
         return 0
     keys = list(ratios)
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.bar(range(len(keys)), [ratios[k]["median"] for k in keys], color="tab:blue")
+    x = np.arange(len(keys))
+    ax.bar(x - 0.2, [ratios[k]["median"] for k in keys], 0.4, color="tab:blue", label="P=2 (per process)")
+    ax.bar(x + 0.2, [ratios_d2[k]["median"] for k in keys], 0.4, color="tab:orange", label="1 process, 2 devices")
     ax.axhline(0.5, color="gray", linestyle="--", label="1/P")
     ax.set_xticks(range(len(keys)), [k.replace("_", " ") for k in keys], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("P=2 per process / P=1")
-    ax.set_title(f"data parallel, {args.shape}: per-process figures, P=2 over P=1 (median of {args.rounds} rounds)")
+    ax.set_ylabel("over P=1")
+    ax.set_title(f"data parallel, {args.shape}: per-process figures over P=1 (median of {args.rounds} rounds)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(Path(args.out).with_suffix(".png"), dpi=120)
