@@ -74,8 +74,8 @@ def test_two_processes_on_localhost_form_one_job_with_gloo_collectives():
     ("offload.enabled=false", "train.distributed: this job has 2 processes; data parallelism partitions the SSD "
                               "state (offload.enabled: true), the in-memory engine runs one process"),
     ("data.batch_size=3", "data.batch_size: 3 rows do not split evenly over the job's 2 processes"),
-    ("train.grad_accum=2", "train.distributed: this job has 2 processes; train.grad_accum > 1 is not supported yet "
-                           "(raise data.batch_size: the rows are split over processes)"),
+    ("offload.fp32_grad_buffer=true", "train.distributed: this job has 2 processes; the ablation switches "
+                                      "(post_backward_overflow_check, fp32_grad_buffer) are single-process"),
 ])
 def test_the_trainer_refuses_what_a_job_cannot_run_before_writing(tmp_path, setting, message):
     code = textwrap.dedent("""

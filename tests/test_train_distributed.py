@@ -143,6 +143,17 @@ def test_a_job_streams_its_slice_of_each_layer_from_ssd(runs):
     np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
 
 
+def test_a_job_accumulates_micro_batches(runs):
+    root, one, _ = runs
+    # 2 micro-batches of 2 rows: the same 4 rows per step as the reference's one batch of 4,
+    # each micro-batch's rows split over the processes, the summed leaves reduce-scattered.
+    out = trained(root / "accumulated", 2, "train.grad_accum=2", "data.batch_size=2")
+    np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
+    w, ref = weights(out), weights(one)
+    for name in ref:
+        np.testing.assert_allclose(w[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
+
+
 def test_a_killed_process_stops_the_job_which_resumes_to_the_same_weights(runs):
     root, _, two = runs
     out = root / "killed"

@@ -85,8 +85,8 @@ def partition_refusal(cfg: Config, model_cfg: ModelConfig, one_process: bool = F
     (``one_process``) over the devices of one process."""
     if cfg.offload.params == "ssd" and one_process:
         return "offload.params: ssd (each device would read every layer from the one SSD state)"
-    if cfg.train.grad_accum > 1:
-        return "train.grad_accum > 1 is not supported yet (raise data.batch_size: the rows are split over processes)"
+    if cfg.train.grad_accum > 1 and cfg.offload.params == "ssd":
+        return "train.grad_accum > 1 with offload.params: ssd (the accumulating step takes the whole layer stack)"
     if cfg.offload.post_backward_overflow_check or cfg.offload.fp32_grad_buffer:
         return "the ablation switches (post_backward_overflow_check, fp32_grad_buffer) are single-process"
     if model_cfg.vocab_size and is_large_table(jax.ShapeDtypeStruct((model_cfg.vocab_size, model_cfg.hidden_size),
@@ -259,6 +259,9 @@ class OffloadEngine:
             if cfg.offload.post_backward_overflow_check:  # ablation: full tree, then a scan
                 full_step = make_full_gradient_step(graphdef, rest, cfg.train.grad_accum, _loss_with_hook)
                 self._fwd_bwd = PostBackwardCheckedStep(full_step, self.state)
+            elif dp is not None and cfg.train.grad_accum > 1:
+                self._fwd_bwd = make_accumulating_offload_step(graphdef, rest, routing, sink.handle, _loss_with_hook,
+                                                               data_parallel=dp)
             elif dp is not None:  # streamed: each process reads its slice of a layer; the step gathers them
                 self._source = self.state.param_source() if stream else None
                 self._fwd_bwd = make_offload_step(graphdef, rest, routing, sink.handle, _loss_with_hook,
@@ -311,7 +314,7 @@ class OffloadEngine:
         batch = as_token_batch(tokens)
         micro = micro_batch(batch, 0) if self.cfg.train.grad_accum == 1 else batch
         if self.data_parallel is not None:  # the global batch: this process computes its rows
-            micro = self.data_parallel.shard_rows(micro)
+            micro = self.data_parallel.shard_rows(micro, axis=0 if self.cfg.train.grad_accum == 1 else 1)
         previous, self._update = self._update, None
         front_wait = 0.0
         if previous is not None:  # the new embeddings, norm and head; the stack follows layer by layer
@@ -523,13 +526,8 @@ class OffloadEngine:
         if not (self.partitioned and self.streams_params):
             yield self.compute_weights() if self.processes == 1 or self.data_parallel.partition.index == 0 else None
             return
-        self.finish_update()
-        params = self._local_params()
-        leaves, local = self.state.leaves, jax.tree.leaves(params, is_leaf=lambda x: x is None)
-        sizes = [int(np.prod(self._full_shapes[leaf.index][1:] if leaf.stacked else self._full_shapes[leaf.index]))
-                 for leaf in leaves]
-        with JobReads(self.data_parallel, lambda index, layer: self.state.read_params(leaves[index], layer).reshape(-1),
-                      sizes, self._full_shapes, [leaf.stacked for leaf in leaves]) as reads:
+        local = jax.tree.leaves(self._local_params(), is_leaf=lambda x: x is None)  # waits for a running update
+        with self._job_reads(self.state.read_params) as reads:
             if not reads.is_reader:
                 yield None
                 return
@@ -578,17 +576,17 @@ class OffloadEngine:
             yield self.export_params()
             return
         self.finish_update()
-        leaves = self.state.leaves
-
-        def read_slice(index: int, layer: Optional[int]) -> np.ndarray:
-            return self.state.read_state(leaves[index], "master", layer=layer).reshape(-1)
-
-        sizes = [int(np.prod(self._full_shapes[leaf.index][1:] if leaf.stacked else self._full_shapes[leaf.index]))
-                 for leaf in leaves]
-        with JobReads(self.data_parallel, read_slice, sizes, self._full_shapes,
-                      [leaf.stacked for leaf in leaves]) as reads:
+        with self._job_reads(lambda leaf, layer: self.state.read_state(leaf, "master", layer=layer)) as reads:
             yield self._reader(lambda leaf, layer: reads.read(leaf.index, layer), " to export") \
                 if reads.is_reader else None
+
+    def _job_reads(self, read_slice: Callable) -> JobReads:
+        """Process 0's whole-tensor reads of what ``read_slice(leaf, layer)`` reads of this
+        process's slices (see :class:`~jaxascend.offload.partition.JobReads`)."""
+        leaves, shapes = self.state.leaves, self._full_shapes
+        sizes = [math.prod(shapes[leaf.index][1:] if leaf.stacked else shapes[leaf.index]) for leaf in leaves]
+        return JobReads(self.data_parallel, lambda index, layer: read_slice(leaves[index], layer).reshape(-1), sizes,
+                        shapes, [leaf.stacked for leaf in leaves])
 
     def _reader(self, value: Callable, purpose: str):
         """``read(path, layer)`` by our parameter path: ``value(leaf, layer)`` of that leaf's layout."""

@@ -151,17 +151,26 @@ def _offload_fwd(x, probe, layer, sink, tensor, scatter):
     return x, layer
 
 
-def _offload_bwd(sink, tensor, scatter, layer, g):
+def sink_share(g: jax.Array, layer, *, sink: int, tensor: int,
+               scatter: Optional["GradientScatter"] = None) -> jax.Array:
+    """:func:`sink_gradient` of ``g`` (this shard's contribution, under ``shard_map`` when
+    ``scatter`` is given) as data parallelism shares it: this shard's slice of the summed
+    gradient, or (``scatter.to_first``) the whole sum sent once, by the first shard; the
+    statistics are always those of the whole summed gradient."""
     if scatter is None:
-        stats = sink_gradient(g, layer, sink=sink, tensor=tensor)
-    elif scatter.to_first:  # the whole sum, sent once, by the first device
+        return sink_gradient(g, layer, sink=sink, tensor=tensor)
+    if scatter.to_first:
         summed = jax.lax.psum(g, scatter.axis)
-        first = jax.lax.axis_index(scatter.axis) == 0
-        stats = jax.lax.cond(first, lambda x: sink_gradient(x, layer, sink=sink, tensor=tensor),
+        stats = jax.lax.cond(jax.lax.axis_index(scatter.axis) == 0,
+                             lambda x: sink_gradient(x, layer, sink=sink, tensor=tensor),
                              lambda x: jnp.zeros((PROBE_SIZE,), jnp.float32), summed)
-        stats = jax.lax.psum(stats, scatter.axis)
-    else:  # this shard's slice of the summed gradient; the statistics of the whole
-        stats = jax.lax.psum(sink_gradient(scatter(g), layer, sink=sink, tensor=tensor), scatter.axis)
+    else:
+        stats = sink_gradient(scatter(g), layer, sink=sink, tensor=tensor)
+    return jax.lax.psum(stats, scatter.axis)
+
+
+def _offload_bwd(sink, tensor, scatter, layer, g):
+    stats = sink_share(g, layer, sink=sink, tensor=tensor, scatter=scatter)
     # The parameter's own cotangent is dropped: nobody differentiates with respect to it, so XLA
     # eliminates the zeros; the layer index is an integer input (float0 cotangent).
     return jnp.zeros_like(g), stats, None

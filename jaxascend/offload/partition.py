@@ -94,14 +94,16 @@ class DataParallel:
             return None
         return jax.make_array_from_process_local_data(self.replicated, np.asarray(x))
 
-    def shard_rows(self, batch):
-        """A global batch (a pytree, the same on every process, rows on axis 0) as global arrays
-        of which this process supplies its contiguous block of rows."""
-        rows, part = jax.tree.leaves(batch)[0].shape[0], self.partition
+    def shard_rows(self, batch, axis: int = 0):
+        """A global batch (a pytree, the same on every process, rows on ``axis``: 1 for the
+        micro-batches ``[A, B, ...]`` of an accumulating step) as global arrays of which this
+        process supplies its contiguous block of rows."""
+        rows, part = jax.tree.leaves(batch)[0].shape[axis], self.partition
         if rows % self.devices:
             raise ValueError(f"data.batch_size: {rows} rows do not split evenly over {self.devices} devices")
-        mine = slice(part.index * rows // part.count, (part.index + 1) * rows // part.count)
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(self.rows, np.asarray(x)[mine]), batch)
+        mine = (slice(None),) * axis + (slice(part.index * rows // part.count, (part.index + 1) * rows // part.count),)
+        sharding = self.rows if axis == 0 else NamedSharding(self.mesh, P(*([None] * axis), AXIS))
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)[mine]), batch)
 
     def step(self, fn, in_specs, out_specs):
         """``fn`` under ``shard_map`` over the processes (``check_vma=False``: see GradientScatter)."""

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxascend.models import loss_sum_and_count
-from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward, sink_gradient
+from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward, sink_share
 from jaxascend.offload.param_source import fetch_layer
 
 
@@ -384,7 +384,7 @@ def total_stats(stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
 
 
 def make_accumulating_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
-                                   loss_fn) -> Any:
+                                   loss_fn, data_parallel=None) -> Any:
     """Gradient accumulation with the sink: ``step(params, batch[A, ...], loss_scale)``.
 
     ``loss_fn`` gives each micro-batch's share of the step's loss (the per-token weights of
@@ -393,8 +393,17 @@ def make_accumulating_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, rout
     float32 accumulator (4 B/param in the device memory kind; on a CPU-only machine that is host
     RAM), cast to the compute dtype and sent to the sink leaf by leaf, layer by layer. Only ``grad_accum > 1`` pays for
     the accumulator; a single micro-batch uses :func:`make_offload_step`.
+
+    ``data_parallel``: as for :func:`make_offload_step`, the micro-batches' rows (axis 1) are
+    split over the shards; each accumulates its rows' gradients, and each summed leaf is
+    reduce-scattered (or, over one process's devices, all-reduced and sent by the first) on its
+    way to the sink.
     """
     routes = routing.by_key()
+    scatter = data_parallel.scatter if data_parallel is not None else None
+
+    def sink_one(g, layer, tensor):
+        return sink_share(g, layer, sink=sink, tensor=tensor, scatter=scatter)
 
     def scaled_loss(params, tokens, loss_scale):
         loss = loss_fn(nnx.merge(graphdef, params, rest), tokens, None)
@@ -406,13 +415,11 @@ def make_accumulating_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, rout
         route = routes[key]
         layers = route.layers or (routing.table_blocks if key == routing.table_key else 1)
         if layers == 1:
-            return sink_gradient(g, 0, sink=sink, tensor=route.tensor)
+            return sink_one(g, 0, route.tensor)
         g = g.reshape((layers, -1) + g.shape[1:]) if not route.layers else g  # a table's blocks of rows
-        return jax.lax.map(lambda xs: sink_gradient(xs[0], xs[1], sink=sink, tensor=route.tensor),
-                           (g, jnp.arange(layers, dtype=jnp.int32)))
+        return jax.lax.map(lambda xs: sink_one(xs[0], xs[1], route.tensor), (g, jnp.arange(layers, dtype=jnp.int32)))
 
-    @jax.jit
-    def step(params, tokens, loss_scale):
+    def local_step(params, tokens, loss_scale):
         def micro(acc, micro_tokens):
             (_, loss), g = grad_fn(params, micro_tokens, loss_scale)
             return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
@@ -427,6 +434,12 @@ def make_accumulating_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, rout
             key = _layer_key(path) if stacked else jax.tree_util.keystr(path)
             stats[key] = send(key, a.astype(dtype))
         # Each micro-batch's loss is its share of the step's per-token mean (models.losses): summed.
-        return losses.sum(), stats
+        loss = losses.sum()
+        if scatter is not None:  # each shard's rows' share of the job's
+            loss = jax.lax.psum(loss, scatter.axis)
+        return loss, stats
 
-    return step
+    if data_parallel is None:
+        return jax.jit(local_step)
+    rows, replicated = jax.sharding.PartitionSpec(None, scatter.axis), jax.sharding.PartitionSpec()
+    return jax.jit(data_parallel.step(local_step, (replicated, rows, replicated), (replicated, replicated)))
