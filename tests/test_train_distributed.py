@@ -128,8 +128,11 @@ def test_a_job_streams_its_slice_of_each_layer_from_ssd(runs):
     one = trained(root / "streamed-one", 1, *streamed)
     two = trained(root / "streamed-two", 2, *streamed)
     # Each process keeps its slice of every layer's compute weights on its SSD; the step
-    # all-gathers each layer as the scan fetches it.
+    # all-gathers each layer as the scan fetches it, and (offload.overlap, the default) each
+    # step's optimizer runs beside the next step's forward/backward.
     np.testing.assert_allclose(losses(two), losses(one), rtol=1e-5)
+    last = json.loads((two / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["overlap"] is True and "overlap_refused" not in last
     w1, w2 = weights(one), weights(two)
     for name in w1:
         np.testing.assert_allclose(w2[name], w1[name], rtol=0, atol=1e-5, err_msg=name)

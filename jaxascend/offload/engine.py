@@ -204,13 +204,16 @@ class OffloadEngine:
         self._update: Optional[BackgroundUpdate] = None  # the optimizer step running in the background
         self._resident: dict[int, np.ndarray] = {}  # overlapped, resident: stacked weights the source serves
         refusal = overlap_refusal(cfg) if cfg.offload.overlap else None
-        if cfg.offload.overlap and dp is not None:
-            refusal = "data parallelism (the updated weights are replicated to every device after the step)"
+        if cfg.offload.overlap and dp is not None and not (self.partitioned and stream) and refusal is None:
+            refusal = ("data parallelism with resident weights (they are all-gathered after the step; a job with "
+                       "offload.params: ssd overlaps)" if self.partitioned else
+                       "data parallelism over one process's devices")
         if refusal:
             log.info("offload.overlap: the optimizer step runs after the forward/backward, not beside it: %s", refusal)
         self.overlap = cfg.offload.overlap and refusal is None
         self._overlap_refusal = refusal
         self._steps = 0
+        self._whole_front = None  # the background update whose top-level leaves are whole already (a job)
         self.last_timeline: Optional[StepTimeline] = None  # of the last step that ran an update
         tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
         # Our parameter path of every leaf, in the layout's leaf order.
@@ -323,6 +326,8 @@ class OffloadEngine:
             except BaseException:
                 previous.join_quietly()
                 raise
+            previous.leaves = self._whole_leaves(previous.leaves)  # a job: every process's slices
+            self._whole_front = previous
             for index, leaf in previous.leaves.items():
                 self._leaves[index] = leaf
         started = time.perf_counter()
@@ -452,6 +457,16 @@ class OffloadEngine:
         self._update = BackgroundUpdate(self.state, scalars, source=self._source, outputs=self._resident,
                                         put=_to_default_device, trace=True).start()
 
+    def _whole_leaves(self, new: dict) -> dict:
+        """A job's updated top-level leaves (an overlapped update's, by leaf index) whole and
+        replicated, from every process's slices; as they are for one process."""
+        if not new or not self.partitioned:
+            return new
+        indices = sorted(new)
+        full = self.data_parallel.gather([np.asarray(new[i]) for i in indices], [self._full_shapes[i] for i in indices],
+                                         [self.state.leaves[i].stacked for i in indices])
+        return {i: self.data_parallel.replicate(x) for i, x in zip(indices, full)}
+
     def finish_update(self) -> None:
         """Waits for the optimizer step running in the background (overlap); raises its error."""
         update, self._update = self._update, None
@@ -462,6 +477,9 @@ class OffloadEngine:
         """Joins a background update and takes what it left: its new leaves, the optax count, its
         bytes and timing (into ``timing``); raises its error."""
         update.join()
+        if update is not self._whole_front:
+            update.leaves = self._whole_leaves(update.leaves)
+        self._whole_front = None
         for index, leaf in update.leaves.items():
             self._leaves[index] = leaf
         self.opt_state = ssd_adamw_state(self.state)
