@@ -434,11 +434,12 @@ class OffloadEngine:
         timeline.add_update(trace, {})
         if new_params is not None:
             self._leaves = jax.tree.leaves(new_params, is_leaf=lambda x: x is None)
-            if self.partitioned:  # every process's slices make the whole weights again
-                dp = self.data_parallel
-                full = dp.gather(self._leaves, self._full_shapes, [leaf.stacked for leaf in self.state.leaves])
-                self._leaves = full
-            if self.data_parallel is not None:  # the whole weights, as the next step's replicated input
+            if self.partitioned:  # every process's slices make the whole (replicated) weights again
+                slices, self._leaves = self._leaves, []
+                self._leaves = self.data_parallel.gather(slices, self._full_shapes,
+                                                         [leaf.stacked for leaf in self.state.leaves])
+                del slices
+            elif self.data_parallel is not None:  # the whole weights, as the next step's replicated input
                 self._leaves = [self.data_parallel.replicate(x) for x in self._leaves]
             self._account(self.state.last_step, timing)
 
@@ -465,7 +466,7 @@ class OffloadEngine:
         indices = sorted(new)
         full = self.data_parallel.gather([np.asarray(new[i]) for i in indices], [self._full_shapes[i] for i in indices],
                                          [self.state.leaves[i].stacked for i in indices])
-        return {i: self.data_parallel.replicate(x) for i, x in zip(indices, full)}
+        return dict(zip(indices, full))
 
     def finish_update(self) -> None:
         """Waits for the optimizer step running in the background (overlap); raises its error."""

@@ -83,6 +83,8 @@ class DataParallel:
         self.mesh = Mesh(np.array(devices), (AXIS,))
         self.replicated = NamedSharding(self.mesh, P())
         self.rows = NamedSharding(self.mesh, P(AXIS))
+        self._columns = NamedSharding(self.mesh, P(None, AXIS))
+        self._gathers: dict = {}  # (shape, stacked) -> the jitted gather of one tensor
         self._gather = jax.jit(jax.shard_map(lambda xs: [jax.lax.all_gather(x, AXIS, tiled=True) for x in xs],
                                              mesh=self.mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False))
         self._broadcast = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, AXIS), mesh=self.mesh,
@@ -109,27 +111,36 @@ class DataParallel:
         """``fn`` under ``shard_map`` over the processes (``check_vma=False``: see GradientScatter)."""
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    def gather(self, slices: Sequence[np.ndarray], shapes: Sequence[tuple],
-               stacked: Sequence[bool]) -> list[np.ndarray]:
-        """Each tensor whole, on every process, from every process's slice of it: ``slices[k]``
-        is this process's ``[L, s]`` (a stacked leaf) or ``[s]``; ``shapes[k]`` the full shape."""
-        present = [k for k, x in enumerate(slices) if x is not None]  # a streamed leaf's are on SSD (None)
-        columns = []
-        for k in present:
-            x = np.asarray(slices[k])
-            columns.append(np.ascontiguousarray((x if stacked[k] else x[None]).T))  # [s, L]
-        gathered = iter(self._gather([jax.make_array_from_process_local_data(self.rows, c) for c in columns]))
+    def gather(self, slices: Sequence[Optional[np.ndarray]], shapes: Sequence[tuple],
+               stacked: Sequence[bool]) -> list:
+        """Each tensor whole, as a replicated global array, from every process's slice of it:
+        ``slices[k]`` is this process's ``[L, s]`` (a stacked leaf) or ``[s]`` (None: a leaf
+        that is not gathered, e.g. streamed); ``shapes[k]`` the whole shape. One tensor at a
+        time, trimmed and reshaped inside the collective, so that a tensor's only whole copy is
+        the replicated array itself."""
         out = []
-        for k, (shape, is_stacked) in enumerate(zip(shapes, stacked)):
-            if k not in present:
+        for x, shape, is_stacked in zip(slices, shapes, stacked):
+            if x is None:
                 out.append(None)
                 continue
-            full = next(gathered)
-            whole = local_value(full).T  # [L, P*s]
-            per_layer = int(np.prod(shape[1:] if is_stacked else shape))
-            whole = whole[:, :per_layer]
-            out.append(np.ascontiguousarray(whole).reshape(shape))
+            x = np.asarray(x)
+            rows = x if is_stacked else x[None]  # [L, s]
+            sharded = jax.make_array_from_process_local_data(self._columns, np.ascontiguousarray(rows))
+            out.append(self._gather_one_tensor(tuple(shape), bool(is_stacked))(sharded))
         return out
+
+    def _gather_one_tensor(self, shape: tuple, stacked: bool):
+        key = (shape, stacked)
+        if key not in self._gathers:
+            per_layer = int(np.prod(shape[1:] if stacked else shape))
+
+            def whole(rows):  # [L, s] on each process -> [L, P * s] -> the tensor
+                full = jax.lax.all_gather(rows, AXIS, axis=1, tiled=True)
+                return full[:, :per_layer].reshape(shape)
+
+            self._gathers[key] = jax.jit(jax.shard_map(whole, mesh=self.mesh, in_specs=P(None, AXIS), out_specs=P(),
+                                                       check_vma=False))
+        return self._gathers[key]
 
     def broadcast(self, values: Sequence[int]) -> list[int]:
         """Process 0's ``values`` (small integers) on every process (the others' are ignored)."""
