@@ -27,7 +27,6 @@ import jax
 
 from jaxascend.config import DistributedConfig
 
-JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 PROCESS_FIELD = "{process}"  # in offload.dir: replaced by the process number
 
 

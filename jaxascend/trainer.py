@@ -201,9 +201,12 @@ def check_job(cfg: Config, model_cfg: ModelConfig, count: int) -> None:
     if not cfg.offload.enabled:
         raise ConfigError(f"{where}; data parallelism partitions the SSD state (offload.enabled: true), the "
                           "in-memory engine runs one process")
-    refused = _rows_refusal(cfg, count, f"the job's {count} processes") or partition_refusal(cfg, model_cfg)
+    uneven = _rows_refusal(cfg, count, f"the job's {count} processes")
+    if uneven:
+        raise ConfigError(uneven)
+    refused = partition_refusal(cfg, model_cfg)
     if refused:
-        raise ConfigError(refused if refused.startswith(("data.", "eval.")) else f"{where}; {refused}")
+        raise ConfigError(f"{where}; {refused}")
 
 
 def run(cfg: Config) -> TrainResult:
@@ -233,16 +236,17 @@ def _run(cfg: Config, group) -> TrainResult:
     vocab_size = vocabulary_size(cfg, model_cfg, tokenizer)
     # Plan: host memory, disk; offload.params auto -> resident or ssd. A run that cannot fit
     # the budget or the disk stops here, naming the part and by how much.
-    cfg, plan = plan_resolve(cfg, dataclasses.replace(model_cfg, vocab_size=vocab_size))
+    sized = dataclasses.replace(model_cfg, vocab_size=vocab_size)
+    cfg, plan = plan_resolve(cfg, sized)
     plan.check()
-    check_job(cfg, dataclasses.replace(model_cfg, vocab_size=vocab_size), group.count)
-    partition = data_parallel_partition(cfg, dataclasses.replace(model_cfg, vocab_size=vocab_size), group)
-    samples = SamplePrompts.from_config(cfg, tokenizer, dataclasses.replace(model_cfg, vocab_size=vocab_size))
+    check_job(cfg, sized, group.count)
+    partition = data_parallel_partition(cfg, sized, group)
+    samples = SamplePrompts.from_config(cfg, tokenizer, sized)
     streamed = cfg.offload.enabled and cfg.offload.params == "ssd"
     start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
     # The checkpoint's tensors (names, shapes, dtypes) are checked when the reader opens.
     with HFParamReader(cfg.model.path, model_cfg) if cfg.model.path else contextlib.nullcontext() as source:
-        origin = Provenance(dataclasses.replace(model_cfg, vocab_size=vocab_size),
+        origin = Provenance(sized,
                             tokenizer_folder(cfg.data.tokenizer, cfg.model.path), cfg.model.path,
                             source.source_dtype if source else model_cfg.param_dtype)
 

@@ -150,7 +150,7 @@ class ArraySpec:
             raise ValueError(f"ArraySpec.spans of {self.name!r} hold {sum(x.nbytes for x in spans)} bytes; "
                              f"{self.dtype}{self.shape} is {self.nbytes} bytes")
         piece = self.piece
-        if piece is not None and self.size != piece.layers * (piece.size if piece.count == 1 else piece.slice_size):
+        if piece is not None and self.size != piece.layers * piece.slice_size:
             raise ValueError(f"ArraySpec.piece of {self.name!r}: {self.shape} is not process {piece.index} of "
                              f"{piece.count}'s slice of {piece.shape}")
 
@@ -643,7 +643,7 @@ class _SliceReader:
 
     def __init__(self, tensor: SavedTensor, piece: Piece, itemsize: int):
         self.tensor, self.piece, self.itemsize = tensor, piece, itemsize
-        self.s = piece.size if piece.count == 1 else piece.slice_size
+        self.s = piece.slice_size
 
     def copy_to(self, out: np.ndarray, flat_byte: int) -> None:
         isz, piece = self.itemsize, self.piece

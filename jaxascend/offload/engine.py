@@ -435,10 +435,8 @@ class OffloadEngine:
         if new_params is not None:
             self._leaves = jax.tree.leaves(new_params, is_leaf=lambda x: x is None)
             if self.partitioned:  # every process's slices make the whole (replicated) weights again
-                slices, self._leaves = self._leaves, []
-                self._leaves = self.data_parallel.gather(slices, self._full_shapes,
+                self._leaves = self.data_parallel.gather(self._leaves, self._full_shapes,
                                                          [leaf.stacked for leaf in self.state.leaves])
-                del slices
             elif self.data_parallel is not None:  # the whole weights, as the next step's replicated input
                 self._leaves = [self.data_parallel.replicate(x) for x in self._leaves]
             self._account(self.state.last_step, timing)
@@ -543,35 +541,29 @@ class OffloadEngine:
         sample from (:meth:`compute_weights`) on process 0, None on the others; a job's streamed
         layers are gathered from every process's slices as process 0 reads them."""
         if not (self.partitioned and self.streams_params):
-            yield self.compute_weights() if self.processes == 1 or self.data_parallel.partition.index == 0 else None
+            yield self.compute_weights() if not self.partitioned or self.data_parallel.partition.index == 0 else None
             return
-        local = jax.tree.leaves(self._local_params(), is_leaf=lambda x: x is None)  # waits for a running update
+        self.finish_update()  # on every process: its gather is a collective, and the served layers must be new
         with self._job_reads(self.state.read_params) as reads:
-            if not reads.is_reader:
-                yield None
-                return
-
-            def value(leaf, layer):
-                if leaf.streamed:
-                    return reads.read(leaf.index, layer)
-                x = np.asarray(local[leaf.index])
-                return x if layer is None else x[layer]
-
-            yield self._reader(value, "")
+            yield self._weights_reader(lambda leaf, layer: reads.read(leaf.index, layer)) if reads.is_reader else None
 
     def compute_weights(self):
         """The compute params to sample from (the end-of-run samples): the tree itself when the
         layer stack is resident, else a reader ``read(path, layer)`` that reads a streamed
         layer from SSD when asked, one at a time (waits for a running update first). One
         process's own (a job's streamed layers: :meth:`sampled_weights`)."""
-        params = self._local_params()
         if not self.streams_params:
-            return params
-        leaves = jax.tree.leaves(params, is_leaf=lambda x: x is None)
+            return self._local_params()
+        return self._weights_reader(self.state.read_params)
+
+    def _weights_reader(self, read_streamed: Callable):
+        """``read(path, layer)`` of the compute params: a streamed leaf's layers through
+        ``read_streamed(leaf, layer)``, the others from this process's copy (waits for a running update)."""
+        leaves = jax.tree.leaves(self._local_params(), is_leaf=lambda x: x is None)
 
         def value(leaf, layer):
             if leaf.streamed:
-                return self.state.read_params(leaf, layer)
+                return read_streamed(leaf, layer)
             x = np.asarray(leaves[leaf.index])
             return x if layer is None else x[layer]
 
@@ -584,7 +576,7 @@ class OffloadEngine:
         if self.partitioned:
             raise RuntimeError("offload: a job's weights are read through exported_weights() on every process")
         self.finish_update()
-        return self._reader(lambda leaf, layer: self.state.read_state(leaf, "master", layer=layer), " to export")
+        return self._reader(self._read_master_state, " to export")
 
     @contextlib.contextmanager
     def exported_weights(self):
@@ -595,17 +587,19 @@ class OffloadEngine:
             yield self.export_params()
             return
         self.finish_update()
-        with self._job_reads(lambda leaf, layer: self.state.read_state(leaf, "master", layer=layer)) as reads:
+        with self._job_reads(self._read_master_state) as reads:
             yield self._reader(lambda leaf, layer: reads.read(leaf.index, layer), " to export") \
                 if reads.is_reader else None
+
+    def _read_master_state(self, leaf, layer: Optional[int]) -> np.ndarray:
+        return self.state.read_state(leaf, "master", layer=layer)
 
     def _job_reads(self, read_slice: Callable) -> JobReads:
         """Process 0's whole-tensor reads of what ``read_slice(leaf, layer)`` reads of this
         process's slices (see :class:`~jaxascend.offload.partition.JobReads`)."""
-        leaves, shapes = self.state.leaves, self._full_shapes
-        sizes = [math.prod(shapes[leaf.index][1:] if leaf.stacked else shapes[leaf.index]) for leaf in leaves]
-        return JobReads(self.data_parallel, lambda index, layer: read_slice(leaves[index], layer).reshape(-1), sizes,
-                        shapes, [leaf.stacked for leaf in leaves])
+        leaves = self.state.leaves
+        return JobReads(self.data_parallel, lambda index, layer: read_slice(leaves[index], layer).reshape(-1),
+                        self._full_shapes, [leaf.stacked for leaf in leaves])
 
     def _reader(self, value: Callable, purpose: str):
         """``read(path, layer)`` by our parameter path: ``value(leaf, layer)`` of that leaf's layout."""

@@ -152,7 +152,7 @@ def _offload_fwd(x, probe, layer, sink, tensor, scatter):
 
 
 def sink_share(g: jax.Array, layer, *, sink: int, tensor: int,
-               scatter: Optional["GradientScatter"] = None) -> jax.Array:
+               scatter: Optional[GradientScatter] = None) -> jax.Array:
     """:func:`sink_gradient` of ``g`` (this shard's contribution, under ``shard_map`` when
     ``scatter`` is given) as data parallelism shares it: this shard's slice of the summed
     gradient, or (``scatter.to_first``) the whole sum sent once, by the first shard; the

@@ -5,7 +5,7 @@
     master = dp.partition.take(full_layer)          # this process's slice of one layer (zero-padded)
     batch = dp.shard_rows(global_batch)             # this process's rows of it, as the job's global arrays
     full = dp.gather(new_slices, shapes, stacked)   # the updated compute params, whole, on every process
-    with JobReads(dp, read_slice) as reads:         # process 0 reads whole tensors, one at a time;
+    with JobReads(dp, read_slice, shapes, stacked) as reads:   # process 0 reads whole tensors, one at a time;
         if reads.is_reader: export(reads.read)      # the others serve their slices until it is done
 
 A tensor (one layer of a stacked leaf, or a whole top-level leaf) is split as a flat array,
@@ -18,6 +18,7 @@ compute params are all-gathered after the step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -62,6 +63,7 @@ class Partition:
         out[:part.size] = part
         return out
 
+
 class DataParallel:
     """The job's mesh and the few collectives the engine needs outside the step: replicated
     inputs, row-sharded batches, the all-gather of updated params. Either a job of processes
@@ -85,8 +87,6 @@ class DataParallel:
         self.rows = NamedSharding(self.mesh, P(AXIS))
         self._columns = NamedSharding(self.mesh, P(None, AXIS))
         self._gathers: dict = {}  # (shape, stacked) -> the jitted gather of one tensor
-        self._gather = jax.jit(jax.shard_map(lambda xs: [jax.lax.all_gather(x, AXIS, tiled=True) for x in xs],
-                                             mesh=self.mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False))
         self._broadcast = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, AXIS), mesh=self.mesh,
                                                 in_specs=P(AXIS), out_specs=P(), check_vma=False))
 
@@ -104,12 +104,19 @@ class DataParallel:
         if rows % self.devices:
             raise ValueError(f"data.batch_size: {rows} rows do not split evenly over {self.devices} devices")
         mine = (slice(None),) * axis + (slice(part.index * rows // part.count, (part.index + 1) * rows // part.count),)
-        sharding = self.rows if axis == 0 else NamedSharding(self.mesh, P(*([None] * axis), AXIS))
+        sharding = NamedSharding(self.mesh, _rows_spec(axis))
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)[mine]), batch)
 
     def step(self, fn, in_specs, out_specs):
         """``fn`` under ``shard_map`` over the processes (``check_vma=False``: see GradientScatter)."""
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def batch_step(self, fn, batch_axis: int = 0, scalars: int = 0):
+        """``fn(params, batch, *scalars)`` jitted under :meth:`step`: ``params`` and the scalars
+        replicated, the batch (as :meth:`shard_rows` makes it) sharded on ``batch_axis``; every
+        output replicated (the job's)."""
+        replicated = P()
+        return jax.jit(self.step(fn, (replicated, _rows_spec(batch_axis)) + (replicated,) * scalars, replicated))
 
     def gather(self, slices: Sequence[Optional[np.ndarray]], shapes: Sequence[tuple],
                stacked: Sequence[bool]) -> list:
@@ -144,14 +151,13 @@ class DataParallel:
 
     def broadcast(self, values: Sequence[int]) -> list[int]:
         """Process 0's ``values`` (small integers) on every process (the others' are ignored)."""
-        mine = np.asarray(values if self.partition.index == 0 else np.zeros(len(values)), np.int64)[None]
-        total = self._broadcast(jax.make_array_from_process_local_data(self.rows, mine.astype(np.int32)))
+        mine = np.asarray(values if self.partition.index == 0 else np.zeros(len(values)), np.int32)[None]
+        total = self._broadcast(jax.make_array_from_process_local_data(self.rows, mine))
         return [int(v) for v in local_value(total)[0]]
 
     def gather_one(self, piece: np.ndarray, size: int) -> np.ndarray:
         """One tensor's ``size`` elements, flat, on every process, from every process's slice."""
-        whole = self._gather([jax.make_array_from_process_local_data(self.rows, np.ascontiguousarray(piece)[None])])
-        return local_value(whole[0]).reshape(-1)[:size]
+        return local_value(self.gather([piece], [(size,)], [False])[0])
 
 
 class JobReads:
@@ -160,16 +166,16 @@ class JobReads:
     its slice (an all-gather), so that only one tensor is whole at a time. The other processes
     serve inside ``__enter__`` until process 0 leaves the ``with`` block (also on an error).
 
-    ``read_slice(tensor, layer)``: this process's flat slice; ``sizes[tensor]``: elements of one
-    layer (of the whole tensor when it has none); ``shapes[tensor]``: what ``read`` returns for a
-    layer (None: for the whole tensor)."""
+    ``read_slice(tensor, layer)``: this process's flat slice of one layer (``layer`` None: of a
+    tensor without layers); ``shapes[tensor]``: the whole shape; ``stacked[tensor]``: whether its
+    axis 0 is a layer axis."""
 
     _STOP = -1
 
     def __init__(self, dp: DataParallel, read_slice: Callable[[int, Optional[int]], np.ndarray],
-                 sizes: Sequence[int], shapes: Sequence[tuple], stacked: Sequence[bool]):
+                 shapes: Sequence[tuple], stacked: Sequence[bool]):
         self.dp, self.read_slice = dp, read_slice
-        self.sizes, self.shapes, self.stacked = list(sizes), list(shapes), list(stacked)
+        self.shapes, self.stacked = [tuple(x) for x in shapes], list(stacked)
         self.is_reader = dp.partition.index == 0
 
     def read(self, tensor: int, layer: Optional[int]) -> np.ndarray:
@@ -183,7 +189,9 @@ class JobReads:
         return self._one(tensor, layer).reshape(shape)
 
     def _one(self, tensor: int, layer: Optional[int]) -> np.ndarray:
-        return self.dp.gather_one(self.read_slice(tensor, layer), self.sizes[tensor])
+        shape = self.shapes[tensor]
+        return self.dp.gather_one(self.read_slice(tensor, layer),
+                                  math.prod(shape[1:] if self.stacked[tensor] else shape))
 
     def __enter__(self) -> "JobReads":
         if not self.is_reader:
@@ -197,6 +205,11 @@ class JobReads:
     def __exit__(self, *exc) -> None:
         if self.is_reader:
             self.dp.broadcast([self._STOP, 0])
+
+
+def _rows_spec(axis: int) -> P:
+    """Sharded over the processes (devices) on ``axis``, whole on the axes before it."""
+    return P(*([None] * axis), AXIS)
 
 
 def local_value(x) -> np.ndarray:

@@ -194,14 +194,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     if data_parallel is None:
         jitted = partial(jax.jit, static_argnames="bit_dtypes")(local_step)
         return _OffloadStep(jitted, routing, use_bits=jax.default_backend() == "cpu")
-    rows = jax.sharding.PartitionSpec(data_parallel.scatter.axis)
-    replicated = jax.sharding.PartitionSpec()
-
-    @jax.jit
-    def sharded(params, tokens, loss_scale):
-        return data_parallel.step(local_step, (replicated, rows, replicated), (replicated, replicated))(
-            params, tokens, loss_scale)
-
+    sharded = data_parallel.batch_step(local_step, scalars=1)
     return _OffloadStep(lambda params, tokens, scale, bit_dtypes=(): sharded(params, tokens, scale), routing,
                         use_bits=False)
 
@@ -212,9 +205,12 @@ def _stack_shapes(routing: SinkRouting, source, data_parallel, whole_layers):
     this process's slice of each, all-gathered inside the step into ``whole_layers``."""
     if source is None:
         return None, None
-    layers = list(whole_layers) if data_parallel is not None and whole_layers is not None else list(source.specs)
-    if data_parallel is not None and (whole_layers is None or len(layers) != len(source.specs)):
+    if data_parallel is None:
+        layers = list(source.specs)
+    elif whole_layers is None or len(whole_layers) != len(source.specs):
         raise ValueError("offload step: a job's parameter source serves slices; give whole_layers, one per leaf")
+    else:
+        layers = list(whole_layers)
     shapes = iter(layers)
     abstract = tuple(_stacked_spec(r.layers, next(shapes)) if r.layers else None for r in routing.routes)
     if data_parallel is None:
@@ -285,13 +281,12 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
         return _OffloadStep(partial(jax.jit, static_argnames="bit_dtypes")(local), routing,
                             use_bits=jax.default_backend() == "cpu")
     axis = data_parallel.scatter.axis
-    rows, replicated = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
 
     def summed(params, batch):
         loss_sum, count = local(params, batch)
         return jax.lax.psum(loss_sum, axis), jax.lax.psum(count, axis)
 
-    sharded = jax.jit(data_parallel.step(summed, (replicated, rows), (replicated, replicated)))
+    sharded = data_parallel.batch_step(summed)
     return _OffloadStep(lambda params, batch, bit_dtypes=(): sharded(params, batch), routing, use_bits=False)
 
 
@@ -441,5 +436,4 @@ def make_accumulating_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, rout
 
     if data_parallel is None:
         return jax.jit(local_step)
-    rows, replicated = jax.sharding.PartitionSpec(None, scatter.axis), jax.sharding.PartitionSpec()
-    return jax.jit(data_parallel.step(local_step, (replicated, rows, replicated), (replicated, replicated)))
+    return data_parallel.batch_step(local_step, batch_axis=1, scalars=1)
