@@ -9,6 +9,7 @@
 // whatever the calling thread had set.
 #include "optim_adam.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -74,22 +75,141 @@ inline void StoreElement(void* p, int64_t i, float x) {
   }
 }
 
+// One element of the update, given the old moments widened to float; returns the new ones.
 template <AdamElem G, AdamElem P>
+inline void AdamElement(const AdamBuffers& b, const AdamScalars& s, float inv_bc1, float inv_bc2,
+                        int64_t i, float m_old, float v_old, float* m, float* v) {
+  const float g = LoadElement<G>(b.grad, i) * s.grad_scale;
+  const float master = b.master_in[i];
+  *m = s.one_minus_b1 * g + s.b1 * m_old;
+  *v = s.one_minus_b2 * (g * g) + s.b2 * v_old;
+  const float denom = std::sqrt(*v * inv_bc2) + s.eps;
+  const float update = (*m * inv_bc1) / denom + s.weight_decay * master;
+  const float new_master = master - s.lr * update;
+  b.master_out[i] = new_master;
+  StoreElement<P>(b.params_out, i, new_master);
+}
+
+// S: the element type of m and v (kF32, or kBF16 for AdamState::kBF16).
+template <AdamElem G, AdamElem P, AdamElem S>
 void AdamRangeScalar(const AdamBuffers& b, const AdamScalars& s, int64_t begin, int64_t end) {
   const float inv_bc1 = 1.0f / s.bias_correction1;
   const float inv_bc2 = 1.0f / s.bias_correction2;
   for (int64_t i = begin; i < end; ++i) {
-    const float g = LoadElement<G>(b.grad, i) * s.grad_scale;
-    const float master = b.master_in[i];
-    const float m = s.one_minus_b1 * g + s.b1 * b.m_in[i];
-    const float v = s.one_minus_b2 * (g * g) + s.b2 * b.v_in[i];
-    const float denom = std::sqrt(v * inv_bc2) + s.eps;
-    const float update = (m * inv_bc1) / denom + s.weight_decay * master;
-    const float new_master = master - s.lr * update;
-    b.master_out[i] = new_master;
-    b.m_out[i] = m;
-    b.v_out[i] = v;
-    StoreElement<P>(b.params_out, i, new_master);
+    float m, v;
+    AdamElement<G, P>(b, s, inv_bc1, inv_bc2, i, LoadElement<S>(b.m_in, i), LoadElement<S>(b.v_in, i),
+                      &m, &v);
+    StoreElement<S>(b.m_out, i, m);
+    StoreElement<S>(b.v_out, i, v);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8-bit codes (AdamState::kInt8), scalar; state_codes.py is the numpy reference. A code of r in
+// [0, 1) with M mantissa bits and 4 exponent bits: subnormal (r < 2**-15) round(r * 2**(15+M)),
+// taken from the float adder (magic = 2**(8-M) has that ulp); else the float's bits rounded to
+// M mantissa bits, ties to even, rebiased, saturated.
+constexpr uint32_t kCodeBias = 111;  // code exponent 15 <-> float exponent field 126
+constexpr uint32_t kSubnormalLimitBits = 112u << 23;  // 2**-15
+constexpr int kMBits = 3;  // m: sign + E4M3
+constexpr int kWBits = 4;  // w = sqrt(v): E4M4
+
+template <int M>
+inline uint32_t EncodeCode(float r) {
+  const uint32_t u = FloatToBits(r);
+  if (u < kSubnormalLimitBits) {
+    const float magic = BitsToFloat(static_cast<uint32_t>(127 + 8 - M) << 23);
+    return FloatToBits(r + magic) - FloatToBits(magic);
+  }
+  constexpr int shift = 23 - M;
+  const uint32_t lsb = (u >> shift) & 1u;
+  const int32_t code =
+      static_cast<int32_t>((u + ((1u << (shift - 1)) - 1u) + lsb) >> shift) - static_cast<int32_t>(kCodeBias << M);
+  constexpr int32_t largest = (1 << (4 + M)) - 1;
+  return static_cast<uint32_t>(code < largest ? code : largest);
+}
+
+template <int M>
+inline float DecodeCode(uint32_t c) {
+  if (c < (1u << M)) return static_cast<float>(static_cast<int32_t>(c)) * BitsToFloat(static_cast<uint32_t>(127 - 15 - M) << 23);
+  return BitsToFloat((c + (kCodeBias << M)) << (23 - M));
+}
+
+// The power of two just above a block's largest magnitude (bits `maximum`) and its inverse;
+// 0 and 0 for a block of zeros.
+inline void BlockScale(uint32_t maximum, float* scale, float* inverse) {
+  if (maximum == 0) {
+    *scale = 0.0f;
+    *inverse = 0.0f;
+    return;
+  }
+  uint32_t field = (maximum >> 23) + 1;
+  field = field < 1 ? 1 : (field > 253 ? 253 : field);
+  *scale = BitsToFloat(field << 23);
+  *inverse = BitsToFloat((254u - field) << 23);
+}
+
+inline float DecodeM(uint8_t c, float scale) {
+  const float r = DecodeCode<kMBits>(c & 0x7fu) * scale;
+  return (c & 0x80u) ? -r : r;
+}
+
+inline uint8_t EncodeM(float m, float inverse) {
+  const uint32_t u = FloatToBits(m);
+  const float r = BitsToFloat(u & 0x7fffffffu) * inverse;
+  return static_cast<uint8_t>(EncodeCode<kMBits>(r) | ((u >> 24) & 0x80u));
+}
+
+inline float DecodeW(uint8_t c, float scale) { return DecodeCode<kWBits>(c) * scale; }
+
+inline uint8_t EncodeW(float w, float inverse) {
+  return static_cast<uint8_t>(EncodeCode<kWBits>(BitsToFloat(FloatToBits(w) & 0x7fffffffu) * inverse));
+}
+
+// One kInt8 element's update: writes master and params, returns the new m and w = sqrt(v).
+template <AdamElem G, AdamElem P>
+inline void Int8Element(const AdamBuffers& b, const AdamScalars& s, float inv_bc1, float inv_bc2, int64_t i,
+                        float m_scale, float w_scale, float* m, float* w) {
+  const float m_old = DecodeM(static_cast<const uint8_t*>(b.m_in)[i], m_scale);
+  const float w_old = DecodeW(static_cast<const uint8_t*>(b.v_in)[i], w_scale);
+  float v;
+  AdamElement<G, P>(b, s, inv_bc1, inv_bc2, i, m_old, w_old * w_old, m, &v);
+  *w = std::sqrt(v);
+}
+
+// Ends a block: its new scales from the magnitudes' maxima, then the codes of n elements from
+// the scratch (a vector variant passes the first element it has not encoded itself).
+inline void EncodeBlockTail(const AdamBuffers& b, int64_t start, int64_t from, int64_t n, const float* m_new,
+                            const float* w_new, float m_inverse, float w_inverse) {
+  auto* mq = static_cast<uint8_t*>(b.m_out);
+  auto* vq = static_cast<uint8_t*>(b.v_out);
+  for (int64_t j = from; j < n; ++j) {
+    mq[start + j] = EncodeM(m_new[j], m_inverse);
+    vq[start + j] = EncodeW(w_new[j], w_inverse);
+  }
+}
+
+inline uint32_t Magnitude(float x) { return FloatToBits(x) & 0x7fffffffu; }
+
+template <AdamElem G, AdamElem P>
+void AdamRangeInt8Scalar(const AdamBuffers& b, const AdamScalars& s, int64_t begin, int64_t end) {
+  const float inv_bc1 = 1.0f / s.bias_correction1;
+  const float inv_bc2 = 1.0f / s.bias_correction2;
+  alignas(64) float m_new[kAdamMaxBlock];
+  alignas(64) float w_new[kAdamMaxBlock];
+  for (int64_t start = begin; start < end; start += b.block) {
+    const int64_t n = std::min(b.block, end - start);
+    const int64_t k = start / b.block;
+    uint32_t m_max = 0, w_max = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      Int8Element<G, P>(b, s, inv_bc1, inv_bc2, start + j, b.m_scale[k], b.v_scale[k], &m_new[j], &w_new[j]);
+      m_max = std::max(m_max, Magnitude(m_new[j]));
+      w_max = std::max(w_max, Magnitude(w_new[j]));
+    }
+    float m_inverse, w_inverse;
+    BlockScale(m_max, &b.m_scale[k], &m_inverse);
+    BlockScale(w_max, &b.v_scale[k], &w_inverse);
+    EncodeBlockTail(b, start, 0, n, m_new, w_new, m_inverse, w_inverse);
   }
 }
 
@@ -112,11 +232,11 @@ inline void PrefetchAhead(const void* base, int64_t i, int64_t size) {
   _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T0);
 }
 
-template <AdamElem G>
+template <AdamElem G, AdamElem S>
 inline void PrefetchInputs(const AdamBuffers& b, int64_t i) {
   PrefetchAhead(b.master_in, i, 4);
-  PrefetchAhead(b.m_in, i, 4);
-  PrefetchAhead(b.v_in, i, 4);
+  PrefetchAhead(b.m_in, i, S == AdamElem::kF32 ? 4 : 2);
+  PrefetchAhead(b.v_in, i, S == AdamElem::kF32 ? 4 : 2);
   PrefetchAhead(b.grad, i, G == AdamElem::kF32 ? 4 : 2);
 }
 
@@ -162,7 +282,7 @@ JAXASCEND_TARGET_AVX2 inline void Store8(void* p, int64_t i, __m256 x) {
   }
 }
 
-template <AdamElem G, AdamElem P>
+template <AdamElem G, AdamElem P, AdamElem S>
 JAXASCEND_TARGET_AVX2 void AdamRangeAvx2(const AdamBuffers& b, const AdamScalars& s,
                                          int64_t begin, int64_t end) {
   const __m256 lr = _mm256_set1_ps(s.lr), b1 = _mm256_set1_ps(s.b1), b2 = _mm256_set1_ps(s.b2);
@@ -173,23 +293,140 @@ JAXASCEND_TARGET_AVX2 void AdamRangeAvx2(const AdamBuffers& b, const AdamScalars
   const __m256 omb1 = _mm256_set1_ps(s.one_minus_b1), omb2 = _mm256_set1_ps(s.one_minus_b2);
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
-    PrefetchInputs<G>(b, i);
+    PrefetchInputs<G, S>(b, i);
     const __m256 g = _mm256_mul_ps(Load8<G>(b.grad, i), grad_scale);
     const __m256 master = _mm256_loadu_ps(b.master_in + i);
     const __m256 m = _mm256_add_ps(_mm256_mul_ps(omb1, g),
-                                   _mm256_mul_ps(b1, _mm256_loadu_ps(b.m_in + i)));
+                                   _mm256_mul_ps(b1, Load8<S>(b.m_in, i)));
     const __m256 v = _mm256_add_ps(_mm256_mul_ps(omb2, _mm256_mul_ps(g, g)),
-                                   _mm256_mul_ps(b2, _mm256_loadu_ps(b.v_in + i)));
+                                   _mm256_mul_ps(b2, Load8<S>(b.v_in, i)));
     const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(v, inv_bc2)), eps);
     const __m256 update = _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(m, inv_bc1), denom),
                                         _mm256_mul_ps(wd, master));
     const __m256 new_master = _mm256_sub_ps(master, _mm256_mul_ps(lr, update));
     _mm256_storeu_ps(b.master_out + i, new_master);
-    _mm256_storeu_ps(b.m_out + i, m);
-    _mm256_storeu_ps(b.v_out + i, v);
+    Store8<S>(b.m_out, i, m);
+    Store8<S>(b.v_out, i, v);
     Store8<P>(b.params_out, i, new_master);
   }
-  AdamRangeScalar<G, P>(b, s, i, end);
+  AdamRangeScalar<G, P, S>(b, s, i, end);
+}
+
+// kInt8 in AVX2: 8 codes at a time, the same integer and float operations as the scalar
+// EncodeCode/DecodeCode (state_codes.py), blended per lane.
+template <int M>
+JAXASCEND_TARGET_AVX2 inline __m256 DecodeCode8(__m256i c) {
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(c),
+                                   _mm256_set1_ps(BitsToFloat(static_cast<uint32_t>(127 - 15 - M) << 23)));
+  const __m256 normal = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(c, _mm256_set1_epi32(static_cast<int>(kCodeBias << M))), 23 - M));
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(1 << M), c);
+  return _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(is_sub));
+}
+
+template <int M>
+JAXASCEND_TARGET_AVX2 inline __m256i EncodeCode8(__m256 r) {
+  constexpr int shift = 23 - M;
+  const __m256i u = _mm256_castps_si256(r);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, shift), _mm256_set1_epi32(1));
+  __m256i normal = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32((1 << (shift - 1)) - 1)), lsb), shift);
+  normal = _mm256_sub_epi32(normal, _mm256_set1_epi32(static_cast<int>(kCodeBias << M)));
+  normal = _mm256_min_epi32(normal, _mm256_set1_epi32((1 << (4 + M)) - 1));
+  const __m256 magic = _mm256_set1_ps(BitsToFloat(static_cast<uint32_t>(127 + 8 - M) << 23));
+  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(r, magic)), _mm256_castps_si256(magic));
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(kSubnormalLimitBits)), u);
+  return _mm256_blendv_epi8(normal, sub, is_sub);
+}
+
+JAXASCEND_TARGET_AVX2 inline __m256i LoadCodes8(const void* p, int64_t i) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(p) + i)));
+}
+
+// The low byte of each of 8 lanes, in order, stored as 8 bytes.
+JAXASCEND_TARGET_AVX2 inline void StoreCodes8(void* p, int64_t i, __m256i codes) {
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i bytes = _mm256_shuffle_epi8(codes, pick);
+  const __m128i packed = _mm_unpacklo_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(p) + i), packed);
+}
+
+JAXASCEND_TARGET_AVX2 inline uint32_t HorizontalMax(__m256i x) {
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+}
+
+template <AdamElem G, AdamElem P>
+JAXASCEND_TARGET_AVX2 void AdamRangeInt8Avx2(const AdamBuffers& b, const AdamScalars& s,
+                                             int64_t begin, int64_t end) {
+  const __m256 lr = _mm256_set1_ps(s.lr), b1 = _mm256_set1_ps(s.b1), b2 = _mm256_set1_ps(s.b2);
+  const __m256 eps = _mm256_set1_ps(s.eps), wd = _mm256_set1_ps(s.weight_decay);
+  const __m256 grad_scale = _mm256_set1_ps(s.grad_scale);
+  const float inv_bc1_scalar = 1.0f / s.bias_correction1, inv_bc2_scalar = 1.0f / s.bias_correction2;
+  const __m256 inv_bc1 = _mm256_set1_ps(inv_bc1_scalar), inv_bc2 = _mm256_set1_ps(inv_bc2_scalar);
+  const __m256 omb1 = _mm256_set1_ps(s.one_minus_b1), omb2 = _mm256_set1_ps(s.one_minus_b2);
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  const __m256i sign_bit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  alignas(64) float m_new[kAdamMaxBlock];
+  alignas(64) float w_new[kAdamMaxBlock];
+  for (int64_t start = begin; start < end; start += b.block) {
+    const int64_t n = std::min(b.block, end - start);
+    const int64_t k = start / b.block;
+    const float m_scale = b.m_scale[k], w_scale = b.v_scale[k];
+    const __m256 m_scale8 = _mm256_set1_ps(m_scale), w_scale8 = _mm256_set1_ps(w_scale);
+    __m256i m_max8 = _mm256_setzero_si256(), w_max8 = _mm256_setzero_si256();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const int64_t i = start + j;
+      const __m256i mc = LoadCodes8(b.m_in, i);
+      const __m256 m_mag = _mm256_mul_ps(DecodeCode8<kMBits>(_mm256_and_si256(mc, _mm256_set1_epi32(0x7f))),
+                                         m_scale8);
+      const __m256i m_sign = _mm256_slli_epi32(_mm256_and_si256(mc, _mm256_set1_epi32(0x80)), 24);
+      const __m256 m_old = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(m_mag), m_sign));
+      const __m256 w_old = _mm256_mul_ps(DecodeCode8<kWBits>(LoadCodes8(b.v_in, i)), w_scale8);
+      const __m256 g = _mm256_mul_ps(Load8<G>(b.grad, i), grad_scale);
+      const __m256 master = _mm256_loadu_ps(b.master_in + i);
+      const __m256 m = _mm256_add_ps(_mm256_mul_ps(omb1, g), _mm256_mul_ps(b1, m_old));
+      const __m256 v = _mm256_add_ps(_mm256_mul_ps(omb2, _mm256_mul_ps(g, g)),
+                                     _mm256_mul_ps(b2, _mm256_mul_ps(w_old, w_old)));
+      const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(v, inv_bc2)), eps);
+      const __m256 update = _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(m, inv_bc1), denom),
+                                          _mm256_mul_ps(wd, master));
+      const __m256 new_master = _mm256_sub_ps(master, _mm256_mul_ps(lr, update));
+      _mm256_storeu_ps(b.master_out + i, new_master);
+      Store8<P>(b.params_out, i, new_master);
+      const __m256 w = _mm256_sqrt_ps(v);
+      _mm256_store_ps(m_new + j, m);
+      _mm256_store_ps(w_new + j, w);
+      m_max8 = _mm256_max_epu32(m_max8, _mm256_and_si256(_mm256_castps_si256(m), magnitude));
+      w_max8 = _mm256_max_epu32(w_max8, _mm256_and_si256(_mm256_castps_si256(w), magnitude));
+    }
+    uint32_t m_max = HorizontalMax(m_max8), w_max = HorizontalMax(w_max8);
+    for (int64_t t = j; t < n; ++t) {
+      Int8Element<G, P>(b, s, inv_bc1_scalar, inv_bc2_scalar, start + t, m_scale, w_scale, &m_new[t], &w_new[t]);
+      m_max = std::max(m_max, Magnitude(m_new[t]));
+      w_max = std::max(w_max, Magnitude(w_new[t]));
+    }
+    float m_inverse, w_inverse;
+    BlockScale(m_max, &b.m_scale[k], &m_inverse);
+    BlockScale(w_max, &b.v_scale[k], &w_inverse);
+    const __m256 m_inverse8 = _mm256_set1_ps(m_inverse), w_inverse8 = _mm256_set1_ps(w_inverse);
+    int64_t e = 0;
+    for (; e + 8 <= n; e += 8) {
+      const __m256i m_bits = _mm256_castps_si256(_mm256_load_ps(m_new + e));
+      const __m256 m_r = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(m_bits, magnitude)), m_inverse8);
+      const __m256i m_code = _mm256_or_si256(EncodeCode8<kMBits>(m_r),
+                                             _mm256_srli_epi32(_mm256_and_si256(m_bits, sign_bit), 24));
+      StoreCodes8(b.m_out, start + e, m_code);
+      const __m256i w_bits = _mm256_castps_si256(_mm256_load_ps(w_new + e));
+      const __m256 w_r = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(w_bits, magnitude)), w_inverse8);
+      StoreCodes8(b.v_out, start + e, EncodeCode8<kWBits>(w_r));
+    }
+    EncodeBlockTail(b, start, e, n, m_new, w_new, m_inverse, w_inverse);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -233,7 +470,7 @@ JAXASCEND_TARGET_AVX512 inline void Store16(void* p, int64_t i, __m512 x) {
   }
 }
 
-template <AdamElem G, AdamElem P>
+template <AdamElem G, AdamElem P, AdamElem S>
 JAXASCEND_TARGET_AVX512 void AdamRangeAvx512(const AdamBuffers& b, const AdamScalars& s,
                                              int64_t begin, int64_t end) {
   const __m512 lr = _mm512_set1_ps(s.lr), b1 = _mm512_set1_ps(s.b1), b2 = _mm512_set1_ps(s.b2);
@@ -244,23 +481,23 @@ JAXASCEND_TARGET_AVX512 void AdamRangeAvx512(const AdamBuffers& b, const AdamSca
   const __m512 omb1 = _mm512_set1_ps(s.one_minus_b1), omb2 = _mm512_set1_ps(s.one_minus_b2);
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    PrefetchInputs<G>(b, i);
+    PrefetchInputs<G, S>(b, i);
     const __m512 g = _mm512_mul_ps(Load16<G>(b.grad, i), grad_scale);
     const __m512 master = _mm512_loadu_ps(b.master_in + i);
     const __m512 m = _mm512_add_ps(_mm512_mul_ps(omb1, g),
-                                   _mm512_mul_ps(b1, _mm512_loadu_ps(b.m_in + i)));
+                                   _mm512_mul_ps(b1, Load16<S>(b.m_in, i)));
     const __m512 v = _mm512_add_ps(_mm512_mul_ps(omb2, _mm512_mul_ps(g, g)),
-                                   _mm512_mul_ps(b2, _mm512_loadu_ps(b.v_in + i)));
+                                   _mm512_mul_ps(b2, Load16<S>(b.v_in, i)));
     const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(v, inv_bc2)), eps);
     const __m512 update = _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(m, inv_bc1), denom),
                                         _mm512_mul_ps(wd, master));
     const __m512 new_master = _mm512_sub_ps(master, _mm512_mul_ps(lr, update));
     _mm512_storeu_ps(b.master_out + i, new_master);
-    _mm512_storeu_ps(b.m_out + i, m);
-    _mm512_storeu_ps(b.v_out + i, v);
+    Store16<S>(b.m_out, i, m);
+    Store16<S>(b.v_out, i, v);
     Store16<P>(b.params_out, i, new_master);
   }
-  AdamRangeScalar<G, P>(b, s, i, end);
+  AdamRangeScalar<G, P, S>(b, s, i, end);
 }
 
 // Sets the default SSE environment (round to nearest even, no FTZ/DAZ, exceptions masked) for
@@ -299,29 +536,46 @@ AdamRangeFn SelectRange(AdamElem g, AdamElem p) {
   return table[static_cast<int>(g)][static_cast<int>(p)];
 }
 
+// Kernel<G, P>::fn for one state format: S the element type of m and v (fp32 or bf16 state).
+#define JAXASCEND_ADAM_KERNEL(Name, Range, S)    \
+  template <AdamElem G, AdamElem P>              \
+  struct Name {                                  \
+    static constexpr AdamRangeFn fn = Range<G, P, S>; \
+  };
+JAXASCEND_ADAM_KERNEL(ScalarKernel, AdamRangeScalar, AdamElem::kF32)
+JAXASCEND_ADAM_KERNEL(ScalarBf16Kernel, AdamRangeScalar, AdamElem::kBF16)
 template <AdamElem G, AdamElem P>
-struct ScalarKernel {
-  static constexpr AdamRangeFn fn = AdamRangeScalar<G, P>;
+struct ScalarInt8Kernel {
+  static constexpr AdamRangeFn fn = AdamRangeInt8Scalar<G, P>;
 };
 #if JAXASCEND_ADAM_X86
+JAXASCEND_ADAM_KERNEL(Avx2Kernel, AdamRangeAvx2, AdamElem::kF32)
+JAXASCEND_ADAM_KERNEL(Avx2Bf16Kernel, AdamRangeAvx2, AdamElem::kBF16)
+JAXASCEND_ADAM_KERNEL(Avx512Kernel, AdamRangeAvx512, AdamElem::kF32)
+JAXASCEND_ADAM_KERNEL(Avx512Bf16Kernel, AdamRangeAvx512, AdamElem::kBF16)
 template <AdamElem G, AdamElem P>
-struct Avx2Kernel {
-  static constexpr AdamRangeFn fn = AdamRangeAvx2<G, P>;
-};
-template <AdamElem G, AdamElem P>
-struct Avx512Kernel {
-  static constexpr AdamRangeFn fn = AdamRangeAvx512<G, P>;
+struct Avx2Int8Kernel {
+  static constexpr AdamRangeFn fn = AdamRangeInt8Avx2<G, P>;
 };
 #endif
+#undef JAXASCEND_ADAM_KERNEL
 
-AdamRangeFn RangeFor(AdamIsa isa, AdamElem g, AdamElem p) {
+AdamRangeFn RangeFor(AdamIsa isa, AdamState state, AdamElem g, AdamElem p) {
 #if JAXASCEND_ADAM_X86
-  if (isa == AdamIsa::kAvx512) return SelectRange<Avx512Kernel>(g, p);
-  if (isa == AdamIsa::kAvx2) return SelectRange<Avx2Kernel>(g, p);
+  if (state == AdamState::kInt8 && (isa == AdamIsa::kAvx512 || isa == AdamIsa::kAvx2)) {
+    return SelectRange<Avx2Int8Kernel>(g, p);  // no AVX-512 variant of its own
+  }
+  if (isa == AdamIsa::kAvx512) {
+    return state == AdamState::kBF16 ? SelectRange<Avx512Bf16Kernel>(g, p) : SelectRange<Avx512Kernel>(g, p);
+  }
+  if (isa == AdamIsa::kAvx2) {
+    return state == AdamState::kBF16 ? SelectRange<Avx2Bf16Kernel>(g, p) : SelectRange<Avx2Kernel>(g, p);
+  }
 #else
   (void)isa;  // only the scalar path is built
 #endif
-  return SelectRange<ScalarKernel>(g, p);
+  if (state == AdamState::kInt8) return SelectRange<ScalarInt8Kernel>(g, p);
+  return state == AdamState::kBF16 ? SelectRange<ScalarBf16Kernel>(g, p) : SelectRange<ScalarKernel>(g, p);
 }
 
 // Ranges start at multiples of 64 elements (a cache line of every buffer, fp16 included), and
@@ -393,6 +647,15 @@ std::string ResolveAdamIsa(AdamIsa requested, AdamIsa* resolved) {
   return "";
 }
 
+const char* AdamStateName(AdamState state) {
+  switch (state) {
+    case AdamState::kF32: return "float32";
+    case AdamState::kBF16: return "bfloat16";
+    case AdamState::kInt8: return "int8";
+  }
+  return "unknown";
+}
+
 AdamScalars AdamScalarsFromArray(const float* values) {
   AdamScalars s;
   static_assert(sizeof(AdamScalars) == kAdamScalarCount * sizeof(float), "packed floats");
@@ -410,8 +673,17 @@ std::string RunFusedAdamW(const AdamBuffers& b, const AdamScalars& s, int thread
   std::string error = ResolveAdamIsa(isa, &resolved);
   if (!error.empty()) return error;
   if (b.n == 0) return "";
-  const AdamRangeFn range = RangeFor(resolved, b.grad_type, b.param_type);
-  ParallelFor(b.n, threads, kRangeAlign, kMinElementsPerThread,
+  int64_t align = kRangeAlign;
+  if (b.state_type == AdamState::kInt8) {
+    if (b.block < kAdamMinBlock || b.block > kAdamMaxBlock || (b.block & (b.block - 1)) != 0) {
+      return "adamw: int8 state block=" + std::to_string(b.block) + " must be a power of two in [" +
+             std::to_string(kAdamMinBlock) + ", " + std::to_string(kAdamMaxBlock) + "]";
+    }
+    if (b.m_scale == nullptr || b.v_scale == nullptr) return "adamw: int8 state needs m_scale and v_scale";
+    align = b.block;  // a range is whole blocks, so each block's scales belong to one thread
+  }
+  const AdamRangeFn range = RangeFor(resolved, b.state_type, b.grad_type, b.param_type);
+  ParallelFor(b.n, threads, align, kMinElementsPerThread,
               [&](int64_t begin, int64_t end) {
                 DefaultFloatEnvironment env;
                 range(b, s, begin, end);

@@ -1,5 +1,6 @@
-// Fused host AdamW: one pass per element over fp32 master/m/v and an fp16, bf16 or fp32
-// gradient, writing the new compute-dtype parameters. Used by the XLA FFI target
+// Fused host AdamW: one pass per element over fp32 master weights, the moments m and v (fp32,
+// bf16 or block-wise 8-bit codes: AdamState) and an fp16, bf16 or fp32 gradient, writing the
+// new compute-dtype parameters. Used by the XLA FFI target
 // "jaxascend_adamw" and by jaxascend._native.adamw_update (numpy, in place), and callable
 // from other native code (the streamed optimizer step) through RunFusedAdamW.
 //
@@ -13,6 +14,16 @@
 //   master = master - lr*u;   params = round_to_nearest_even(master)
 // The bias corrections multiply by a float32 reciprocal because that is what optax computes
 // under XLA: its algebraic simplifier rewrites x / broadcast(scalar) as x * broadcast(1/scalar).
+//
+// Compressed moments (optimizer.state_dtype; the formats are documented, with their numpy
+// reference, in jaxascend/optim/state_codes.py): the kernel widens m and v in registers, runs
+// the arithmetic above, and narrows them again before they leave:
+//   kBF16: m and v rounded to the nearest bfloat16, ties to even;
+//   kInt8: per block of `block` elements one fp32 scale each for m and v (a power of two); m as
+//          sign + E4M3 of |m|/scale, v as E4M4 of sqrt(v)/scale (v = w*w on the way in). A block
+//          is updated into an L1 scratch first, then its new scales chosen and its codes written.
+// The scalar and AVX2 variants agree bit for bit in every format; kInt8 has no AVX-512 variant
+// of its own (an avx512 request runs the AVX2 one).
 #pragma once
 
 #include <cstdint>
@@ -22,6 +33,13 @@ namespace jaxascend {
 
 // Element type of the gradient and of the output compute parameters.
 enum class AdamElem { kF32, kF16, kBF16 };
+
+// How m and v are stored (see the top of the file).
+enum class AdamState { kF32, kBF16, kInt8 };
+
+// kInt8 blocks: a power of two in [kAdamMinBlock, kAdamMaxBlock] elements.
+constexpr int64_t kAdamMinBlock = 256;
+constexpr int64_t kAdamMaxBlock = 2048;
 
 // Instruction-set variant of the kernel; kAuto takes JAXASCEND_ADAM_ISA if set, else the best
 // the CPU supports.
@@ -48,16 +66,21 @@ constexpr int kAdamScalarCount = 10;
 // not partially overlap.
 struct AdamBuffers {
   const float* master_in;
-  const float* m_in;
-  const float* v_in;
+  const void* m_in;  // n elements of state_type: float, bf16 bits, or uint8 codes
+  const void* v_in;
   const void* grad;  // n elements of grad_type
   float* master_out;
-  float* m_out;
-  float* v_out;
+  void* m_out;
+  void* v_out;
   void* params_out;  // n elements of param_type
   int64_t n;
   AdamElem grad_type;
   AdamElem param_type;
+  AdamState state_type = AdamState::kF32;
+  // kInt8: ceil(n / block) scales of m and of v, read and rewritten in place.
+  float* m_scale = nullptr;
+  float* v_scale = nullptr;
+  int64_t block = 0;
 };
 
 // Largest `threads` accepted by RunFusedAdamW.
@@ -80,6 +103,9 @@ std::string ResolveAdamIsa(AdamIsa requested, AdamIsa* resolved);
 // more = the calling thread plus workers of a persistent pool). Returns "" or an error
 // message naming the bad argument.
 std::string RunFusedAdamW(const AdamBuffers& b, const AdamScalars& s, int threads, AdamIsa isa);
+
+// Name used in messages: "float32", "bfloat16", "int8".
+const char* AdamStateName(AdamState state);
 
 // Reads AdamScalars from a float buffer laid out as documented above.
 AdamScalars AdamScalarsFromArray(const float* values);

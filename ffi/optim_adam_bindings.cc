@@ -179,9 +179,21 @@ ArrayView CheckArray(const char* name, const Array& a, size_t itemsize, bool flo
   return {name, a.data(), static_cast<int64_t>(a.size()), itemsize};
 }
 
+bool ParseState(const std::string& name, AdamState* state) {
+  for (AdamState candidate : {AdamState::kF32, AdamState::kBF16, AdamState::kInt8}) {
+    if (name == AdamStateName(candidate)) {
+      *state = candidate;
+      return true;
+    }
+  }
+  return false;
+}
+
 void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO grad,
                       HostArray params_out, HostArrayRO scalars, const std::string& grad_dtype,
-                      const std::string& param_dtype, int threads, const std::string& isa_name) {
+                      const std::string& param_dtype, int threads, const std::string& isa_name,
+                      const std::string& state_dtype, HostArray m_scale, HostArray v_scale,
+                      int64_t block) {
   AdamElem grad_type, param_type;
   if (!ParseElem(grad_dtype, &grad_type)) {
     throw nb::value_error(("adamw: grad_dtype '" + grad_dtype +
@@ -196,12 +208,19 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
     throw nb::value_error(("adamw: isa '" + isa_name +
                            "' is not one of auto, scalar, avx2, avx512").c_str());
   }
+  AdamState state;
+  if (!ParseState(state_dtype, &state)) {
+    throw nb::value_error(("adamw: state_dtype '" + state_dtype +
+                           "' is not one of float32, bfloat16, int8").c_str());
+  }
   const size_t grad_size = grad_type == AdamElem::kF32 ? 4 : 2;
   const size_t param_size = param_type == AdamElem::kF32 ? 4 : 2;
-  const ArrayView views[] = {
+  const size_t state_size = state == AdamState::kF32 ? 4 : (state == AdamState::kBF16 ? 2 : 1);
+  const bool int8 = state == AdamState::kInt8;
+  std::vector<ArrayView> views = {
       CheckArray("master", master, 4, true),
-      CheckArray("m", m, 4, true),
-      CheckArray("v", v, 4, true),
+      CheckArray("m", m, state_size, state == AdamState::kF32),
+      CheckArray("v", v, state_size, state == AdamState::kF32),
       CheckArray("grad", grad, grad_size, grad_type == AdamElem::kF32),
       CheckArray("params_out", params_out, param_size, param_type == AdamElem::kF32),
   };
@@ -209,13 +228,31 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
   for (const ArrayView& a : views) {
     if (a.count != n) throw nb::value_error(CountMismatch(a.name, a.count, n).c_str());
   }
+  if (int8) {
+    if (block < kAdamMinBlock || block > kAdamMaxBlock || (block & (block - 1)) != 0) {
+      throw nb::value_error(("adamw: int8 state block=" + std::to_string(block) +
+                             " must be a power of two in [" + std::to_string(kAdamMinBlock) + ", " +
+                             std::to_string(kAdamMaxBlock) + "]").c_str());
+    }
+    const int64_t blocks = (n + block - 1) / block;
+    for (const ArrayView& a : {CheckArray("m_scale", m_scale, 4, true), CheckArray("v_scale", v_scale, 4, true)}) {
+      if (a.count != blocks) {
+        throw nb::value_error((std::string("adamw: ") + a.name + " has " + std::to_string(a.count) +
+                               " scales but " + std::to_string(n) + " elements in blocks of " +
+                               std::to_string(block) + " need " + std::to_string(blocks)).c_str());
+      }
+      views.push_back(a);
+    }
+  }
   // In place means each buffer is read and written by itself only; two arguments sharing
   // memory would read values another stream has already overwritten.
-  for (size_t i = 0; i < 5; ++i) {
-    for (size_t j = i + 1; j < 5; ++j) {
+  for (size_t i = 0; i < views.size(); ++i) {
+    for (size_t j = i + 1; j < views.size(); ++j) {
       const auto* a = static_cast<const char*>(views[i].data);
       const auto* b = static_cast<const char*>(views[j].data);
-      if (n > 0 && a < b + n * views[j].itemsize && b < a + n * views[i].itemsize) {
+      const int64_t a_bytes = views[i].count * static_cast<int64_t>(views[i].itemsize);
+      const int64_t b_bytes = views[j].count * static_cast<int64_t>(views[j].itemsize);
+      if (a_bytes > 0 && b_bytes > 0 && a < b + b_bytes && b < a + a_bytes) {
         throw nb::value_error((std::string("adamw: ") + views[i].name + " and " + views[j].name +
                                " overlap in memory")
                                   .c_str());
@@ -229,10 +266,14 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
                               .c_str());
   }
   auto* master_data = static_cast<float*>(master.data());
-  auto* m_data = static_cast<float*>(m.data());
-  auto* v_data = static_cast<float*>(v.data());
-  const AdamBuffers b{master_data, m_data, v_data, grad.data(), master_data, m_data, v_data,
-                      params_out.data(), n, grad_type, param_type};
+  AdamBuffers b{master_data, m.data(), v.data(), grad.data(), master_data, m.data(), v.data(),
+                params_out.data(), n, grad_type, param_type};
+  b.state_type = state;
+  if (int8) {
+    b.m_scale = static_cast<float*>(m_scale.data());
+    b.v_scale = static_cast<float*>(v_scale.data());
+    b.block = block;
+  }
   const AdamScalars s = AdamScalarsFromArray(static_cast<const float*>(sv.data));
   std::string error;
   {
@@ -304,10 +345,13 @@ void BindAdamW(nb::module_& m) {
   m.def("adamw_update", &AdamWUpdateNumpy, nb::arg("master"), nb::arg("m"), nb::arg("v"),
         nb::arg("grad"), nb::arg("params_out"), nb::arg("scalars"), nb::kw_only(),
         nb::arg("grad_dtype"), nb::arg("param_dtype"), nb::arg("threads") = 1,
-        nb::arg("isa") = "auto",
+        nb::arg("isa") = "auto", nb::arg("state_dtype") = "float32", nb::arg("m_scale"),
+        nb::arg("v_scale"), nb::arg("block") = 0,
         "Fused AdamW in place on C-contiguous numpy arrays (see jaxascend.optim.fused_adam). grad and "
         "params_out hold grad_dtype/param_dtype ('float32', 'float16', 'bfloat16'; 16-bit types "
-        "may be passed as uint16 views). Releases the GIL.");
+        "may be passed as uint16 views); m and v hold state_dtype ('float32'; 'bfloat16' as uint16; "
+        "'int8' as uint8 codes with float32 m_scale/v_scale per block, empty arrays otherwise). "
+        "Releases the GIL.");
   m.def("adamw_supported_isas", &SupportedIsas,
         "Kernel variants this CPU can run, e.g. ['scalar', 'avx2', 'avx512'].");
   m.def("adamw_default_isa", &DefaultIsa,

@@ -35,7 +35,7 @@ Example::
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,9 @@ import numpy as np
 import optax
 
 from jaxascend import native
+from jaxascend.optim.state_codes import StateFormat
+
+FLOAT32_STATE = StateFormat()
 
 SUPPORTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 SCALAR_COUNT = 10  # layout of the scalars operand: see AdamHyperParams.scalars and ffi/optim_adam.h
@@ -156,38 +159,51 @@ def _dtype_name(array: np.ndarray, name: str) -> str:
 
 def fused_adamw_update_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray,
                              params_out: np.ndarray, hparams: AdamHyperParams | np.ndarray, *,
-                             threads: int = 1, isa: str = "auto") -> None:
+                             threads: int = 1, isa: str = "auto", state: StateFormat = FLOAT32_STATE,
+                             m_scale: Optional[np.ndarray] = None, v_scale: Optional[np.ndarray] = None) -> None:
     """One AdamW update in place on C-contiguous numpy arrays; bitwise equal to
     :func:`fused_adamw_update`.
 
-    ``master``, ``m``, ``v``: float32, updated in place; ``grad``: float16, bfloat16
+    ``master``: float32, updated in place; ``m``, ``v``: the moments in ``state``'s format
+    (:mod:`jaxascend.optim.state_codes`), updated in place: float32 by default, bfloat16 (as
+    ``ml_dtypes.bfloat16`` or its uint16 bits), or int8 codes (uint8) with their float32
+    ``m_scale``/``v_scale``, one per ``state.block`` elements; ``grad``: float16, bfloat16
     (``ml_dtypes``) or float32; ``params_out``: receives the new master in its own dtype
     (float16, bfloat16 or float32). All hold the same number of elements and must not share
     memory. ``hparams``: an :class:`AdamHyperParams`, or its ``np.asarray(hp.scalars())``
     computed once per step when the step calls this for many chunks. ``threads``: 1 runs on
     the calling thread; more use the persistent compute pool. ``isa``: 'auto'
-    (``JAXASCEND_ADAM_ISA`` or the best the CPU has), 'scalar', 'avx2' or 'avx512'.
-    The GIL is released while the kernel runs.
+    (``JAXASCEND_ADAM_ISA`` or the best the CPU has), 'scalar', 'avx2' or 'avx512' (int8 state
+    runs its AVX2 variant for 'avx512'). The GIL is released while the kernel runs.
     """
     named = {"master": master, "m": m, "v": v, "grad": grad, "params_out": params_out}
+    if state.dtype == "int8":
+        named.update(m_scale=m_scale, v_scale=v_scale)
     for name, array in named.items():
         if not isinstance(array, np.ndarray):
             raise TypeError(f"adamw: {name} must be a numpy array, got {type(array).__name__}")
-    for name in ("master", "m", "v", "params_out"):
+    for name in ("master", "m", "v", "params_out") + (("m_scale", "v_scale") if state.dtype == "int8" else ()):
         if not named[name].flags.writeable:
             raise ValueError(f"adamw: {name} is read-only; it is updated in place")
-    for name in ("master", "m", "v"):
-        if named[name].dtype != np.float32:
-            raise ValueError(f"adamw: {name} must be float32, got {named[name].dtype}")
-    _check_same_size({k: a for k, a in named.items() if k != "master"}, master.size)
+    if master.dtype != np.float32:
+        raise ValueError(f"adamw: master must be float32, got {master.dtype}")
+    moment = {"float32": (np.dtype(np.float32),), "bfloat16": (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)),
+              "int8": (np.dtype(np.uint8),)}[state.dtype]
+    for name in ("m", "v"):
+        if named[name].dtype not in moment:
+            raise ValueError(f"adamw: {name} must be {moment[0]} for {state.dtype} state, got {named[name].dtype}")
+    _check_same_size({k: a for k, a in named.items() if k in ("m", "v", "grad", "params_out")}, master.size)
     grad_dtype = _dtype_name(grad, "grad")
     param_dtype = _dtype_name(params_out, "params_out")
     scalars = np.ascontiguousarray(np.asarray(_scalars_of(hparams)), dtype=np.float32)
     # 16-bit floats travel as uint16 views (nanobind has no bfloat16 numpy dtype).
     as_raw = lambda a: a.view(np.uint16) if a.dtype.itemsize == 2 else a  # noqa: E731
-    native._native.adamw_update(master, m, v, as_raw(grad), as_raw(params_out), scalars,
-                                grad_dtype=grad_dtype, param_dtype=param_dtype,
-                                threads=threads, isa=isa)
+    no_scales = np.empty(0, np.float32)
+    native._native.adamw_update(master, as_raw(m), as_raw(v), as_raw(grad), as_raw(params_out), scalars,
+                                grad_dtype=grad_dtype, param_dtype=param_dtype, threads=threads, isa=isa,
+                                state_dtype=state.dtype,
+                                m_scale=m_scale if state.dtype == "int8" else no_scales,
+                                v_scale=v_scale if state.dtype == "int8" else no_scales, block=state.block)
 
 
 def adamw_reference(master: jax.Array, m: jax.Array, v: jax.Array, grad: jax.Array,

@@ -1,0 +1,246 @@
+"""Compressed AdamW moments: the formats of ``optimizer.state_dtype`` and their numpy reference.
+
+The fp32 master weights always stay fp32; ``m`` and ``v`` are stored as:
+
+* ``float32``: as they are (12 B/param of state with the master);
+* ``bfloat16``: each rounded to the nearest bfloat16, ties to even (8 B/param). Deterministic,
+  so a resumed run repeats the uninterrupted one bit for bit;
+* ``int8``: one byte per element plus one float32 scale per block of ``block`` elements
+  (256-2048; 6 B/param + 8/block), as in Dettmers et al.'s block-wise 8-bit optimizers, with a
+  *dynamic exponent* map rather than a linear one (numbers in docs/architecture.md, "Compressed
+  optimizer state"):
+
+  - ``m`` (signed): a sign bit and a 7-bit **E4M3** code of ``|m| / scale`` (4 exponent bits, 3
+    mantissa bits, subnormals): 15 binades below the block's largest value at 3 bits each;
+  - ``v`` (non-negative): an 8-bit **E4M4** code of ``sqrt(v) / scale``. The update divides by
+    ``sqrt(v)``, so the code spends its precision there (half an ulp: 1.6 % of sqrt(v)) and its
+    range covers 2**-38 of the block's largest ``v``: a ``v`` that underflows to zero while its
+    ``m`` does not (the division by ``eps`` that wrecks a linear map) needs a gradient history
+    2**19 times smaller than the block's largest;
+  - the scale of a block is the power of two just above its largest magnitude, so scaling is
+    exact and a code is a few integer operations on the float's bits (round to nearest even).
+
+  Codes: ``code(r)`` for ``0 <= r < 1`` with ``M`` mantissa bits: ``r < 2**-15`` (subnormal)
+  is ``round(r * 2**(15 + M))``; else ``((bits(r) + 2**(22 - M) - 1 + lsb) >> (23 - M)) -
+  (111 << M)``, saturated at the largest code; ``decode(c)`` is ``c * 2**-(15 + M)`` for
+  ``c < 2**M``, else ``float_from_bits((c + (111 << M)) << (23 - M))``.
+
+Per block the fused kernel decodes the old moments, runs the float32 AdamW arithmetic of
+:mod:`jaxascend.optim.fused_adam` on them (``v = w * w`` with ``w`` the decoded square root),
+finds the new block maxima and encodes; :func:`adamw_reference` here is the same algorithm in
+numpy, operation for operation, which the kernel must match bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+STATE_DTYPES = ("float32", "bfloat16", "int8")
+MIN_BLOCK, MAX_BLOCK = 256, 2048
+DEFAULT_BLOCK = 2048
+M_MANTISSA_BITS = 3  # m: sign + E4M3
+V_MANTISSA_BITS = 4  # sqrt(v): E4M4
+_BIAS = 111  # code exponent 15 <-> float32 exponent field 126 (the binade [0.5, 1))
+_SUBNORMAL_LIMIT = np.float32(2.0**-15)
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    """How m and v are stored: ``dtype`` one of :data:`STATE_DTYPES`; ``block``: elements per
+    scale (int8 only; 0 otherwise)."""
+
+    dtype: str = "float32"
+    block: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in STATE_DTYPES:
+            raise ValueError(f"state dtype {self.dtype!r} is not one of {', '.join(STATE_DTYPES)}")
+        if self.dtype == "int8":
+            check_block(self.block)
+        elif self.block:
+            object.__setattr__(self, "block", 0)
+
+    @classmethod
+    def of(cls, dtype: str = "float32", block: int = DEFAULT_BLOCK) -> "StateFormat":
+        return cls(dtype, block if dtype == "int8" else 0)
+
+    @property
+    def moment_itemsize(self) -> int:
+        """Bytes of one element of m (and of v)."""
+        return {"float32": 4, "bfloat16": 2, "int8": 1}[self.dtype]
+
+    @property
+    def bytes_per_element(self) -> float:
+        """State bytes per parameter on SSD: master + m + v (+ the two scales per block)."""
+        return 4 + 2 * self.moment_itemsize + (8 / self.block if self.block else 0)
+
+    def moment_dtype(self, which: str) -> np.dtype:
+        """The stored dtype of ``"m"`` or ``"v"``."""
+        if self.dtype == "float32":
+            return np.dtype(np.float32)
+        if self.dtype == "bfloat16":
+            import ml_dtypes
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(np.uint8)
+
+    def blocks(self, n: int) -> int:
+        """Scale blocks of a run of ``n`` elements (0 without scales)."""
+        return -(-n // self.block) if self.block else 0
+
+    def describe(self) -> dict:
+        """What a checkpoint records of the format."""
+        out = {"state_dtype": self.dtype}
+        if self.dtype == "int8":
+            out.update(block=self.block, m="sign + e4m3 of m / m_scale",
+                       v="e4m4 of sqrt(v) / v_scale", scales="power of two above the block's largest magnitude")
+        return out
+
+
+def check_block(block: int) -> int:
+    if not (isinstance(block, (int, np.integer)) and MIN_BLOCK <= block <= MAX_BLOCK and block & (block - 1) == 0):
+        raise ValueError(f"int8 state block is {block!r}; it must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}]")
+    return int(block)
+
+
+# ----------------------------------------------------------------------------- codes (numpy)
+
+def _f32(bits) -> np.ndarray:
+    return np.asarray(bits, np.uint32).view(np.float32)
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def encode(r: np.ndarray, mantissa_bits: int) -> np.ndarray:
+    """Codes (uint32, ``0 .. 2**(4 + M) - 1``) of ``r >= 0`` (below 1; larger saturates)."""
+    r = np.asarray(r, np.float32)
+    m = mantissa_bits
+    u = _bits(r)
+    shift = 23 - m
+    lsb = (u >> np.uint32(shift)) & np.uint32(1)
+    with np.errstate(over="ignore"):
+        normal = ((u + np.uint32((1 << (shift - 1)) - 1) + lsb) >> np.uint32(shift)).astype(np.int64) - (_BIAS << m)
+    normal = np.minimum(normal, (1 << (4 + m)) - 1)
+    magic = np.float32(2.0 ** (8 - m))  # its ulp is the subnormal spacing 2**-(15 + M)
+    sub = (_bits(r + magic) - _bits(magic)).astype(np.int64)
+    return np.where(u < _bits(_SUBNORMAL_LIMIT), sub, normal).astype(np.uint32)
+
+
+def decode(c: np.ndarray, mantissa_bits: int) -> np.ndarray:
+    """The float32 value ``r`` of codes ``c``."""
+    c = np.asarray(c, np.uint32)
+    m = mantissa_bits
+    sub = c.astype(np.float32) * np.float32(2.0 ** -(15 + m))
+    normal = _f32((c + np.uint32(_BIAS << m)) << np.uint32(23 - m))
+    return np.where(c < (1 << m), sub, normal).astype(np.float32)
+
+
+def block_scale(maximum_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, 1/scale) of blocks whose largest magnitude has float32 bits ``maximum_bits``: the
+    power of two just above it (2**-126 at least, 2**126 at most); a block of zeros scales by 0."""
+    field = (np.asarray(maximum_bits, np.uint32) >> np.uint32(23)).astype(np.int64)
+    field = np.clip(field + 1, 1, 253)
+    zero = np.asarray(maximum_bits) == 0
+    scale = np.where(zero, np.float32(0), _f32((field << 23).astype(np.uint32)))
+    inverse = np.where(zero, np.float32(0), _f32(((254 - field) << 23).astype(np.uint32)))
+    return scale.astype(np.float32), inverse.astype(np.float32)
+
+
+def quantize_m(m: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 codes, float32 scales) of a flat float32 ``m``."""
+    m = np.asarray(m, np.float32).reshape(-1)
+    mags = _bits(m) & np.uint32(0x7FFFFFFF)
+    scale, inverse = block_scale(_block_max(mags, block))
+    r = _f32(mags) * np.repeat(inverse, block)[:m.size]
+    codes = encode(r, M_MANTISSA_BITS) | ((_bits(m) >> np.uint32(24)) & np.uint32(0x80))
+    return codes.astype(np.uint8), scale
+
+
+def dequantize_m(codes: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+    codes = np.asarray(codes, np.uint8).astype(np.uint32).reshape(-1)
+    r = decode(codes & np.uint32(0x7F), M_MANTISSA_BITS) * np.repeat(np.asarray(scale, np.float32), block)[:codes.size]
+    return np.where(codes & np.uint32(0x80), -r, r).astype(np.float32)
+
+
+def quantize_v(v: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 codes, float32 scales) of a flat non-negative float32 ``v`` (coded as sqrt(v))."""
+    return quantize_w(np.sqrt(np.asarray(v, np.float32).reshape(-1)), block)
+
+
+def quantize_w(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """As :func:`quantize_v` from ``w = sqrt(v)`` itself."""
+    w = np.asarray(w, np.float32).reshape(-1)
+    mags = _bits(w) & np.uint32(0x7FFFFFFF)
+    scale, inverse = block_scale(_block_max(mags, block))
+    return encode(_f32(mags) * np.repeat(inverse, block)[:w.size], V_MANTISSA_BITS).astype(np.uint8), scale
+
+
+def dequantize_w(codes: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+    """The decoded ``sqrt(v)``."""
+    codes = np.asarray(codes, np.uint8).astype(np.uint32).reshape(-1)
+    return (decode(codes, V_MANTISSA_BITS) * np.repeat(np.asarray(scale, np.float32), block)[:codes.size]
+            ).astype(np.float32)
+
+
+def dequantize_v(codes: np.ndarray, scale: np.ndarray, block: int) -> np.ndarray:
+    w = dequantize_w(codes, scale, block)
+    return w * w
+
+
+def _block_max(mags: np.ndarray, block: int) -> np.ndarray:
+    n = mags.size
+    padded = np.zeros(-(-n // block) * block, np.uint32)
+    padded[:n] = mags
+    return padded.reshape(-1, block).max(axis=1) if n else np.zeros(0, np.uint32)
+
+
+# ----------------------------------------------------------------------------- the update (numpy)
+
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), ties to even; NaN stays a quiet NaN."""
+    u = _bits(x)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    with np.errstate(over="ignore"):
+        rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.where(nan, (u >> np.uint32(16)) | np.uint32(0x40), rounded).astype(np.uint16)
+
+
+def bf16_widen(bits: np.ndarray) -> np.ndarray:
+    return _f32(np.asarray(bits, np.uint16).astype(np.uint32) << np.uint32(16))
+
+
+def adamw_reference(master, m, v, grad, scalars, fmt: StateFormat, m_scale=None, v_scale=None):
+    """One AdamW update of flat arrays in ``fmt``, in numpy, as the fused kernel computes it.
+
+    ``m``/``v``: float32, bfloat16 bits (uint16) or int8 codes (uint8) with ``m_scale``/
+    ``v_scale``; ``grad``: float32 values (already widened from the compute dtype). Returns
+    ``(master, m, v, m_scale, v_scale)`` in the same representation (scales None unless int8)."""
+    s = np.asarray(scalars, np.float32)
+    lr, b1, b2, eps, wd, gscale, bc1, bc2, omb1, omb2 = (s[i] for i in range(10))
+    one = np.float32(1)
+    inv_bc1, inv_bc2 = one / bc1, one / bc2
+    master = np.asarray(master, np.float32)
+    if fmt.dtype == "float32":
+        m_old, v_old = np.asarray(m, np.float32), np.asarray(v, np.float32)
+    elif fmt.dtype == "bfloat16":
+        m_old, v_old = bf16_widen(m), bf16_widen(v)
+    else:
+        m_old = dequantize_m(m, m_scale, fmt.block)
+        w = dequantize_w(v, v_scale, fmt.block)
+        v_old = w * w
+    g = np.asarray(grad, np.float32) * gscale
+    m_new = omb1 * g + b1 * m_old
+    v_new = omb2 * (g * g) + b2 * v_old
+    denom = np.sqrt(v_new * inv_bc2) + eps
+    update = (m_new * inv_bc1) / denom + wd * master
+    master_new = master - lr * update
+    if fmt.dtype == "float32":
+        return master_new, m_new, v_new, None, None
+    if fmt.dtype == "bfloat16":
+        return master_new, bf16_round(m_new), bf16_round(v_new), None, None
+    mq, ms = quantize_m(m_new, fmt.block)
+    vq, vs = quantize_w(np.sqrt(v_new), fmt.block)
+    return master_new, mq, vq, ms, vs
