@@ -6,11 +6,13 @@
 // Both entries check their arguments here and run the same RunFusedAdamW.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -192,7 +194,8 @@ bool ParseState(const std::string& name, AdamState* state) {
 void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO grad,
                       HostArray params_out, HostArrayRO scalars, const std::string& grad_dtype,
                       const std::string& param_dtype, int threads, const std::string& isa_name,
-                      const std::string& state_dtype, HostArray m_scale, HostArray v_scale,
+                      const std::string& state_dtype, std::optional<HostArray> m_scale,
+                      std::optional<HostArray> v_scale,
                       int64_t block) {
   AdamElem grad_type, param_type;
   if (!ParseElem(grad_dtype, &grad_type)) {
@@ -234,8 +237,9 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
                              " must be a power of two in [" + std::to_string(kAdamMinBlock) + ", " +
                              std::to_string(kAdamMaxBlock) + "]").c_str());
     }
+    if (!m_scale || !v_scale) throw nb::value_error("adamw: int8 state needs m_scale and v_scale");
     const int64_t blocks = (n + block - 1) / block;
-    for (const ArrayView& a : {CheckArray("m_scale", m_scale, 4, true), CheckArray("v_scale", v_scale, 4, true)}) {
+    for (const ArrayView& a : {CheckArray("m_scale", *m_scale, 4, true), CheckArray("v_scale", *v_scale, 4, true)}) {
       if (a.count != blocks) {
         throw nb::value_error((std::string("adamw: ") + a.name + " has " + std::to_string(a.count) +
                                " scales but " + std::to_string(n) + " elements in blocks of " +
@@ -270,8 +274,8 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
                 params_out.data(), n, grad_type, param_type};
   b.state_type = state;
   if (int8) {
-    b.m_scale = static_cast<float*>(m_scale.data());
-    b.v_scale = static_cast<float*>(v_scale.data());
+    b.m_scale = static_cast<float*>(m_scale->data());
+    b.v_scale = static_cast<float*>(v_scale->data());
     b.block = block;
   }
   const AdamScalars s = AdamScalarsFromArray(static_cast<const float*>(sv.data));
@@ -345,12 +349,12 @@ void BindAdamW(nb::module_& m) {
   m.def("adamw_update", &AdamWUpdateNumpy, nb::arg("master"), nb::arg("m"), nb::arg("v"),
         nb::arg("grad"), nb::arg("params_out"), nb::arg("scalars"), nb::kw_only(),
         nb::arg("grad_dtype"), nb::arg("param_dtype"), nb::arg("threads") = 1,
-        nb::arg("isa") = "auto", nb::arg("state_dtype") = "float32", nb::arg("m_scale"),
-        nb::arg("v_scale"), nb::arg("block") = 0,
+        nb::arg("isa") = "auto", nb::arg("state_dtype") = "float32",
+        nb::arg("m_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(), nb::arg("block") = 0,
         "Fused AdamW in place on C-contiguous numpy arrays (see jaxascend.optim.fused_adam). grad and "
         "params_out hold grad_dtype/param_dtype ('float32', 'float16', 'bfloat16'; 16-bit types "
         "may be passed as uint16 views); m and v hold state_dtype ('float32'; 'bfloat16' as uint16; "
-        "'int8' as uint8 codes with float32 m_scale/v_scale per block, empty arrays otherwise). "
+        "'int8' as uint8 codes with float32 m_scale/v_scale, one per block of `block`). "
         "Releases the GIL.");
   m.def("adamw_supported_isas", &SupportedIsas,
         "Kernel variants this CPU can run, e.g. ['scalar', 'avx2', 'avx512'].");

@@ -198,12 +198,10 @@ def fused_adamw_update_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, g
     scalars = np.ascontiguousarray(np.asarray(_scalars_of(hparams)), dtype=np.float32)
     # 16-bit floats travel as uint16 views (nanobind has no bfloat16 numpy dtype).
     as_raw = lambda a: a.view(np.uint16) if a.dtype.itemsize == 2 else a  # noqa: E731
-    no_scales = np.empty(0, np.float32)
     native._native.adamw_update(master, as_raw(m), as_raw(v), as_raw(grad), as_raw(params_out), scalars,
                                 grad_dtype=grad_dtype, param_dtype=param_dtype, threads=threads, isa=isa,
-                                state_dtype=state.dtype,
-                                m_scale=m_scale if state.dtype == "int8" else no_scales,
-                                v_scale=v_scale if state.dtype == "int8" else no_scales, block=state.block)
+                                state_dtype=state.dtype, m_scale=m_scale if state.dtype == "int8" else None,
+                                v_scale=v_scale if state.dtype == "int8" else None, block=state.block)
 
 
 def adamw_reference(master: jax.Array, m: jax.Array, v: jax.Array, grad: jax.Array,
