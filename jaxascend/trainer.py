@@ -62,6 +62,11 @@ class TrainResult:
     eval_loss: Optional[float] = None  # the held-out loss at the end (None: no eval.paths)
     data: dict = dataclasses.field(default_factory=dict)  # examples seen / truncated / dropped
     updates_this_run: int = 0  # updates applied by this invocation (a resumed run counts from its checkpoint)
+    # Everything this invocation wrote to the offload files (init or restore, every step, the
+    # gradients included): the SSD endurance cost of the run. 0 for the in-memory engine.
+    ssd_bytes_written_run: int = 0
+    steps_this_run: int = 0  # steps this invocation ran (skipped ones included)
+    state_dtype: str = "float32"  # how the optimizer's moments were stored (optimizer.state_dtype)
 
 
 def resolve_model_config(cfg: Config) -> ModelConfig:
@@ -338,7 +343,9 @@ def _run(cfg: Config, group) -> TrainResult:
                          ssd_bytes_written=int(getattr(engine, "ssd_bytes_written", 0)),
                          out_dir=str(out_dir), eval_loss=final_eval["eval_loss"] if final_eval else None,
                          data=stream.stats(),
-                         updates_this_run=last - start - (int(report.get("skipped_steps", 0)) - skipped_before))
+                         updates_this_run=last - start - (int(report.get("skipped_steps", 0)) - skipped_before),
+                         ssd_bytes_written_run=int(report.get("ssd_written_bytes_run", 0)),
+                         state_dtype=str(report.get("state_dtype", "float32")), steps_this_run=last - start)
     if main:
         (out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
         print(_summary(result, report))
@@ -407,8 +414,11 @@ def _summary(r: TrainResult, report: Optional[dict] = None) -> str:
         rows += [
             ("arena capacity / high-water", f"{format_bytes(r.arena_capacity_bytes)} / "
                                             f"{format_bytes(r.arena_high_water_bytes)}"),
-            ("SSD read / written per step", f"{format_bytes(r.ssd_bytes_read / max(r.updates_this_run, 1))} / "
-                                            f"{format_bytes(r.ssd_bytes_written / max(r.updates_this_run, 1))}"),
+            ("SSD read / written per step", f"{format_bytes(r.ssd_bytes_read / max(r.steps_this_run, 1))} / "
+                                            f"{format_bytes(r.ssd_bytes_written / max(r.steps_this_run, 1))} "
+                                            f"({(r.ssd_bytes_read + r.ssd_bytes_written) / max(r.steps_this_run, 1) / r.num_params:.1f} "
+                                            f"B/param, {r.state_dtype} moments)"),
+            ("SSD written this run (endurance)", format_bytes(r.ssd_bytes_written_run)),
         ]
     rows.append(("outputs", r.out_dir))
     return summary_table(rows)

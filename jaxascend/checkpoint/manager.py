@@ -84,6 +84,7 @@ COMPATIBILITY_FIELDS = (
     "model.arch", "model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_hidden_layers",
     "model.num_attention_heads", "model.num_key_value_heads", "model.head_dim", "model.tie_word_embeddings",
     "model.attention_bias", "model.dtype", "model.param_dtype", "offload.enabled", "offload.params",
+    "optimizer.state_dtype", "optimizer.state_block",
 )
 
 
@@ -105,15 +106,27 @@ def default_directory(run_config: Union[Config, dict]) -> Path:
     return Path(cfg["checkpoint"].get("dir") or Path(cfg["train"]["out_dir"]) / "checkpoints")
 
 
+# What a checkpoint made before a field existed was made with.
+_MISSING_MEANS = {"optimizer.state_dtype": "float32"}
+
+
 def check_compatible(saved: dict, current: dict, where: Union[str, Path]) -> None:
     """Raises :class:`IncompatibleCheckpointError` naming every field of
-    :data:`COMPATIBILITY_FIELDS` whose value differs (fields missing on either side are skipped)."""
+    :data:`COMPATIBILITY_FIELDS` whose value differs (fields missing on either side are skipped,
+    unless :data:`_MISSING_MEANS` says what their absence meant; ``optimizer.state_block``
+    counts only where both sides keep int8 state)."""
+    def value(cfg: dict, name: str):
+        section, field = name.split(".")
+        return cfg.get(section, {}).get(field, _MISSING_MEANS.get(name))
+
     diffs = []
     for name in COMPATIBILITY_FIELDS:
-        section, field = name.split(".")
-        a, b = saved.get(section, {}), current.get(section, {})
-        if field in a and field in b and a[field] != b[field]:
-            diffs.append(f"{name}: checkpoint has {a[field]!r}, this run has {b[field]!r}")
+        a, b = value(saved, name), value(current, name)
+        if name == "optimizer.state_block" and not value(saved, "optimizer.state_dtype") == \
+                value(current, "optimizer.state_dtype") == "int8":
+            continue
+        if a is not None and b is not None and a != b:
+            diffs.append(f"{name}: checkpoint has {a!r}, this run has {b!r}")
     if diffs:
         raise IncompatibleCheckpointError(f"checkpoint {where} was made with an incompatible config: "
                                           + "; ".join(diffs))

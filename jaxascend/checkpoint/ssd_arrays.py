@@ -63,6 +63,7 @@ from jaxascend.checkpoint.zarr_layout import (chunk_grid, numpy_dtype, orbax_tre
                                               zarr_dtype, zarr_spec)
 from jaxascend.config import OffloadConfig
 from jaxascend.kill_points import kill_point
+from jaxascend.optim import StateFormat
 from jaxascend.ssd import Segment, SlotRequest
 
 CHECKPOINT_SHAPE_CLASS = "checkpoint"
@@ -191,6 +192,9 @@ class SsdArrays:
     slot_class: str = CHECKPOINT_SHAPE_CLASS
     depth: Optional[int] = None
     max_chunk_bytes: Optional[int] = None  # zarr chunk size cap; default offload.chunk_bytes
+    # Recorded in the manifest and checked on restore: {"state": StateFormat.describe()} (the
+    # format of the optimizer's moments), compared key by key where both sides have the key.
+    attributes: Optional[dict] = None
 
     def __post_init__(self):
         specs = tuple(s if isinstance(s, ArraySpec) else ArraySpec.contiguous(*s) for s in self.specs)
@@ -233,31 +237,52 @@ def checkpoint_arena_requests(cfg: OffloadConfig, chunk_bytes: Optional[int] = N
     return [SlotRequest(CHECKPOINT_SHAPE_CLASS, chunk + 2 * cfg.block_bytes, cfg.stream_depth)]
 
 
-def specs_for_offload_layout(layout, tensors: Sequence[str] = ("master", "m", "v"),
-                             pieces: Optional[Sequence[Piece]] = None) -> list[ArraySpec]:
+SCALE_ARRAYS = ("m_scale", "v_scale")  # int8 state: one float32 scale per block of each layer
+
+
+def specs_for_offload_layout(layout, pieces: Optional[Sequence[Piece]] = None) -> list[ArraySpec]:
     """Array specs for :class:`jaxascend.offload.layout.OffloadLayout`'s state regions: per leaf
-    and tensor an fp32 array ``"<tensor>/<leaf path>"`` of the leaf's shape, gathered from the
-    chunk-interleaved ``master[n] | m[n] | v[n]`` pieces of every layer's state region; a leaf
-    whose compute weights are streamed from SSD adds ``"params/<leaf path>"`` in its dtype.
-    ``pieces`` (one per leaf): where each leaf sits in the whole tensor (a data-parallel
-    process's slices), so that a restore can re-partition."""
+    ``"master/<leaf path>"`` (float32) and ``"m/..."``, ``"v/..."`` in the layout's state format
+    (float32, bfloat16, or uint8 codes), each of the leaf's shape, gathered from every layer's
+    chunk records ``master[n] | m[n] | v[n] (| pad | m_scale | v_scale)``; int8 state adds
+    ``"m_scale/..."`` and ``"v_scale/..."``, float32 ``[layers, blocks per layer]`` (``[blocks]``
+    for a leaf of one layer). A leaf whose compute weights are streamed from SSD adds
+    ``"params/<leaf path>"`` in its dtype. ``pieces`` (one per leaf): where each leaf sits in the
+    whole tensor (a data-parallel process's slices), so that a restore can re-partition; the
+    scales of int8 state belong to their process's slices and record none."""
     specs = []
     chunk = layout.chunk_elements
+    fmt = getattr(layout, "state", None) or StateFormat()
+    stride = getattr(layout, "state_stride", 0) or 12 * chunk
+    isz = fmt.moment_itemsize
     pieces = list(pieces) if pieces is not None else [None] * len(layout.leaves)
     for leaf, piece in zip(layout.leaves, pieces):
         per_layer = leaf.layer_elements
-        for k, tensor in enumerate(tensors):
-            spans = []
-            for region in leaf.state_regions:
-                for start in range(0, per_layer, chunk):
-                    n = min(chunk, per_layer - start)
-                    spans.append(Span(region, 4 * len(tensors) * start + 4 * k * n, 4 * n))
-            specs.append(ArraySpec(f"{tensor}/{leaf.path}", leaf.shape, np.float32, tuple(spans), piece))
+        spans: dict[str, list] = {name: [] for name in ("master", "m", "v") + SCALE_ARRAYS}
+        for region in leaf.state_regions:
+            for j, start in enumerate(range(0, per_layer, chunk)):
+                n, base = min(chunk, per_layer - start), j * stride
+                spans["master"].append(Span(region, base, 4 * n))
+                spans["m"].append(Span(region, base + 4 * n, isz * n))
+                spans["v"].append(Span(region, base + 4 * n + isz * n, isz * n))
+                blocks = fmt.blocks(n)
+                if blocks:
+                    scales = base + -(-(4 * n + 2 * isz * n) // 4) * 4
+                    spans["m_scale"].append(Span(region, scales, 4 * blocks))
+                    spans["v_scale"].append(Span(region, scales + 4 * blocks, 4 * blocks))
+        for name in ("master", "m", "v"):
+            dtype = np.float32 if name == "master" else fmt.moment_dtype(name)
+            specs.append(ArraySpec(f"{name}/{leaf.path}", leaf.shape, dtype, tuple(spans[name]), piece))
+        if fmt.block:  # a chunk is whole blocks (but the last of a layer): the layer's blocks in order
+            blocks = fmt.blocks(per_layer)
+            shape = (leaf.layers, blocks) if leaf.layers > 1 else (blocks,)
+            for name in SCALE_ARRAYS:
+                specs.append(ArraySpec(f"{name}/{leaf.path}", shape, np.float32, tuple(spans[name])))
         if getattr(leaf, "param_regions", ()):  # offload.params: ssd: the compute weights live on SSD too
             size = leaf.dtype.itemsize
-            spans = [Span(region, size * start, size * min(chunk, per_layer - start))
-                     for region in leaf.param_regions for start in range(0, per_layer, chunk)]
-            specs.append(ArraySpec(f"params/{leaf.path}", leaf.shape, leaf.dtype, tuple(spans), piece))
+            param_spans = [Span(region, size * start, size * min(chunk, per_layer - start))
+                           for region in leaf.param_regions for start in range(0, per_layer, chunk)]
+            specs.append(ArraySpec(f"params/{leaf.path}", leaf.shape, leaf.dtype, tuple(param_spans), piece))
     return specs
 
 
@@ -396,7 +421,8 @@ def save_arrays(directory: Path, arrays: SsdArrays, compression: str = "none") -
                         "spans": [[x.region, x.offset, x.nbytes] for x in spec.spans],
                         **({"piece": spec.piece.to_dict()} if spec.piece is not None else {})})
     _fsync_tree(directory)
-    manifest = {"format": FORMAT, "compression": compression, "arrays": entries}
+    manifest = {"format": FORMAT, "compression": compression, "arrays": entries,
+                **({"attributes": arrays.attributes} if arrays.attributes else {})}
     (directory / "_METADATA").write_text(json.dumps(orbax_tree_metadata([s.keys for s in arrays.specs])))
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -416,6 +442,25 @@ def read_manifest(directory: Path) -> dict:
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CorruptCheckpointError(f"checkpoint file {path} is corrupt ({err})") from None
     return manifest
+
+
+def check_attributes_match(manifest: dict, attributes: Optional[dict], where: Path) -> None:
+    """Refuses to restore into arrays described otherwise than the checkpoint's (e.g. optimizer
+    state of another dtype), naming both; a checkpoint without attributes holds float32 state."""
+    saved = manifest.get("attributes") or {"state": StateFormat().describe()}
+    for key, want in (attributes or {}).items():
+        have = saved.get(key)
+        if have is not None and have != want:
+            if key == "state":
+                raise IncompatibleCheckpointError(
+                    f"checkpoint {where} holds {_describe_state(have)} optimizer state; this run keeps "
+                    f"{_describe_state(want)} (optimizer.state_dtype); resume with the checkpoint's")
+            raise IncompatibleCheckpointError(f"checkpoint {where}: {key} is {have!r}, this run has {want!r}")
+
+
+def _describe_state(record: dict) -> str:
+    dtype = record.get("state_dtype")
+    return f"{dtype} (blocks of {record['block']})" if dtype == "int8" and "block" in record else str(dtype)
 
 
 def check_arrays_match(manifest: dict, specs: Sequence[ArraySpec], where: Path) -> None:
@@ -618,6 +663,10 @@ def _check_tensors_match(tensors: dict[str, SavedTensor], specs: Sequence[ArrayS
                          count: int) -> None:
     """Refuses to re-partition arrays whose names, whole shapes or dtypes differ from the checkpoint's."""
     no_piece = [s.name for s in specs if s.piece is None]
+    if any(name.split("/")[0] in SCALE_ARRAYS for name in no_piece):
+        raise IncompatibleCheckpointError(f"checkpoint {where} was saved by {saved} process(es), this run has "
+                                          f"{count}: int8 optimizer state is coded in blocks of each process's "
+                                          f"slices and cannot be re-split; resume with {saved} process(es)")
     if no_piece:
         raise IncompatibleCheckpointError(f"checkpoint {where} was saved by {saved} process(es), this run has "
                                           f"{count}, and array {no_piece[0]!r} records no partition to re-split")
@@ -673,15 +722,17 @@ def restore_arrays(directory: Path, arrays: SsdArrays) -> dict:
     if saved == count:  # each process reads back the arrays it wrote
         part = part_directory(directory, index, count)
         manifest = read_manifest(part)
+        check_attributes_match(manifest, arrays.attributes, part)
         check_arrays_match(manifest, arrays.specs, part)
         entries = {e["name"]: e for e in manifest["arrays"]}
 
         def open_reader(spec):
             return _chunk_reader(part, entries[spec.name], context)
     else:
+        manifest = read_manifest(part_directory(directory, 0, saved))
+        check_attributes_match(manifest, arrays.attributes, directory)
         tensors = saved_tensors(directory, context)
         _check_tensors_match(tensors, arrays.specs, directory, saved, count)
-        manifest = read_manifest(part_directory(directory, 0, saved))
 
         def open_reader(spec):
             for t in tensors.values():

@@ -165,6 +165,9 @@ def _validate_cross_fields(cfg: Config) -> None:
     if cfg.model.path is not None and not os.path.isdir(os.path.expanduser(cfg.model.path)):
         raise ConfigError(f"model.path: {cfg.model.path!r} is not a directory")
     check_param_placement(cfg)
+    if cfg.optimizer.state_dtype != "float32" and not cfg.offload.enabled:
+        raise ConfigError(f"optimizer.state_dtype: {cfg.optimizer.state_dtype!r} needs offload.enabled: true (the "
+                          "in-memory engine keeps optax's float32 moments)")
     if cfg.data.seq_len > cfg.model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len: {cfg.data.seq_len} exceeds model.max_position_embeddings="

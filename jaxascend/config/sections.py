@@ -109,8 +109,15 @@ class OptimizerConfig:
     loss_scale_growth_interval: int = 2000  # finite steps in a row before the scale grows
     loss_scale_min: float = 1.0
     loss_scale_max: float = 2.0**24
+    # How m and v are stored on SSD (the offloaded engine; the fp32 master weights stay fp32):
+    # float32 (12 B/param of state), bfloat16 (8: rounded to nearest even) or int8 (6 + 8/block:
+    # block-wise 8-bit codes with a float32 scale per block of state_block elements, 256-2048).
+    state_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
+    state_block: int = 2048
 
     def __post_init__(self):
+        if not (256 <= self.state_block <= 2048 and self.state_block & (self.state_block - 1) == 0):
+            raise ConfigError(f"optimizer.state_block: {self.state_block} must be a power of two in [256, 2048]")
         _check_range("optimizer.learning_rate", self.learning_rate, lo=0)
         _check_range("optimizer.warmup_steps", self.warmup_steps, lo=0)
         _check_range("optimizer.min_lr_ratio", self.min_lr_ratio, lo=0, hi=1)

@@ -60,7 +60,7 @@ from jaxascend.offload.ssd_adamw import ssd_adamw_state, ssd_adamw_step
 from jaxascend.offload.state import OffloadedAdamState, _to_default_device
 from jaxascend.offload.step import (SinkRouting, _first_key, make_accumulating_offload_step, make_offload_eval,
                                     make_offload_step, total_stats)
-from jaxascend.optim import AdamWSettings, LossScaleState, update_loss_scale
+from jaxascend.optim import AdamWSettings, LossScaleState, StateFormat, update_loss_scale
 
 
 log = logging.getLogger(__name__)
@@ -117,12 +117,17 @@ def token_table_of(model_cfg: ModelConfig) -> tuple[str, ...]:
     return ("wte", "embedding") if model_cfg.arch == "gpt2" else ("embed_tokens", "embedding")
 
 
-def layout_options(model_cfg: ModelConfig, stream: bool, row_blocks: list[int]) -> dict:
+def state_format(cfg: Config) -> StateFormat:
+    """The format of m and v on SSD: ``optimizer.state_dtype`` (and ``state_block`` for int8)."""
+    return StateFormat.of(cfg.optimizer.state_dtype, cfg.optimizer.state_block)
+
+
+def layout_options(cfg: Config, model_cfg: ModelConfig, stream: bool, row_blocks: list[int]) -> dict:
     """How the engine lays out its state on SSD (``OffloadLayout.plan`` / ``OffloadedAdamState.create``
     keywords); the planner plans with the same."""
     stack_key = stack_key_of(model_cfg.arch)
     return {"stacked": lambda path, shape: path.split("/")[0] == stack_key, "stream_params": stream,
-            "row_blocks": row_blocks}
+            "row_blocks": row_blocks, "state": state_format(cfg)}
 
 
 def checkpoint_slot_requests(layout: OffloadLayout, cfg) -> tuple:
@@ -195,7 +200,7 @@ class OffloadEngine:
         uses = (("lookup",) + (("head",) if model_cfg.tie_word_embeddings else ())) if per_use else ()
         routing = SinkRouting.for_params(params, self.stack_key, token_table_of(model_cfg), uses, blocks,
                                          table_as_bits=large_table)
-        options = layout_options(model_cfg, stream, row_blocks)
+        options = layout_options(cfg, model_cfg, stream, row_blocks)
         extra = checkpoint_slot_requests(OffloadLayout.plan(spec, cfg.offload, **options), cfg.offload)
         self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS if extra else STATE_SLOT_CLASS
         self.state = OffloadedAdamState.create(spec, cfg.offload, **options,
@@ -282,8 +287,13 @@ class OffloadEngine:
             self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.train.steps)
             self.opt_state = ssd_adamw_state(self.state)
             self.loss_scale = LossScaleState.initial(cfg.optimizer, compute_dtype)
+            # SSD traffic of the steps (each step's, from one step's end to the next's: the
+            # backward's gradient writes, the parameter source's reads and the optimizer's
+            # records), checkpoints and evaluations left out; the store's own counters hold
+            # the run's totals, init and restore included (the endurance cost).
             self.ssd_bytes_read = 0
             self.ssd_bytes_written = 0
+            self._io_mark = self._io_counters()
         except BaseException:
             self.state.close()
             raise
@@ -367,7 +377,6 @@ class OffloadEngine:
             if self.overlap:
                 timing["optimizer_wait_seconds"] = (front_wait + after["optimizer_wait_seconds"]
                                                     - before["optimizer_wait_seconds"])
-            self.ssd_bytes_read += after["bytes_read"] - before["bytes_read"]
         self.loss_scale, skip = update_loss_scale(self.loss_scale, bool(nonfinite > 0), self.cfg.optimizer,
                                                   self.compute_dtype)
         grad_norm = math.sqrt(float(sumsq)) / scale
@@ -383,6 +392,11 @@ class OffloadEngine:
             self._update_now(clip / scale, skip, timing, timeline)
         if timeline.bars["optimizer thread"]:
             self.last_timeline = timeline
+        read, written = self._io_counters()
+        timing.update(ssd_read_bytes=read - self._io_mark[0], ssd_written_bytes=written - self._io_mark[1])
+        self.ssd_bytes_read += timing["ssd_read_bytes"]
+        self.ssd_bytes_written += timing["ssd_written_bytes"]
+        self._io_mark = (read, written)
         return {"loss": float(loss), "grad_norm": grad_norm if not skip else float("nan"),
                 "skipped": bool(skip), "loss_scale": scale, **timing}
 
@@ -412,14 +426,18 @@ class OffloadEngine:
             count += int(counted)
         if self._source is not None:
             self._source.take_events()  # the evaluation's fetches are not the next step's timeline
+        self._io_mark = self._io_counters()  # nor its reads the next step's traffic
         return total, count
 
     def _leaves_tree(self):
         return self.state.layout.treedef.unflatten(self._leaves)
 
+    def _io_counters(self) -> tuple[int, int]:
+        """(bytes read, bytes written) by the store since it was opened."""
+        c = self.state.store.stats()
+        return int(c["bytes_read"]), int(c["bytes_written"])
+
     def _account(self, last, timing: dict) -> None:
-        self.ssd_bytes_read += last.bytes_read
-        self.ssd_bytes_written += last.bytes_written
         stream = last.seconds - last.flush_seconds
         timing.update(grad_flush_seconds=last.flush_seconds, optimizer_seconds=stream,
                       optimizer_bytes=last.bytes_read + last.bytes_written, ssd_gbps=last.ssd_gbps,
@@ -492,7 +510,7 @@ class OffloadEngine:
         pieces = [Piece(part.index, part.count, self._full_shapes[leaf.index], leaf.stacked)
                   for leaf in self.state.leaves]
         return SsdArrays(self.state.store, specs_for_offload_layout(self.state.layout, pieces=pieces),
-                         slot_class=self._checkpoint_slots)
+                         slot_class=self._checkpoint_slots, attributes={"state": self.state.layout.state.describe()})
 
     @property
     def processes(self) -> int:
@@ -518,6 +536,7 @@ class OffloadEngine:
             # The stack's weights are views of the buffers the next (background) update writes in
             # place: the save must have copied them out before this returns.
             ckpt.wait()
+        self._io_mark = self._io_counters()  # the save's reads are not the next step's
 
     def restore_checkpoint(self, ckpt: Checkpointer, step: int) -> dict:
         """Rebuilds the SSD shards from checkpoint ``step`` (so a kill during an optimizer step can
@@ -533,6 +552,7 @@ class OffloadEngine:
         self.state.restored(int(restored.meta["updates_applied"]))
         self.opt_state = ssd_adamw_state(self.state)
         self.loss_scale = LossScaleState.from_dict(restored.meta["loss_scale"])
+        self._io_mark = self._io_counters()
         return restored.meta
 
     @contextlib.contextmanager
@@ -624,8 +644,12 @@ class OffloadEngine:
             "direct_io": self.state.store.direct_io,
             # the fp32_grad_buffer ablation's full fp32 host gradient copy (0 without it)
             "host_grad_buffer_bytes": self.state.grad_buffer.nbytes if self.state.grad_buffer is not None else 0,
-            "ssd_read_bytes_step": last.bytes_read if last else 0,
+            "ssd_read_bytes_step": last.bytes_read if last else 0,  # the last optimizer step's
             "ssd_write_bytes_step": last.bytes_written if last else 0,
+            # the offload files' traffic since the engine opened them: init, restore, steps, saves
+            **dict(zip(("ssd_read_bytes_run", "ssd_written_bytes_run"), self._io_counters())),
+            "state_dtype": self.state.layout.state.dtype,
+            "state_bytes": self.state.layout.state_bytes,
             "ssd_gbps_step": last.ssd_gbps if last else 0.0,
             "optimizer_seconds_step": last.seconds if last else 0.0,
             "loss_scale": self.loss_scale.scale,

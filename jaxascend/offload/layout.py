@@ -4,8 +4,13 @@ One :class:`LeafLayout` per parameter leaf (a leaf may be a stack of layers ``[L
 every (leaf, layer) there are two store regions:
 
 * ``state``: fp32 master, m and v, interleaved by chunk. Chunk j of a layer covers elements
-  ``[j*C, j*C + n)`` and is stored as ``master[n] | m[n] | v[n]`` at byte ``12*j*C``, so the step
-  reads all three in **one** request per chunk and writes them back in one;
+  ``[j*C, j*C + n)`` and is stored as one record ``master[n] | m[n] | v[n]`` at byte ``j*S``, so
+  the step reads all three in **one** request per chunk and writes them back in one. m and v are
+  in the state format (``optimizer.state_dtype``, :class:`~jaxascend.optim.StateFormat`):
+  float32 (``S = 12*C``), bfloat16 (``S = 8*C``) or int8 codes, whose record adds the chunk's
+  block scales, ``... | v[n] | pad to 4 | m_scale[n/block] | v_scale[n/block]`` (float32), and
+  whose stride ``S`` is the full record rounded up to whole SSD blocks (``C`` is a multiple of
+  the block, so no block straddles two chunks);
 * ``grad``: the layer's gradient in the compute dtype, exactly one layer long. The backward pass
   produces a layer's gradient in one piece; writing it at offset 0 of its own region meets the
   store's rule (a write starts on a block boundary and is whole blocks or ends at the region's
@@ -22,7 +27,7 @@ front to back. ``C`` (``chunk_elements``) comes from ``offload.chunk_bytes`` (by
 state tensor per chunk), rounded so that a full chunk of every gradient dtype is whole blocks.
 A chunk never spans two layers; the arena needs ``stream_depth`` slots of each class::
 
-    adam_state: 12 * min(C, largest layer) bytes      adam_grad: g * min(C, largest layer) bytes
+    adam_state: one record of min(C, largest layer)    adam_grad: g * min(C, largest layer) bytes
 
 Two ablation switches (``offload.*``, see docs/architecture.md) change the slots, never the
 arithmetic: ``single_pool`` makes a chunk a whole layer of the largest tensor and sizes every
@@ -40,14 +45,15 @@ import jax
 import numpy as np
 
 from jaxascend.config import OffloadConfig
+from jaxascend.optim import StateFormat
 from jaxascend.ssd import SlotRequest, round_to_alignment
 
 STATE_SLOT_CLASS = "adam_state"
 GRAD_SLOT_CLASS = "adam_grad"
 PARAM_SLOT_CLASS = "adam_param"  # the new compute weights of a streamed chunk, on their way to SSD
 SOURCE_SLOT_CLASS = "param_source"  # one layer of every streamed leaf, read ahead of the layer scan
-STATE_BYTES_PER_ELEMENT = 12  # fp32 master + m + v
 STATE_TENSORS = ("master", "m", "v")
+FLOAT32_STATE = StateFormat()
 
 SUPPORTED_COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -102,27 +108,65 @@ class LeafLayout:
     def grad_layer_bytes(self) -> int:
         return self.layer_elements * self.dtype.itemsize
 
+
+@dataclass(frozen=True)
+class StateRecord:
+    """Where master, m, v (and the int8 scales) of a chunk of ``count`` elements sit in its
+    record: byte offsets from the record's start, ``nbytes`` in all."""
+
+    state: StateFormat
+    count: int
+
     @property
-    def state_layer_bytes(self) -> int:
-        return self.layer_elements * STATE_BYTES_PER_ELEMENT
+    def m_offset(self) -> int:
+        return 4 * self.count
+
+    @property
+    def v_offset(self) -> int:
+        return self.m_offset + self.state.moment_itemsize * self.count
+
+    @property
+    def scales_offset(self) -> int:
+        return -(-(self.v_offset + self.state.moment_itemsize * self.count) // 4) * 4
+
+    @property
+    def blocks(self) -> int:
+        return self.state.blocks(self.count)
+
+    @property
+    def nbytes(self) -> int:
+        if not self.blocks:
+            return self.v_offset + self.state.moment_itemsize * self.count
+        return self.scales_offset + 8 * self.blocks
+
+    def views(self, raw: np.ndarray) -> tuple:
+        """``(master, m, v, m_scale, v_scale)`` views into a record's bytes ``raw`` (uint8; the
+        scales None without int8 state); m and v as the kernel takes them (float32, bfloat16
+        bits as uint16, or uint8 codes)."""
+        n, isz = self.count, self.state.moment_itemsize
+        moment = {4: np.float32, 2: np.uint16, 1: np.uint8}[isz]
+        master = raw[:4 * n].view(np.float32)
+        m = raw[self.m_offset:self.m_offset + isz * n].view(moment)
+        v = raw[self.v_offset:self.v_offset + isz * n].view(moment)
+        if not self.blocks:
+            return master, m, v, None, None
+        scales = raw[self.scales_offset:self.scales_offset + 8 * self.blocks].view(np.float32)
+        return master, m, v, scales[:self.blocks], scales[self.blocks:]
 
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """Elements ``[start, start + count)`` of one layer of one leaf."""
+    """Elements ``[start, start + count)`` of one layer of one leaf; its state ``record`` sits at
+    byte ``state_offset`` of the layer's state region, and a step moves ``state_bytes`` there: the
+    record padded to the next chunk's (whole SSD blocks), or to the region's end for the last."""
 
     leaf: LeafLayout
     layer: int
     start: int
     count: int
-
-    @property
-    def state_offset(self) -> int:
-        return self.start * STATE_BYTES_PER_ELEMENT
-
-    @property
-    def state_bytes(self) -> int:
-        return self.count * STATE_BYTES_PER_ELEMENT
+    state_offset: int
+    record: StateRecord
+    state_bytes: int
 
     @property
     def grad_offset(self) -> int:
@@ -146,11 +190,11 @@ class ChunkRef:
         return self.layer == self.leaf.layers - 1 and self.start + self.count == self.leaf.layer_elements
 
 
-def chunk_elements_for(cfg: OffloadConfig, itemsizes) -> int:
+def chunk_elements_for(cfg: OffloadConfig, itemsizes, state: StateFormat = FLOAT32_STATE) -> int:
     """Elements per chunk: ``chunk_bytes`` of fp32 state, rounded down (but at least one unit) to
-    a multiple of the elements of one block in the narrowest gradient dtype, so a full chunk is
-    whole blocks in every region."""
-    unit = cfg.block_bytes // min(itemsizes, default=4)
+    a multiple of the elements of one block in the narrowest gradient dtype (so a full chunk is
+    whole blocks in every region) and of the int8 state's scale block."""
+    unit = max(cfg.block_bytes // min(itemsizes, default=4), state.block)
     return max(unit, (cfg.chunk_bytes // 4) // unit * unit)
 
 
@@ -181,14 +225,18 @@ class OffloadLayout:
     single_pool: bool = False  # every step slot sized for the largest tensor's state (ablation)
     grads_on_ssd: bool = True  # False: gradients live in a host fp32 buffer (ablation)
     param_prefetch: int = 2  # layers the parameter source reads ahead (streamed weights only)
+    state: StateFormat = FLOAT32_STATE  # how m and v are stored
+    state_stride: int = 0  # bytes between the records of consecutive chunks of a layer
 
     @classmethod
     def plan(cls, params_spec, cfg: OffloadConfig, stacked: StackedSpec = None,
-             stream_params: bool = False, row_blocks: Optional[Sequence[int]] = None) -> "OffloadLayout":
+             stream_params: bool = False, row_blocks: Optional[Sequence[int]] = None,
+             state: StateFormat = FLOAT32_STATE) -> "OffloadLayout":
         """Lays out ``params_spec`` (a pytree of arrays or ``jax.ShapeDtypeStruct`` in the compute
         dtype). ``stacked`` says which leaves are layer stacks (see :data:`StackedSpec`);
         ``stream_params``: their compute weights get SSD regions too (``offload.params: ssd``);
-        ``row_blocks``: per leaf (flattening order), blocks of rows of an unstacked table (1: none)."""
+        ``row_blocks``: per leaf (flattening order), blocks of rows of an unstacked table (1: none);
+        ``state``: the format of m and v (``optimizer.state_dtype``)."""
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params_spec)
         flags = []
         if not (stacked is None or isinstance(stacked, bool) or callable(stacked)):
@@ -219,24 +267,41 @@ class OffloadLayout:
                                      tuple(n + "/state" for n in names), tuple(n + "/grad" for n in names), params,
                                      blocks))
         itemsizes = [leaf.dtype.itemsize for leaf in leaves]
-        chunk = chunk_elements_for(cfg, itemsizes)
+        chunk = chunk_elements_for(cfg, itemsizes, state)
         if cfg.single_pool:
             # ZeRO-Infinity sizes its buffers for the largest tensor: a chunk is then always one
             # whole layer of a leaf (rounded up to whole blocks, so any chunk size stays valid).
-            unit = cfg.block_bytes // min(itemsizes)
+            unit = max(cfg.block_bytes // min(itemsizes), state.block)
             largest = max(leaf.layer_elements for leaf in leaves)
             chunk = -(-largest // unit) * unit
+        stride = -(-StateRecord(state, chunk).nbytes // cfg.block_bytes) * cfg.block_bytes
         return cls(tuple(leaves), treedef, chunk, cfg.stream_depth, single_pool=cfg.single_pool,
-                   grads_on_ssd=not cfg.fp32_grad_buffer, param_prefetch=cfg.param_prefetch)
+                   grads_on_ssd=not cfg.fp32_grad_buffer, param_prefetch=cfg.param_prefetch, state=state,
+                   state_stride=stride)
 
     @property
     def num_parameters(self) -> int:
         return sum(leaf.size for leaf in self.leaves)
 
+    def state_layer_bytes(self, leaf: LeafLayout) -> int:
+        """Bytes of one layer's state region: its chunks' records at :attr:`state_stride`."""
+        full, last = divmod(leaf.layer_elements, self.chunk_elements)
+        if last == 0:
+            full, last = full - 1, self.chunk_elements
+        return full * self.state_stride + StateRecord(self.state, last).nbytes
+
     @property
     def state_bytes(self) -> int:
-        """Bytes of fp32 master + m + v on SSD."""
-        return STATE_BYTES_PER_ELEMENT * self.num_parameters
+        """Bytes of master + m + v (+ scales) on SSD."""
+        return sum(leaf.layers * self.state_layer_bytes(leaf) for leaf in self.leaves)
+
+    @property
+    def step_bytes(self) -> tuple[int, int]:
+        """(bytes read, bytes written) of one step on SSD: every state record read and written,
+        the gradients read (on SSD), a streamed leaf's new compute weights written. The
+        backward's gradient writes, and the parameter source's reads, come on top."""
+        grads = self.grad_bytes if self.grads_on_ssd else 0
+        return self.state_bytes + grads, self.state_bytes + self.streamed_param_bytes
 
     @property
     def grad_bytes(self) -> int:
@@ -247,8 +312,12 @@ class OffloadLayout:
         out = []
         for leaf in self.leaves:
             for layer in range(leaf.layers):
-                for start in range(0, leaf.layer_elements, self.chunk_elements):
-                    out.append(ChunkRef(leaf, layer, start, min(self.chunk_elements, leaf.layer_elements - start)))
+                for j, start in enumerate(range(0, leaf.layer_elements, self.chunk_elements)):
+                    n = min(self.chunk_elements, leaf.layer_elements - start)
+                    record = StateRecord(self.state, n)
+                    last = start + n == leaf.layer_elements
+                    out.append(ChunkRef(leaf, layer, start, n, j * self.state_stride, record,
+                                        record.nbytes if last else self.state_stride))
         return out
 
     def step_order(self, chunks: Optional[Sequence[ChunkRef]] = None) -> list[int]:
@@ -273,7 +342,9 @@ class OffloadLayout:
 
     @property
     def state_slot_bytes(self) -> int:
-        return STATE_BYTES_PER_ELEMENT * self.largest_chunk
+        if self.largest_chunk == self.chunk_elements:  # a full chunk moves its padded record
+            return max(self.state_stride, StateRecord(self.state, self.largest_chunk).nbytes)
+        return StateRecord(self.state, self.largest_chunk).nbytes
 
     @property
     def grad_slot_bytes(self) -> int:

@@ -44,7 +44,7 @@ from jaxascend.config import Config, ConfigError, ModelConfig, check_param_place
 from jaxascend.hf import abstract_params
 from jaxascend.models import DTYPES
 from jaxascend.offload.engine import checkpoint_slot_requests, layout_options, table_layout
-from jaxascend.offload.layout import STATE_BYTES_PER_ELEMENT, OffloadLayout
+from jaxascend.offload.layout import OffloadLayout
 from jaxascend.ssd import ArenaPlan, SsdStore
 
 # What JAX's CPU runtime, the compiled step and a step's Python objects add to the process as it
@@ -190,7 +190,7 @@ def _layout(cfg: Config, model_cfg: ModelConfig, stream: bool) -> OffloadLayout:
     dtype = DTYPES[model_cfg.dtype]
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
     row_blocks = table_layout(params, model_cfg)[0]
-    return OffloadLayout.plan(spec, cfg.offload, **layout_options(model_cfg, stream, row_blocks))
+    return OffloadLayout.plan(spec, cfg.offload, **layout_options(cfg, model_cfg, stream, row_blocks))
 
 
 def _arena_bytes(cfg: Config, layout: OffloadLayout) -> int:
@@ -279,12 +279,14 @@ def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
     read = layout.state_bytes + (grads if layout.grads_on_ssd else 0) + 2 * streamed
     write = layout.state_bytes + (grads if layout.grads_on_ssd else 0) + streamed
     largest = max(leaf.layer_elements for leaf in layout.leaves)
-    notes = ()
+    fmt = layout.state
+    notes = (f"optimizer state: {fmt.dtype} moments, {layout.state_bytes / n:.2f} B/param on SSD; a step moves "
+             f"{(read + write) / n:.2f} B/param",)
     if stream:
-        notes = (f"streamed weights: {format_bytes(streamed)} on SSD; resident embeddings/norms/head "
-                 f"{format_bytes(resident)} ({resident / n:.2f} B/param)",)
+        notes += (f"streamed weights: {format_bytes(streamed)} on SSD; resident embeddings/norms/head "
+                  f"{format_bytes(resident)} ({resident / n:.2f} B/param)",)
     return RunPlan("ssd" if stream else "resident", n, host, device, ssd_bytes, ssd_dir, _free_bytes(ssd_dir),
-                   STATE_BYTES_PER_ELEMENT * n + streamed + resident, read, write, gbps, off.host_memory_budget,
+                   int(fmt.bytes_per_element * n) + streamed + resident, read, write, gbps, off.host_memory_budget,
                    notes, largest, refused)
 
 

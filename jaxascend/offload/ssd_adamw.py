@@ -140,7 +140,12 @@ def ssd_adamw_step(settings: AdamWSettings, opt_state: SsdAdamWState, state: Off
 
 
 def adamw_on_ssd(cfg: OptimizerConfig, total_steps: int, state: OffloadedAdamState) -> optax.GradientTransformation:
-    """:func:`adamw_in_memory`'s twin: ``clip_by_global_norm`` (if configured), then :func:`ssd_adamw`."""
+    """:func:`adamw_in_memory`'s twin: ``clip_by_global_norm`` (if configured), then :func:`ssd_adamw`.
+    ``state`` must keep its moments in ``cfg.state_dtype`` (``OffloadedAdamState.create(...,
+    state=StateFormat.of(cfg.state_dtype, cfg.state_block))``)."""
+    if state.layout.state.dtype != cfg.state_dtype:
+        raise ValueError(f"optimizer.state_dtype is {cfg.state_dtype!r} but the SSD state keeps "
+                         f"{state.layout.state.dtype} moments; create it with that format")
     s = AdamWSettings.from_config(cfg, total_steps)
     tx = ssd_adamw(s.learning_rate, s.b1, s.b2, s.eps, s.weight_decay, state=state)
     if cfg.grad_clip_norm is not None:

@@ -51,7 +51,8 @@ from jaxascend.offload.layout import (PARAM_SLOT_CLASS, STATE_SLOT_CLASS, STATE_
 from jaxascend.offload.param_source import ParamSource
 from jaxascend.offload.store_sink import (BufferTarget, Fp32BufferGradientSink, SinkTarget, StoreGradientSink,
                                           register_store_sink)
-from jaxascend.optim import AdamHyperParams, fused_adamw_update_numpy
+from jaxascend.optim import AdamHyperParams, StateFormat, fused_adamw_update_numpy
+from jaxascend.optim import state_codes
 from jaxascend.ssd import (ArenaError, ArenaPlan, HostArena, Segment, SlotRequest, SsdStore, format_bytes,
                            round_to_alignment)
 
@@ -123,25 +124,27 @@ class OffloadedAdamState:
 
     @staticmethod
     def arena_requests(params_spec, cfg: OffloadConfig, stacked: StackedSpec = None,
-                       stream_params: bool = False, row_blocks=None) -> list[SlotRequest]:
+                       stream_params: bool = False, row_blocks=None,
+                       state: StateFormat = StateFormat()) -> list[SlotRequest]:
         """The arena slots a step over ``params_spec`` needs (add them to the arena plan)."""
-        return OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks).arena_requests()
+        return OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks, state).arena_requests()
 
     @classmethod
     def create(cls, params_spec, cfg: OffloadConfig, *, stacked: StackedSpec = None, kernel_threads: int = 1,
                extra_requests: tuple[SlotRequest, ...] = (), stream_params: bool = False,
-               row_blocks=None) -> "OffloadedAdamState":
+               row_blocks=None, state: StateFormat = StateFormat()) -> "OffloadedAdamState":
         """Builds the arena (store staging + step slots + ``extra_requests``), opens the store in
         ``cfg.dir`` and lays out the state; :meth:`close` then closes all three."""
         plan = (ArenaPlan().extend(SsdStore.arena_requests(cfg))
-                .extend(OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks).arena_requests())
+                .extend(OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks,
+                                           state).arena_requests())
                 .extend(extra_requests))
         arena = HostArena(plan, cfg)
         store = None
         try:
             store = SsdStore(cfg, arena)
             owner = cls(store, params_spec, stacked=stacked, kernel_threads=kernel_threads,
-                        stream_params=stream_params, row_blocks=row_blocks)
+                        stream_params=stream_params, row_blocks=row_blocks, state=state)
         except BaseException:
             if store is not None:
                 store.close()
@@ -151,11 +154,11 @@ class OffloadedAdamState:
         return owner
 
     def __init__(self, store: SsdStore, params_spec, *, stacked: StackedSpec = None, kernel_threads: int = 1,
-                 stream_params: bool = False, row_blocks=None):
+                 stream_params: bool = False, row_blocks=None, state: StateFormat = StateFormat()):
         if int(kernel_threads) < 1:
             raise ValueError(f"offloaded AdamW: kernel_threads must be >= 1, got {kernel_threads}")
         self.store = store
-        self.layout = OffloadLayout.plan(params_spec, store.cfg, stacked, stream_params, row_blocks)
+        self.layout = OffloadLayout.plan(params_spec, store.cfg, stacked, stream_params, row_blocks, state)
         self.kernel_threads = int(kernel_threads)
         self.state_id = next(_owner_ids)  # what an optax state names to find this owner
         self.updates_applied = 0  # AdamW updates the SSD state has had since init (or restore)
@@ -164,7 +167,7 @@ class OffloadedAdamState:
         grads_on_ssd = self.layout.grads_on_ssd
         for leaf in self.layout.leaves:
             for layer, (state_region, grad_region) in enumerate(zip(leaf.state_regions, leaf.grad_regions)):
-                store.add_region(state_region, leaf.state_layer_bytes)
+                store.add_region(state_region, self.layout.state_layer_bytes(leaf))
                 if grads_on_ssd:
                     store.add_region(grad_region, leaf.grad_layer_bytes)
                 if leaf.streamed:
@@ -208,9 +211,9 @@ class OffloadedAdamState:
         self._arrivals: dict[int, int] = {}
         self._owned: tuple = ()  # (store, arena) when made by create()
         self._lock = threading.RLock()
-        log.info("offloaded AdamW: %d leaves, %d parameters, %s of state on SSD, %d chunks of %d elements",
+        log.info("offloaded AdamW: %d leaves, %d parameters, %s of %s state on SSD, %d chunks of %d elements",
                  len(self.layout.leaves), self.layout.num_parameters, format_bytes(self.layout.state_bytes),
-                 len(self._chunks), self.layout.chunk_elements)
+                 self.layout.state.dtype, len(self._chunks), self.layout.chunk_elements)
 
     def _check_arena(self) -> None:
         for request in self.layout.arena_requests():
@@ -300,9 +303,9 @@ class OffloadedAdamState:
                         self._write_compute_params(ref.leaf, values, compute, whole_leaves, ref.layer)
                 start = ref.flat_start if whole_leaves else ref.start
                 n = ref.count
-                state = chunk.arrays[0].view(np.float32)
-                state[:n] = values[start:start + n]
-                state[n:] = 0.0
+                raw = chunk.arrays[0]
+                raw[:4 * n].view(np.float32)[:] = values[start:start + n]
+                raw[4 * n:ref.state_bytes] = 0  # zero moments in every format (int8: code 0, scale 0)
                 if ref.last_of_leaf:
                     values = None
         self.store.flush()  # the compute weights' writes are on disk (or their error raises here)
@@ -501,7 +504,7 @@ class OffloadedAdamState:
                             hosts[leaf.index] = outputs.get(leaf.index)
                             if hosts[leaf.index] is None:
                                 hosts[leaf.index] = np.empty(leaf.size, leaf.dtype)
-                        state = chunk.arrays[0].view(np.float32)
+                        master, m, v, m_scale, v_scale = ref.record.views(chunk.arrays[0])
                         if self.grad_buffer is None:
                             grad = chunk.arrays[1].view(leaf.dtype)
                         else:
@@ -510,8 +513,8 @@ class OffloadedAdamState:
                         # chunk's parameter slot, written back to SSD behind the kernel.
                         out = chunk.arrays[-1].view(leaf.dtype)[:n] if streamed else \
                             hosts[leaf.index][ref.flat_start:ref.flat_start + n]
-                        fused_adamw_update_numpy(state[:n], state[n:2 * n], state[2 * n:], grad[:n], out, scalars,
-                                                 threads=self.kernel_threads)
+                        fused_adamw_update_numpy(master, m, v, grad[:n], out, scalars, threads=self.kernel_threads,
+                                                 state=self.layout.state, m_scale=m_scale, v_scale=v_scale)
                         if handover is not None and streamed:
                             if ref.layer not in handed:
                                 handed[ref.layer] = handover.acquire_handover(ref.layer)
@@ -592,8 +595,9 @@ class OffloadedAdamState:
     # ------------------------------------------------------------------ reading back
     @_serialized
     def read_state(self, leaf: LeafRef, which: str = "master", layer: Optional[int] = None) -> np.ndarray:
-        """One leaf's fp32 ``master``, ``m`` or ``v`` read back from SSD (leaf shape; for
-        checkpoints, exports and tests: one chunk of staging at a time). ``layer``: only that
+        """One leaf's ``master``, ``m`` or ``v`` read back from SSD as float32 (leaf shape; for
+        checkpoints, exports and tests: one chunk of staging at a time); compressed moments are
+        decoded (bfloat16 widened, int8 codes times their block's scale). ``layer``: only that
         layer of a stacked leaf (its layer shape), so a reader never holds a whole stack."""
         if which not in STATE_TENSORS:
             raise ValueError(f"offloaded AdamW: which must be one of {STATE_TENSORS}, got {which!r}")
@@ -602,16 +606,25 @@ class OffloadedAdamState:
         if layer is not None and not (leaf.stacked and 0 <= layer < leaf.layers):
             raise ValueError(f"offloaded AdamW: leaf {leaf.path!r} has no layer {layer} "
                              f"({leaf.layers if leaf.stacked else 'not'} stacked)")
-        k = STATE_TENSORS.index(which)
         first = 0 if layer is None else layer * leaf.layer_elements
         out = np.empty(leaf.size if layer is None else leaf.layer_elements, np.float32)
+        fmt = self.layout.state
         for ref in self._chunks:
             if ref.leaf.index != leaf.index or (layer is not None and ref.layer != layer):
                 continue
             n = ref.count
             raw = self.store.read(leaf.state_regions[ref.layer], offset=ref.state_offset, nbytes=ref.state_bytes,
-                                  dtype=np.float32)
-            out[ref.flat_start - first:ref.flat_start - first + n] = raw[k * n:(k + 1) * n]
+                                  dtype=np.uint8)
+            master, m, v, m_scale, v_scale = ref.record.views(raw)
+            if which == "master" or fmt.dtype == "float32":
+                values = {"master": master, "m": m, "v": v}[which]
+            elif fmt.dtype == "bfloat16":
+                values = state_codes.bf16_widen(m if which == "m" else v)
+            elif which == "m":
+                values = state_codes.dequantize_m(m, m_scale, fmt.block)
+            else:
+                values = state_codes.dequantize_v(v, v_scale, fmt.block)
+            out[ref.flat_start - first:ref.flat_start - first + n] = values
         return out.reshape(leaf.shape if layer is None else leaf.layer_shape)
 
     @_serialized
