@@ -13,11 +13,18 @@ through /proc/self/clear_refs just before it).
 
     python scripts/bench_optimizer_step.py --params 20M      # smoke run
     python scripts/bench_optimizer_step.py                   # 180M params: 2.16 GB of state
+    python scripts/bench_optimizer_step.py --state-dtypes float32,bfloat16,int8   # compressed moments
+
+With several ``--state-dtypes`` the states are laid out side by side and their steps alternate
+round by round (the order flips each round); the comparison reports the SSD bytes per parameter
+of a training step (the backward's gradient write + the optimizer's reads and writes) and the
+optimizer-phase time ratio against the bytes ratio (``time_over_bytes`` 1.0: time follows bytes).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -33,10 +40,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_io import raw_direct  # noqa: E402  (the same raw O_DIRECT measurement as bench_io.py)
+from bench_step import cpu_model  # noqa: E402
 
 from jaxascend.config import OffloadConfig, parse_bytes  # noqa: E402
 from jaxascend.offload import OffloadedAdamState  # noqa: E402
-from jaxascend.optim import AdamHyperParams  # noqa: E402
+from jaxascend.optim import AdamHyperParams, StateFormat  # noqa: E402
 
 
 def parse_count(text: str) -> int:
@@ -98,87 +106,141 @@ def write_gradients(state: OffloadedAdamState, grad: np.ndarray) -> None:
     state.mark_gradients_written()
 
 
+def _median_range(values) -> dict:
+    values = list(values)
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="180M", help="parameter count (default 180M = 2.16 GB of fp32 state)")
     ap.add_argument("--layer-elements", default="16M", help="elements per stacked layer")
     ap.add_argument("--dir", default=None, help="parent folder for scratch files (default: system temp)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed steps (each after a raw measurement)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps per state dtype (rounds, alternating)")
     ap.add_argument("--chunk", default="64MiB", help="offload.chunk_bytes (fp32 bytes per state tensor)")
     ap.add_argument("--block", default="1MiB", help="offload.block_bytes")
     ap.add_argument("--io-threads", type=int, default=8)
     ap.add_argument("--depth", type=int, default=3, help="offload.stream_depth")
     ap.add_argument("--kernel-threads", type=int, default=1)
     ap.add_argument("--raw-request", default="64MiB", help="request size of the raw O_DIRECT loop")
+    ap.add_argument("--state-dtypes", default="float32",
+                    help="comma-separated optimizer.state_dtype values to compare in one run, alternating "
+                         "(e.g. float32,bfloat16,int8; the first is the baseline of the ratios)")
+    ap.add_argument("--state-block", type=int, default=2048, help="optimizer.state_block of int8 state")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
 
+    dtypes = [d.strip() for d in args.state_dtypes.split(",") if d.strip()]
+    formats = {d: StateFormat.of(d, args.state_block) for d in dtypes}
     n_params = parse_count(args.params)
     spec, stacked = model_spec(n_params, parse_count(args.layer_elements))
     work = Path(tempfile.mkdtemp(prefix="jaxascend-bench-step-", dir=args.dir))
-    cfg = OffloadConfig(dir=str(work / "offload"), chunk_bytes=args.chunk, block_bytes=args.block,
-                        staging_bytes=args.block, shard_bytes="1GiB", io_threads=args.io_threads,
-                        stream_depth=args.depth)
-    steps, raws = [], []
+    steps: dict[str, list] = {d: [] for d in dtypes}
+    raws, per_dtype = [], {}
     try:
-        with OffloadedAdamState.create(spec, cfg, stacked=stacked, kernel_threads=args.kernel_threads) as state:
-            init_seconds = fill_state(state, seed=0)
-            arena = state.store.arena
-            largest = max(leaf.layer_elements for leaf in state.leaves)
+        with contextlib.ExitStack() as stack:
+            states = {}
+            for d in dtypes:
+                cfg = OffloadConfig(dir=str(work / f"offload-{d}"), chunk_bytes=args.chunk, block_bytes=args.block,
+                                    staging_bytes=args.block, shard_bytes="1GiB", io_threads=args.io_threads,
+                                    stream_depth=args.depth)
+                states[d] = stack.enter_context(OffloadedAdamState.create(
+                    spec, cfg, stacked=stacked, kernel_threads=args.kernel_threads, state=formats[d]))
+                per_dtype[d] = {"init_seconds": round(fill_state(states[d], seed=0), 3)}
+            first = states[dtypes[0]]
+            largest = max(leaf.layer_elements for leaf in first.leaves)
             grad = (np.random.default_rng(1).standard_normal(largest, dtype=np.float32)
                     * np.float32(1e-3)).astype(ml_dtypes.bfloat16)
             scalars = [np.asarray(AdamHyperParams(lr=1e-4, weight_decay=0.01, count=i).scalars())
                        for i in range(args.repeats)]
             peak_before_steps = vm_kib("VmHWM") * 1024
-            params = None
             for i in range(args.repeats):
-                read_bytes = state.layout.state_bytes + state.layout.grad_bytes
+                read_bytes = first.layout.state_bytes + first.layout.grad_bytes
                 w_gbps, r_gbps = raw_direct(work / "raw.bin", read_bytes, parse_bytes(args.raw_request, "--raw"))
-                write_gradients(state, grad)  # not timed: the backward pass writes these
-                params = None  # the step does not need the old params: drop them first
-                rss_before = vm_kib("VmRSS") * 1024
-                reset_ok = reset_peak_rss()
-                params = state.step(scalars[i])
-                jax.block_until_ready(params)
-                s = state.last_step
-                raw_seconds = s.bytes_read / (r_gbps * 1e9) + s.bytes_written / (w_gbps * 1e9)
-                raws.append({"write_gbps": round(w_gbps, 3), "read_gbps": round(r_gbps, 3),
-                             "seconds_for_step_bytes": round(raw_seconds, 3)})
-                steps.append({"seconds": round(s.seconds, 3), "bytes_read": s.bytes_read,
-                              "bytes_written": s.bytes_written, "ssd_gbps": round(s.ssd_gbps, 3),
-                              "read_busy_seconds": round(s.read_busy_seconds, 3),
-                              "write_busy_seconds": round(s.write_busy_seconds, 3),
-                              "ratio_to_raw": round(s.seconds / raw_seconds, 3),
-                              "rss_before_bytes": rss_before,
-                              "peak_rss_step_bytes": vm_kib("VmHWM") * 1024 if reset_ok else None})
+                raws.append({"write_gbps": round(w_gbps, 3), "read_gbps": round(r_gbps, 3)})
+                order = dtypes if i % 2 == 0 else dtypes[::-1]  # alternate who goes first
+                for d in order:
+                    state = states[d]
+                    before = state.store.stats()["bytes_written"]
+                    write_gradients(state, grad)  # not timed: the backward pass writes these
+                    grad_written = state.store.stats()["bytes_written"] - before
+                    rss_before = vm_kib("VmRSS") * 1024
+                    reset_ok = reset_peak_rss()
+                    params = state.step(scalars[i])
+                    jax.block_until_ready(params)
+                    del params
+                    s = state.last_step
+                    raw_seconds = s.bytes_read / (r_gbps * 1e9) + s.bytes_written / (w_gbps * 1e9)
+                    steps[d].append({"seconds": round(s.seconds, 3), "bytes_read": s.bytes_read,
+                                     "bytes_written": s.bytes_written, "gradient_bytes_written": grad_written,
+                                     "ssd_gbps": round(s.ssd_gbps, 3),
+                                     "read_busy_seconds": round(s.read_busy_seconds, 3),
+                                     "write_busy_seconds": round(s.write_busy_seconds, 3),
+                                     "raw_seconds_for_step_bytes": round(raw_seconds, 3),
+                                     "ratio_to_raw": round(s.seconds / raw_seconds, 3),
+                                     "rss_before_bytes": rss_before,
+                                     "peak_rss_step_bytes": vm_kib("VmHWM") * 1024 if reset_ok else None})
+            n = first.layout.num_parameters
+            for d, state in states.items():
+                arena = state.store.arena
+                per_dtype[d].update({
+                    "state_bytes": state.layout.state_bytes, "state_bytes_per_param": round(state.layout.state_bytes / n, 4),
+                    "chunk_elements": state.layout.chunk_elements, "arena_bytes": arena.capacity,
+                    "arena_high_water_bytes": arena.high_water_bytes, "direct_io": state.store.direct_io})
             result = {
-                "params": state.layout.num_parameters, "leaves": {leaf.path: list(leaf.shape) for leaf in state.leaves},
-                "state_bytes": state.layout.state_bytes, "grad_bytes": state.layout.grad_bytes,
-                "compute_param_bytes": state.layout.grad_bytes, "chunk_elements": state.layout.chunk_elements,
-                "arena_bytes": arena.capacity, "arena_high_water_bytes": arena.high_water_bytes,
-                "direct_io": state.store.direct_io, "init_seconds": round(init_seconds, 3),
-                "config": {"chunk_bytes": cfg.chunk_bytes, "block_bytes": cfg.block_bytes,
-                           "io_threads": cfg.io_threads, "stream_depth": cfg.stream_depth,
-                           "kernel_threads": args.kernel_threads},
+                "params": n, "leaves": {leaf.path: list(leaf.shape) for leaf in first.leaves},
+                "grad_bytes": first.layout.grad_bytes, "compute_param_bytes": first.layout.grad_bytes,
+                "config": {"chunk_bytes": args.chunk, "block_bytes": args.block, "io_threads": args.io_threads,
+                           "stream_depth": args.depth, "kernel_threads": args.kernel_threads,
+                           "state_block": args.state_block},
             }
     finally:
         shutil.rmtree(work, ignore_errors=True)  # only the folder this run created
 
-    result["steps"] = steps
+    for d in dtypes:
+        runs = steps[d]
+        r = per_dtype[d]
+        r["steps"] = runs
+        r["step_seconds"] = _median_range(x["seconds"] for x in runs)
+        # What one training step moves on SSD per parameter: the backward's gradient write, then
+        # the optimizer's reads (state records + gradient) and writes (state records).
+        r["ssd_bytes_per_param_step"] = round(statistics.median(
+            (x["bytes_read"] + x["bytes_written"] + x["gradient_bytes_written"]) / n for x in runs), 3)
+        r["optimizer_bytes_per_param"] = round(statistics.median((x["bytes_read"] + x["bytes_written"]) / n
+                                                                 for x in runs), 3)
+        r["ssd_gbps"] = statistics.median(x["ssd_gbps"] for x in runs)
+        r["ratio_step_to_raw"] = _median_range(x["ratio_to_raw"] for x in runs)
+        peaks = [x["peak_rss_step_bytes"] for x in runs if x["peak_rss_step_bytes"] is not None]
+        r["peak_rss_step_bytes"] = max(peaks) if peaks else None
+    base = dtypes[0]
+    comparison = {}
+    for d in dtypes[1:]:
+        # per round (the two steps ran back to back), then the median and range over rounds
+        time_ratios = [a["seconds"] / b["seconds"] for a, b in zip(steps[d], steps[base])]
+        byte_ratio = per_dtype[d]["optimizer_bytes_per_param"] / per_dtype[base]["optimizer_bytes_per_param"]
+        time_ratio = statistics.median(time_ratios)
+        comparison[f"{d} vs {base}"] = {
+            "ssd_bytes_per_param_step": [per_dtype[base]["ssd_bytes_per_param_step"],
+                                         per_dtype[d]["ssd_bytes_per_param_step"]],
+            "optimizer_bytes_ratio": round(byte_ratio, 4),
+            "optimizer_time_ratio": _median_range(time_ratios),
+            # "down in proportion": the time ratio over the bytes ratio, 1.0 when time follows bytes
+            "time_over_bytes": round(time_ratio / byte_ratio, 4),
+            "within_15_percent": abs(time_ratio / byte_ratio - 1) <= 0.15,
+        }
+    result["state_dtypes"] = per_dtype
+    result["comparison"] = comparison
     result["raw_direct"] = raws
-    result["step_seconds"] = statistics.median(s["seconds"] for s in steps)
-    result["ssd_gbps"] = statistics.median(s["ssd_gbps"] for s in steps)
-    result["raw_seconds_for_step_bytes"] = statistics.median(r["seconds_for_step_bytes"] for r in raws)
-    # The disk is noisy: each step's ratio to the raw run seconds before it is the fair one.
-    result["ratio_step_to_raw"] = statistics.median(s["ratio_to_raw"] for s in steps)
+    result["step_seconds"] = per_dtype[base]["step_seconds"]["median"]
+    result["ratio_step_to_raw"] = per_dtype[base]["ratio_step_to_raw"]["median"]
     result["target_ratio"] = 1.15
     result["meets_target"] = result["ratio_step_to_raw"] <= 1.15
-    step_peaks = [s["peak_rss_step_bytes"] for s in steps if s["peak_rss_step_bytes"] is not None]
-    # VmHWM was reset before each step, so the process peak is the larger of the peak before
-    # the steps (setup: params for init, arena) and the steps' own peaks.
-    result["peak_rss_bytes"] = max([peak_before_steps, vm_kib("VmHWM") * 1024] + step_peaks)
-    result["peak_rss_step_bytes"] = max(step_peaks) if step_peaks else None
-    json.dump(result, sys.stdout, indent=2)
-    print()
+    result["peak_rss_bytes"] = max([peak_before_steps, vm_kib("VmHWM") * 1024])
+    result["cpu"] = cpu_model()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
     return result
 
 
