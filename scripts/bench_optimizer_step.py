@@ -111,6 +111,37 @@ def _median_range(values) -> dict:
     return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
+def plot(result: dict, path: Path) -> None:
+    """Per state dtype: SSD bytes per parameter of a training step, and the optimizer step's
+    seconds (median, min-max) beside the float32 time scaled by the bytes ratio."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per = result["state_dtypes"]
+    names = list(per)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.bar(names, [per[d]["ssd_bytes_per_param_step"] for d in names], color=[f"C{i}" for i in range(len(names))])
+    for i, d in enumerate(names):
+        a.text(i, per[d]["ssd_bytes_per_param_step"], f"{per[d]['ssd_bytes_per_param_step']:.1f}", ha="center",
+               va="bottom")
+    a.set_ylabel("SSD bytes / parameter / step")
+    a.set_title(f"{result['params'] / 1e6:.0f}M params: gradient + optimizer traffic")
+    med = [per[d]["step_seconds"]["median"] for d in names]
+    err = [[m - per[d]["step_seconds"]["min"] for d, m in zip(names, med)],
+           [per[d]["step_seconds"]["max"] - m for d, m in zip(names, med)]]
+    b.bar(names, med, yerr=err, capsize=4, color=[f"C{i}" for i in range(len(names))], label="measured")
+    base = names[0]
+    scaled = [per[base]["step_seconds"]["median"] * per[d]["optimizer_bytes_per_param"]
+              / per[base]["optimizer_bytes_per_param"] for d in names]
+    b.scatter(names, scaled, color="red", marker="_", s=900, zorder=3, label=f"{base} time x bytes ratio")
+    b.set_ylabel("optimizer step (s)")
+    b.set_title(result.get("cpu", ""), fontsize=8)
+    b.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="180M", help="parameter count (default 180M = 2.16 GB of fp32 state)")
@@ -127,8 +158,13 @@ def main(argv=None) -> dict:
                     help="comma-separated optimizer.state_dtype values to compare in one run, alternating "
                          "(e.g. float32,bfloat16,int8; the first is the baseline of the ratios)")
     ap.add_argument("--state-block", type=int, default=2048, help="optimizer.state_block of int8 state")
-    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here (and a PNG beside it)")
+    ap.add_argument("--replot", type=Path, default=None, help="only redraw the PNG of a saved JSON")
     args = ap.parse_args(argv)
+    if args.replot is not None:
+        result = json.loads(args.replot.read_text())
+        plot(result, args.replot.with_suffix(".png"))
+        return result
 
     dtypes = [d.strip() for d in args.state_dtypes.split(",") if d.strip()]
     formats = {d: StateFormat.of(d, args.state_block) for d in dtypes}
@@ -241,6 +277,8 @@ def main(argv=None) -> dict:
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")
+        if len(dtypes) > 1:
+            plot(result, args.out.with_suffix(".png"))
     return result
 
 

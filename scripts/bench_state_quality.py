@@ -14,7 +14,7 @@ well under 1% of the loss); a bf16 moment is 16x finer than their 8-bit one. The
 gives the largest gap between the curves smoothed over 20 steps, and the seed-to-seed spread of
 the float32 runs where ``--seed-spread`` adds a second float32 run with another data seed.
 
-    python scripts/bench_state_quality.py                       # both models (about an hour)
+    python scripts/bench_state_quality.py --seed-spread tiny    # both models (about 75 minutes)
     python scripts/bench_state_quality.py --only tiny --tiny-steps 100   # smoke run
 """
 
@@ -81,24 +81,44 @@ def compare(runs: dict) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
+    """One PNG: per model, the loss curves (top) and each compressed run's smoothed loss relative
+    to the float32-state run's, with the tolerance band (bottom)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.2), squeeze=False)
-    for ax, (model, res) in zip(axes[0], results.items()):
+    fig, axes = plt.subplots(2, len(results), figsize=(6.5 * len(results), 7.0), squeeze=False,
+                             gridspec_kw={"height_ratios": [2, 1]})
+    for k, (model, res) in enumerate(results.items()):
+        top, bottom = axes[0][k], axes[1][k]
+        base = smooth(np.asarray(res["runs"]["float32"]["losses"]), 10)
         for d, r in res["runs"].items():
             y = smooth(np.asarray(r["losses"]), 10)
-            ax.plot(np.arange(len(y)) + 10, y, label=f"{d} state", lw=1.2)
-        ax.set_title(f"{model}: {res['num_params'] / 1e6:.0f}M params, {res['steps']} steps")
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss (mean of 10 steps)")
+            color = f"C{DTYPES.index(d)}" if d in DTYPES else None
+            top.plot(np.arange(len(y)) + 10, y, label=f"{d} state", lw=1.2, color=color)
+            if d != "float32":
+                bottom.plot(np.arange(len(y)) + 10, (y / base - 1) * 100, label=d, lw=1.0, color=color)
+        top.set_title(f"{model}: {res['num_params'] / 1e6:.0f}M params, {res['steps']} steps")
+        top.set_ylabel("training loss (mean of 10 steps)")
         verdict = ", ".join(f"{d}: {c['final_relative_difference'] * 100:+.2f}%" for d, c in res["comparison"].items())
-        ax.text(0.98, 0.95, f"last 10% vs float32: {verdict}\ntolerance ±{TOLERANCE * 100:.0f}%",
-                transform=ax.transAxes, ha="right", va="top", fontsize=8)
-        ax.legend(loc="lower left", fontsize=8)
+        top.text(0.98, 0.95, f"last 10% vs float32: {verdict}\ntolerance ±{TOLERANCE * 100:.0f}%",
+                 transform=top.transAxes, ha="right", va="top", fontsize=8)
+        top.legend(loc="lower left", fontsize=8)
+        bottom.axhspan(-TOLERANCE * 100, TOLERANCE * 100, color="0.9", label="tolerance")
+        bottom.axhline(0, color="0.5", lw=0.6)
+        bottom.set_xlabel("step")
+        bottom.set_ylabel("vs float32 state (%)")
+        bottom.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def report_of(results: dict) -> dict:
+    return {"tolerance": TOLERANCE, "cpu": cpu_model(), "models": {
+        m: {k: v for k, v in r.items() if k != "runs"} | {"runs": {d: {k: v for k, v in x.items() if k != "losses"}
+                                                                    | {"final_loss": x["losses"][-1]}
+                                                                    for d, x in r["runs"].items()}}
+        for m, r in results.items()}}
 
 
 def main(argv=None) -> dict:
@@ -106,13 +126,27 @@ def main(argv=None) -> dict:
     p.add_argument("--only", choices=["tiny", "0.54b"], default=None)
     p.add_argument("--tiny-steps", type=int, default=1000)
     p.add_argument("--large-steps", type=int, default=100)
-    p.add_argument("--seed-spread", action="store_true", help="add a float32 run with data.seed=1")
+    p.add_argument("--seed-spread", default="", help="comma-separated models (tiny, 0.54b) that get a second "
+                   "float32 run with data.seed=1: the run-to-run spread beside the state dtypes' differences")
     p.add_argument("--work-dir", default="/tmp/jaxascend-bench-quality")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_state_quality"))
+    p.add_argument("--replot", type=Path, default=None,
+                   help="redraw the PNG (and the JSON's comparison) from a saved JSON instead of training")
     args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.replot is not None:
+        saved = json.loads(args.replot.read_text())
+        results = {}
+        for m, r in saved["models"].items():
+            runs = {d: x | {"losses": saved["losses"][m][d]} for d, x in r["runs"].items()}
+            r["comparison"] = compare(runs)
+            results[m] = r | {"runs": runs}
+        args.replot.write_text(json.dumps(saved) + "\n")
+        plot(results, out.with_suffix(".png"))
+        return saved
     work = Path(args.work_dir)
-    models = {"tiny": ([f"train.steps={args.tiny_steps}"], args.tiny_steps),
-              "0.54b": (LARGE + [f"train.steps={args.large_steps}"], args.large_steps)}
+    models = {"0.54b": (LARGE + [f"train.steps={args.large_steps}"], args.large_steps),
+              "tiny": ([f"train.steps={args.tiny_steps}"], args.tiny_steps)}
     if args.only:
         models = {args.only: models[args.only]}
     results = {}
@@ -122,17 +156,12 @@ def main(argv=None) -> dict:
             runs[d] = train(f"{model}-{d}", overrides + [f"optimizer.state_dtype={d}"], work)
             print(f"{model} {d}: final loss {runs[d]['losses'][-1]:.4f} in {runs[d]['seconds']} s", file=sys.stderr)
         res = {"steps": steps, "num_params": runs["float32"]["num_params"], "runs": runs, "comparison": compare(runs)}
-        if args.seed_spread:
+        if model in args.seed_spread.split(","):
             other = train(f"{model}-float32-seed1", overrides + ["data.seed=1"], work)
             res["seed_spread_final_relative_difference"] = compare({"float32": runs["float32"],
                                                                     "seed1": other})["seed1"]["final_relative_difference"]
         results[model] = res
-    report = {"tolerance": TOLERANCE, "cpu": cpu_model(), "models": {
-        m: {k: v for k, v in r.items() if k != "runs"} | {"runs": {d: {k: v for k, v in x.items() if k != "losses"}
-                                                                    | {"final_loss": x["losses"][-1]}
-                                                                    for d, x in r["runs"].items()}}
-        for m, r in results.items()}}
-    out = Path(args.out)
+    report = report_of(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.with_suffix(".json")).write_text(json.dumps(report | {"losses": {m: {d: x["losses"] for d, x in
                                                                              r["runs"].items()}
