@@ -282,28 +282,40 @@ JAXASCEND_TARGET_AVX2 inline void Store8(void* p, int64_t i, __m256 x) {
   }
 }
 
+// The hyperparameters broadcast to 8 lanes, and one 8-lane update: the scalar AdamElement's
+// operations in its order. Returns the new master; *m and *v get the new moments.
+struct Avx2Scalars {
+  __m256 lr, b1, b2, eps, wd, grad_scale, inv_bc1, inv_bc2, omb1, omb2;
+};
+
+JAXASCEND_TARGET_AVX2 inline Avx2Scalars Broadcast8(const AdamScalars& s) {
+  return {_mm256_set1_ps(s.lr), _mm256_set1_ps(s.b1), _mm256_set1_ps(s.b2), _mm256_set1_ps(s.eps),
+          _mm256_set1_ps(s.weight_decay), _mm256_set1_ps(s.grad_scale),
+          _mm256_set1_ps(1.0f / s.bias_correction1), _mm256_set1_ps(1.0f / s.bias_correction2),
+          _mm256_set1_ps(s.one_minus_b1), _mm256_set1_ps(s.one_minus_b2)};
+}
+
+JAXASCEND_TARGET_AVX2 inline __m256 AdamUpdate8(const Avx2Scalars& c, __m256 grad, __m256 master,
+                                                __m256 m_old, __m256 v_old, __m256* m, __m256* v) {
+  const __m256 g = _mm256_mul_ps(grad, c.grad_scale);
+  *m = _mm256_add_ps(_mm256_mul_ps(c.omb1, g), _mm256_mul_ps(c.b1, m_old));
+  *v = _mm256_add_ps(_mm256_mul_ps(c.omb2, _mm256_mul_ps(g, g)), _mm256_mul_ps(c.b2, v_old));
+  const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(*v, c.inv_bc2)), c.eps);
+  const __m256 update = _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(*m, c.inv_bc1), denom),
+                                      _mm256_mul_ps(c.wd, master));
+  return _mm256_sub_ps(master, _mm256_mul_ps(c.lr, update));
+}
+
 template <AdamElem G, AdamElem P, AdamElem S>
 JAXASCEND_TARGET_AVX2 void AdamRangeAvx2(const AdamBuffers& b, const AdamScalars& s,
                                          int64_t begin, int64_t end) {
-  const __m256 lr = _mm256_set1_ps(s.lr), b1 = _mm256_set1_ps(s.b1), b2 = _mm256_set1_ps(s.b2);
-  const __m256 eps = _mm256_set1_ps(s.eps), wd = _mm256_set1_ps(s.weight_decay);
-  const __m256 grad_scale = _mm256_set1_ps(s.grad_scale);
-  const __m256 inv_bc1 = _mm256_set1_ps(1.0f / s.bias_correction1);
-  const __m256 inv_bc2 = _mm256_set1_ps(1.0f / s.bias_correction2);
-  const __m256 omb1 = _mm256_set1_ps(s.one_minus_b1), omb2 = _mm256_set1_ps(s.one_minus_b2);
+  const Avx2Scalars c = Broadcast8(s);
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
     PrefetchInputs<G, S>(b, i);
-    const __m256 g = _mm256_mul_ps(Load8<G>(b.grad, i), grad_scale);
-    const __m256 master = _mm256_loadu_ps(b.master_in + i);
-    const __m256 m = _mm256_add_ps(_mm256_mul_ps(omb1, g),
-                                   _mm256_mul_ps(b1, Load8<S>(b.m_in, i)));
-    const __m256 v = _mm256_add_ps(_mm256_mul_ps(omb2, _mm256_mul_ps(g, g)),
-                                   _mm256_mul_ps(b2, Load8<S>(b.v_in, i)));
-    const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(v, inv_bc2)), eps);
-    const __m256 update = _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(m, inv_bc1), denom),
-                                        _mm256_mul_ps(wd, master));
-    const __m256 new_master = _mm256_sub_ps(master, _mm256_mul_ps(lr, update));
+    __m256 m, v;
+    const __m256 new_master = AdamUpdate8(c, Load8<G>(b.grad, i), _mm256_loadu_ps(b.master_in + i),
+                                          Load8<S>(b.m_in, i), Load8<S>(b.v_in, i), &m, &v);
     _mm256_storeu_ps(b.master_out + i, new_master);
     Store8<S>(b.m_out, i, m);
     Store8<S>(b.v_out, i, v);
@@ -362,12 +374,8 @@ JAXASCEND_TARGET_AVX2 inline uint32_t HorizontalMax(__m256i x) {
 template <AdamElem G, AdamElem P>
 JAXASCEND_TARGET_AVX2 void AdamRangeInt8Avx2(const AdamBuffers& b, const AdamScalars& s,
                                              int64_t begin, int64_t end) {
-  const __m256 lr = _mm256_set1_ps(s.lr), b1 = _mm256_set1_ps(s.b1), b2 = _mm256_set1_ps(s.b2);
-  const __m256 eps = _mm256_set1_ps(s.eps), wd = _mm256_set1_ps(s.weight_decay);
-  const __m256 grad_scale = _mm256_set1_ps(s.grad_scale);
+  const Avx2Scalars c = Broadcast8(s);
   const float inv_bc1_scalar = 1.0f / s.bias_correction1, inv_bc2_scalar = 1.0f / s.bias_correction2;
-  const __m256 inv_bc1 = _mm256_set1_ps(inv_bc1_scalar), inv_bc2 = _mm256_set1_ps(inv_bc2_scalar);
-  const __m256 omb1 = _mm256_set1_ps(s.one_minus_b1), omb2 = _mm256_set1_ps(s.one_minus_b2);
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256i sign_bit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
   alignas(64) float m_new[kAdamMaxBlock];
@@ -387,15 +395,9 @@ JAXASCEND_TARGET_AVX2 void AdamRangeInt8Avx2(const AdamBuffers& b, const AdamSca
       const __m256i m_sign = _mm256_slli_epi32(_mm256_and_si256(mc, _mm256_set1_epi32(0x80)), 24);
       const __m256 m_old = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(m_mag), m_sign));
       const __m256 w_old = _mm256_mul_ps(DecodeCode8<kWBits>(LoadCodes8(b.v_in, i)), w_scale8);
-      const __m256 g = _mm256_mul_ps(Load8<G>(b.grad, i), grad_scale);
-      const __m256 master = _mm256_loadu_ps(b.master_in + i);
-      const __m256 m = _mm256_add_ps(_mm256_mul_ps(omb1, g), _mm256_mul_ps(b1, m_old));
-      const __m256 v = _mm256_add_ps(_mm256_mul_ps(omb2, _mm256_mul_ps(g, g)),
-                                     _mm256_mul_ps(b2, _mm256_mul_ps(w_old, w_old)));
-      const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(v, inv_bc2)), eps);
-      const __m256 update = _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(m, inv_bc1), denom),
-                                          _mm256_mul_ps(wd, master));
-      const __m256 new_master = _mm256_sub_ps(master, _mm256_mul_ps(lr, update));
+      __m256 m, v;
+      const __m256 new_master = AdamUpdate8(c, Load8<G>(b.grad, i), _mm256_loadu_ps(b.master_in + i), m_old,
+                                            _mm256_mul_ps(w_old, w_old), &m, &v);
       _mm256_storeu_ps(b.master_out + i, new_master);
       Store8<P>(b.params_out, i, new_master);
       const __m256 w = _mm256_sqrt_ps(v);

@@ -1,8 +1,8 @@
 """Checkpoint throughput and memory: SSD-resident optimizer state streamed into an Orbax checkpoint.
 
 Lays out ``--state`` bytes of fp32 master/m/v in an SSD store the way the offloaded AdamW owner
-does (one region per leaf, ``master[n] | m[n] | v[n]`` interleaved per chunk of
-``offload.chunk_bytes``), fills it with random values, then measures:
+does (``jaxascend.offload.OffloadLayout``: one region per leaf and layer, ``master[n] | m[n] | v[n]``
+records per chunk of ``offload.chunk_bytes``, m and v in ``--state-dtype``), fills it with random values, then measures:
   * save: ``Checkpointer.save`` of the state (plus a small params tree) until the checkpoint is
     finalised; GB/s = state bytes / wall time;
   * peak RSS during the save above the RSS just before it (``VmHWM`` reset through
@@ -14,6 +14,7 @@ Prints one JSON object.
 
     python scripts/bench_checkpoint.py --state 256MiB        # smoke run
     python scripts/bench_checkpoint.py                       # 2 GiB of optimizer state
+    python scripts/bench_checkpoint.py --state-dtype int8    # the same parameters, 8-bit moments
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxascend import _native
@@ -34,6 +36,8 @@ from jaxascend.checkpoint import (CHECKPOINT_SHAPE_CLASS, Checkpointer, SsdArray
                                   specs_for_offload_layout)
 from jaxascend.config import CheckpointConfig, OffloadConfig, parse_bytes
 from jaxascend.metrics import rss_bytes
+from jaxascend.offload import OffloadLayout
+from jaxascend.optim import StateFormat
 from jaxascend.ssd import ArenaPlan, HostArena, Segment, SsdStore
 
 
@@ -51,18 +55,16 @@ def reset_peak_rss() -> None:
         f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
 
 
-def make_layout(state_bytes: int, leaves: int, chunk_elements: int, layers: int):
-    """A layout like jaxascend.offload.layout's: ``leaves`` stacked leaves [layers, rows, cols]."""
+def make_layout(state_bytes: int, leaves: int, cfg: OffloadConfig, layers: int, state: StateFormat):
+    """jaxascend.offload's layout of ``leaves`` stacked leaves [layers, rows, cols] holding as many
+    parameters as ``state_bytes`` of fp32 master+m+v, their moments in ``state``'s format."""
     params = state_bytes // 12
     per_layer = max(1, params // (leaves * layers))
     cols = 1024
     rows = max(1, per_layer // cols)
-    out = []
-    for i in range(leaves):
-        shape = (layers, rows + (i % 3), cols)  # uneven sizes: chunks and blocks do not line up
-        out.append(SimpleNamespace(path=f"layers/w{i}", shape=shape, layer_elements=shape[1] * shape[2],
-                                   state_regions=tuple(f"adam/{i}/L{l}/state" for l in range(layers))))
-    return SimpleNamespace(leaves=out, chunk_elements=chunk_elements)
+    # uneven sizes: chunks and blocks do not line up
+    spec = {f"w{i}": jax.ShapeDtypeStruct((layers, rows + (i % 3), cols), jnp.bfloat16) for i in range(leaves)}
+    return OffloadLayout.plan({"layers": spec}, cfg, stacked=True, state=state)
 
 
 def fill_random(store: SsdStore, regions: list[str], slot_bytes: int) -> dict[str, int]:
@@ -116,6 +118,9 @@ def main() -> None:
     ap.add_argument("--leaves", type=int, default=12)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--compression", default="none", choices=["none", "zstd"])
+    ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+                    help="optimizer.state_dtype of the moments (--state still counts fp32 bytes: the parameters)")
+    ap.add_argument("--state-block", type=int, default=2048, help="optimizer.state_block of int8 state")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one, removed after)")
     args = ap.parse_args()
 
@@ -127,16 +132,17 @@ def main() -> None:
                             shard_bytes="1GiB", pin_memory=False)
         plan = ArenaPlan().extend(SsdStore.arena_requests(cfg)).extend(checkpoint_arena_requests(cfg))
         with HostArena(plan, cfg) as arena, SsdStore(cfg, arena) as store:
-            layout = make_layout(state_bytes, args.leaves, cfg.chunk_bytes // 4, args.layers)
+            fmt = StateFormat.of(args.state_dtype, args.state_block)
+            layout = make_layout(state_bytes, args.leaves, cfg, args.layers, fmt)
             regions = []
             for leaf in layout.leaves:
                 for name in leaf.state_regions:
-                    store.add_region(name, 12 * leaf.layer_elements)
+                    store.add_region(name, layout.state_layer_bytes(leaf))
                     regions.append(name)
             actual_state = sum(store.region(n).nbytes for n in regions)
             slot_bytes = min(s.nbytes for s in arena.slots(CHECKPOINT_SHAPE_CLASS))
             before = fill_random(store, regions, slot_bytes // cfg.block_bytes * cfg.block_bytes)
-            ssd = SsdArrays(store, specs_for_offload_layout(layout))
+            ssd = SsdArrays(store, specs_for_offload_layout(layout), attributes={"state": fmt.describe()})
             params = {"embed": np.ones((256, 256), np.float32)}
 
             ckpt_cfg = CheckpointConfig(dir=str(root / "checkpoints"), compression=args.compression)
@@ -160,6 +166,7 @@ def main() -> None:
             on_disk = sum(p.stat().st_size for p in (root / "checkpoints").rglob("*") if p.is_file())
             result = {
                 "state_bytes": actual_state,
+                "state_dtype": fmt.dtype,
                 "arrays": len(ssd.specs),
                 "compression": args.compression,
                 "chunk_bytes": cfg.chunk_bytes,

@@ -1,5 +1,9 @@
 """The owner of SSD-resident AdamW state: fp32 master weights, m and v, and the gradients.
 
+m and v are kept in the owner's state format (``state=``, ``optimizer.state_dtype``): float32,
+bfloat16, or block-wise int8 codes with their scales (:class:`~jaxascend.optim.StateFormat`); the
+fused kernel decodes and re-encodes them chunk by chunk, so nothing else changes.
+
 :class:`OffloadedAdamState` lays out every parameter leaf in an :class:`~jaxascend.ssd.store.SsdStore`
 (see :mod:`jaxascend.offload.layout`), writes the initial state, takes gradients (copied by
 :meth:`~OffloadedAdamState.write_grads`, or written by the backward pass itself through
@@ -119,7 +123,8 @@ class OffloadedAdamState:
     its own gradient region, so the backward pass can write layer by layer (``row_blocks``: per
     leaf, blocks of rows of a large table, handled the same way). ``kernel_threads``:
     threads of the fused kernel per chunk (the step is I/O bound; 1 leaves the other cores to
-    the I/O workers).
+    the I/O workers). ``state``: how m and v are stored (:class:`~jaxascend.optim.StateFormat`;
+    default float32).
     """
 
     @staticmethod
