@@ -22,7 +22,7 @@ import yaml
 from flax import nnx
 
 from jaxascend import console
-from jaxascend.checkpoint import Checkpointer, resume_target
+from jaxascend.checkpoint import Checkpointer, check_resume_partition, resume_target
 from jaxascend.config import Config, ConfigError, ModelConfig
 from jaxascend.distributed import initialize as initialize_distributed
 from jaxascend.distributed import job_errors, process_dir
@@ -249,6 +249,8 @@ def _run(cfg: Config, group) -> TrainResult:
     samples = SamplePrompts.from_config(cfg, tokenizer, sized)
     streamed = cfg.offload.enabled and cfg.offload.params == "ssd"
     start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
+    if start:
+        check_resume_partition(cfg.checkpoint, cfg, start, group.count)
     # The checkpoint's tensors (names, shapes, dtypes) are checked when the reader opens.
     with HFParamReader(cfg.model.path, model_cfg) if cfg.model.path else contextlib.nullcontext() as source:
         origin = Provenance(sized,

@@ -42,8 +42,13 @@ LARGE = ["model.arch=llama", "model.hidden_size=2048", "model.intermediate_size=
          "optimizer.learning_rate=3e-4", "optimizer.warmup_steps=10"]
 
 
-def train(name: str, overrides: list[str], work: Path) -> dict:
+def train(name: str, overrides: list[str], work: Path, reuse: bool = False) -> dict:
     out = work / name
+    steps = int(next(o for o in reversed(overrides) if o.startswith("train.steps=")).split("=")[1])
+    if reuse and (out / "summary.json").exists():
+        summary = json.loads((out / "summary.json").read_text())
+        if summary["steps"] == steps:  # a finished run of this length: its curve stands
+            return _figures(summary, seconds=None)
     args = [sys.executable, "-m", "jaxascend.train", "--config", str(REPO / "configs" / "tiny.yaml")]
     for o in overrides + [f"train.out_dir={out}", f"offload.dir={out}/offload", "train.progress=false",
                           "train.log_every=1", "checkpoint.every_steps=0", "export.save_params=false",
@@ -53,8 +58,11 @@ def train(name: str, overrides: list[str], work: Path) -> dict:
     done = subprocess.run(args, capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
         raise SystemExit(f"{name}: training failed:\n{done.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    return {"losses": summary["losses"], "seconds": round(time.perf_counter() - started, 1),
+    return _figures(json.loads((out / "summary.json").read_text()), round(time.perf_counter() - started, 1))
+
+
+def _figures(summary: dict, seconds) -> dict:
+    return {"losses": summary["losses"], "seconds": seconds,
             "ssd_bytes_per_step": (summary["ssd_bytes_read"] + summary["ssd_bytes_written"])
             / max(summary["steps_this_run"], 1),
             "ssd_bytes_written_run": summary["ssd_bytes_written_run"], "num_params": summary["num_params"]}
@@ -130,6 +138,8 @@ def main(argv=None) -> dict:
                    "float32 run with data.seed=1: the run-to-run spread beside the state dtypes' differences")
     p.add_argument("--work-dir", default="/tmp/jaxascend-bench-quality")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_state_quality"))
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the curve of a run already finished in --work-dir (same name and steps)")
     p.add_argument("--replot", type=Path, default=None,
                    help="redraw the PNG (and the JSON's comparison) from a saved JSON instead of training")
     args = p.parse_args(argv)
@@ -153,11 +163,11 @@ def main(argv=None) -> dict:
     for model, (overrides, steps) in models.items():
         runs = {}
         for d in DTYPES:
-            runs[d] = train(f"{model}-{d}", overrides + [f"optimizer.state_dtype={d}"], work)
+            runs[d] = train(f"{model}-{d}", overrides + [f"optimizer.state_dtype={d}"], work, args.reuse)
             print(f"{model} {d}: final loss {runs[d]['losses'][-1]:.4f} in {runs[d]['seconds']} s", file=sys.stderr)
         res = {"steps": steps, "num_params": runs["float32"]["num_params"], "runs": runs, "comparison": compare(runs)}
         if model in args.seed_spread.split(","):
-            other = train(f"{model}-float32-seed1", overrides + ["data.seed=1"], work)
+            other = train(f"{model}-float32-seed1", overrides + ["data.seed=1"], work, args.reuse)
             res["seed_spread_final_relative_difference"] = compare({"float32": runs["float32"],
                                                                     "seed1": other})["seed1"]["final_relative_difference"]
         results[model] = res

@@ -15,8 +15,8 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.ssd`, :mod:`jaxascend.data` (to
 
 from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                          IncompatibleCheckpointError)
-from jaxascend.checkpoint.manager import (Checkpointer, Restored, check_compatible, complete_steps,
-                                          default_directory, read_meta, resume_target)
+from jaxascend.checkpoint.manager import (Checkpointer, Restored, check_compatible, check_resume_partition,
+                                          complete_steps, default_directory, read_meta, resume_target)
 from jaxascend.checkpoint.ssd_arrays import (CHECKPOINT_SHAPE_CLASS, ArraySpec, Piece, Span, SsdArrays,
                                              checkpoint_arena_requests, specs_for_offload_layout)
 from jaxascend.checkpoint.run_weights import RunWeights, open_weights
@@ -25,6 +25,6 @@ from jaxascend.checkpoint.weights import CheckpointWeights
 __all__ = [
     "CHECKPOINT_SHAPE_CLASS", "ArraySpec", "CheckpointError", "CheckpointNotFoundError", "CheckpointWeights",
     "Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError", "Piece", "Restored", "RunWeights", "Span", "SsdArrays",
-    "check_compatible", "checkpoint_arena_requests", "complete_steps", "default_directory", "open_weights",
+    "check_compatible", "check_resume_partition", "checkpoint_arena_requests", "complete_steps", "default_directory", "open_weights",
     "read_meta", "resume_target", "specs_for_offload_layout",
 ]

@@ -67,7 +67,8 @@ from jaxascend.checkpoint.checksums import (ORBAX_ITEMS, leaf_name, raise_if_a_f
                                             verify_checksums, write_file_checksums)
 from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                          IncompatibleCheckpointError)
-from jaxascend.checkpoint.ssd_arrays import SsdArrays, SsdArraysRestore, SsdArraysSave, validate_arrays
+from jaxascend.checkpoint.ssd_arrays import (SsdArrays, SsdArraysRestore, SsdArraysSave, saved_processes,
+                                             validate_arrays)
 from jaxascend.config import CheckpointConfig, Config
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,22 @@ def resume_target(cfg: CheckpointConfig, run_config: Union[Config, dict], resume
         raise
     check_compatible(record["config"], run_config, directory / str(step))
     return step
+
+
+def check_resume_partition(cfg: CheckpointConfig, run_config: Union[Config, dict], step: int, processes: int) -> None:
+    """Refuses, before a run writes anything, to resume int8 optimizer state saved by another
+    number of processes: its codes are scaled per block of each process's slices, so they cannot
+    be re-split (float32 and bfloat16 state re-partition on restore)."""
+    run_config = _as_dict(run_config)
+    if run_config.get("optimizer", {}).get("state_dtype") != "int8":
+        return
+    item = Path(cfg.dir or default_directory(run_config)).absolute() / str(step) / OFFLOADED
+    saved = saved_processes(item) if item.is_dir() else processes
+    if saved != processes:
+        raise IncompatibleCheckpointError(
+            f"checkpoint {item.parent} was saved by {saved} process(es), this run has {processes}: int8 optimizer "
+            f"state is coded in blocks of each process's slices and cannot be re-split; resume with {saved} "
+            f"process(es)")
 
 
 def _requested_step(directory: Path, existed: bool, steps: list[int], resume: Union[str, int]) -> Optional[int]:

@@ -118,3 +118,24 @@ def test_a_restore_that_cannot_re_split_names_both_counts(tmp_path, whole):
             restore_arrays(item, other)
     finally:
         p.close()
+
+
+def test_int8_state_of_another_process_count_is_refused_before_the_run(tmp_path):
+    """int8 moments are coded per block of each process's slices: resuming them with another
+    number of processes is refused in one line (float32/bfloat16 state re-partitions)."""
+    import json
+
+    from jaxascend.checkpoint import IncompatibleCheckpointError, check_resume_partition
+    from jaxascend.checkpoint.ssd_arrays import FORMAT, PROCESSES_FILE
+    from jaxascend.config import CheckpointConfig
+
+    item = tmp_path / "ckpt" / "4" / "offloaded"
+    item.mkdir(parents=True)
+    (item / PROCESSES_FILE).write_text(json.dumps({"format": FORMAT, "processes": 2}))
+    cfg = CheckpointConfig(dir=str(tmp_path / "ckpt"))
+    run_config = {"optimizer": {"state_dtype": "int8"}, "train": {"out_dir": str(tmp_path)}, "checkpoint": {}}
+    with pytest.raises(IncompatibleCheckpointError, match=r"saved by 2 process\(es\), this run has 1: int8 optimizer "
+                                                          r"state .* resume with 2 process\(es\)"):
+        check_resume_partition(cfg, run_config, 4, 1)
+    check_resume_partition(cfg, run_config, 4, 2)
+    check_resume_partition(cfg, {**run_config, "optimizer": {"state_dtype": "bfloat16"}}, 4, 1)
