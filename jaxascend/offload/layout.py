@@ -194,8 +194,14 @@ def chunk_elements_for(cfg: OffloadConfig, itemsizes, state: StateFormat = FLOAT
     """Elements per chunk: ``chunk_bytes`` of fp32 state, rounded down (but at least one unit) to
     a multiple of the elements of one block in the narrowest gradient dtype (so a full chunk is
     whole blocks in every region) and of the int8 state's scale block."""
-    unit = max(cfg.block_bytes // min(itemsizes, default=4), state.block)
+    unit = _chunk_unit(cfg, itemsizes, state)
     return max(unit, (cfg.chunk_bytes // 4) // unit * unit)
+
+
+def _chunk_unit(cfg: OffloadConfig, itemsizes, state: StateFormat) -> int:
+    """A chunk's elements are a multiple of this: one SSD block of the narrowest gradient dtype,
+    and the int8 state's scale block."""
+    return max(cfg.block_bytes // min(itemsizes, default=4), state.block)
 
 
 def _is_stacked(stacked: StackedSpec, flags: list, index: int, path: str, shape: tuple) -> bool:
@@ -271,7 +277,7 @@ class OffloadLayout:
         if cfg.single_pool:
             # ZeRO-Infinity sizes its buffers for the largest tensor: a chunk is then always one
             # whole layer of a leaf (rounded up to whole blocks, so any chunk size stays valid).
-            unit = max(cfg.block_bytes // min(itemsizes), state.block)
+            unit = _chunk_unit(cfg, itemsizes, state)
             largest = max(leaf.layer_elements for leaf in leaves)
             chunk = -(-largest // unit) * unit
         stride = -(-StateRecord(state, chunk).nbytes // cfg.block_bytes) * cfg.block_bytes
@@ -343,7 +349,7 @@ class OffloadLayout:
     @property
     def state_slot_bytes(self) -> int:
         if self.largest_chunk == self.chunk_elements:  # a full chunk moves its padded record
-            return max(self.state_stride, StateRecord(self.state, self.largest_chunk).nbytes)
+            return self.state_stride
         return StateRecord(self.state, self.largest_chunk).nbytes
 
     @property
