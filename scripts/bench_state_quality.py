@@ -136,6 +136,8 @@ def main(argv=None) -> dict:
     p.add_argument("--large-steps", type=int, default=100)
     p.add_argument("--seed-spread", default="", help="comma-separated models (tiny, 0.54b) that get a second "
                    "float32 run with data.seed=1: the run-to-run spread beside the state dtypes' differences")
+    p.add_argument("--dtypes", default=",".join(DTYPES),
+                   help="comma-separated state dtypes to train (float32, the baseline, always among them)")
     p.add_argument("--work-dir", default="/tmp/jaxascend-bench-quality")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_state_quality"))
     p.add_argument("--reuse", action="store_true",
@@ -143,6 +145,10 @@ def main(argv=None) -> dict:
     p.add_argument("--replot", type=Path, default=None,
                    help="redraw the PNG (and the JSON's comparison) from a saved JSON instead of training")
     args = p.parse_args(argv)
+    dtypes = [d for d in DTYPES if d in args.dtypes.split(",")]
+    unknown = set(args.dtypes.split(",")) - set(DTYPES)
+    if unknown or "float32" not in dtypes:
+        p.error(f"--dtypes {args.dtypes!r}: each one of {', '.join(DTYPES)}, float32 among them")
     out = Path(args.out)
     if args.replot is not None:
         saved = json.loads(args.replot.read_text())
@@ -162,7 +168,7 @@ def main(argv=None) -> dict:
     results = {}
     for model, (overrides, steps) in models.items():
         runs = {}
-        for d in DTYPES:
+        for d in dtypes:
             runs[d] = train(f"{model}-{d}", overrides + [f"optimizer.state_dtype={d}"], work, args.reuse)
             print(f"{model} {d}: final loss {runs[d]['losses'][-1]:.4f} in {runs[d]['seconds']} s", file=sys.stderr)
         res = {"steps": steps, "num_params": runs["float32"]["num_params"], "runs": runs, "comparison": compare(runs)}
