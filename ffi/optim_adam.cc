@@ -75,6 +75,42 @@ inline void StoreElement(void* p, int64_t i, float x) {
   }
 }
 
+// Stochastic rounding's random bits (optim_adam.h): Chris Wellons' lowbias32 of the element's
+// index and the seed, top 16 bits.
+constexpr uint32_t kGolden = 0x9e3779b1u;
+
+inline uint32_t Lowbias32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21f0aaadu;
+  x ^= x >> 15;
+  x *= 0x735a2d97u;
+  return x ^ (x >> 15);
+}
+
+inline uint32_t RoundingBits(const AdamBuffers& b, int64_t i) {
+  return Lowbias32(static_cast<uint32_t>(b.rounding_index + i) * kGolden + b.rounding_seed) >> 16;
+}
+
+// fp32 -> bf16 rounded up with the probability of the dropped half: (u + bits) >> 16; NaN as
+// FloatToBFloat16 has it.
+inline uint16_t FloatToBFloat16Stochastic(float f, uint32_t bits) {
+  const uint32_t u = FloatToBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + bits) >> 16);
+}
+
+// Stores the new v of element i in S, rounded as b.rounding says.
+template <AdamElem S>
+inline void StoreV(const AdamBuffers& b, int64_t i, float v) {
+  if constexpr (S == AdamElem::kBF16) {
+    if (b.rounding == AdamRounding::kStochastic) {
+      static_cast<uint16_t*>(b.v_out)[i] = FloatToBFloat16Stochastic(v, RoundingBits(b, i));
+      return;
+    }
+  }
+  StoreElement<S>(b.v_out, i, v);
+}
+
 // One element of the update, given the old moments widened to float; returns the new ones.
 template <AdamElem G, AdamElem P>
 inline void AdamElement(const AdamBuffers& b, const AdamScalars& s, float inv_bc1, float inv_bc2,
@@ -100,7 +136,7 @@ void AdamRangeScalar(const AdamBuffers& b, const AdamScalars& s, int64_t begin, 
     AdamElement<G, P>(b, s, inv_bc1, inv_bc2, i, LoadElement<S>(b.m_in, i), LoadElement<S>(b.v_in, i),
                       &m, &v);
     StoreElement<S>(b.m_out, i, m);
-    StoreElement<S>(b.v_out, i, v);
+    StoreV<S>(b, i, v);
   }
 }
 
@@ -125,6 +161,22 @@ inline uint32_t EncodeCode(float r) {
   const uint32_t lsb = (u >> shift) & 1u;
   const int32_t code =
       static_cast<int32_t>((u + ((1u << (shift - 1)) - 1u) + lsb) >> shift) - static_cast<int32_t>(kCodeBias << M);
+  constexpr int32_t largest = (1 << (4 + M)) - 1;
+  return static_cast<uint32_t>(code < largest ? code : largest);
+}
+
+// The code of r rounded stochastically with 16 random bits: added below the kept bits (a normal
+// r) or to the code in 16.16 fixed point (a subnormal one, exact there), then truncated.
+template <int M>
+inline uint32_t EncodeCodeStochastic(float r, uint32_t bits) {
+  const uint32_t u = FloatToBits(r);
+  if (u < kSubnormalLimitBits) {
+    const int32_t fixed = static_cast<int32_t>(r * BitsToFloat(static_cast<uint32_t>(127 + 31 + M) << 23));
+    return static_cast<uint32_t>((fixed + static_cast<int32_t>(bits)) >> 16);
+  }
+  constexpr int shift = 23 - M;
+  const int32_t code = static_cast<int32_t>((u + (bits << (shift - 16))) >> shift) -
+                       static_cast<int32_t>(kCodeBias << M);
   constexpr int32_t largest = (1 << (4 + M)) - 1;
   return static_cast<uint32_t>(code < largest ? code : largest);
 }
@@ -162,8 +214,12 @@ inline uint8_t EncodeM(float m, float inverse) {
 
 inline float DecodeW(uint8_t c, float scale) { return DecodeCode<kWBits>(c) * scale; }
 
-inline uint8_t EncodeW(float w, float inverse) {
-  return static_cast<uint8_t>(EncodeCode<kWBits>(BitsToFloat(FloatToBits(w) & 0x7fffffffu) * inverse));
+inline uint8_t EncodeW(const AdamBuffers& b, int64_t i, float w, float inverse) {
+  const float r = BitsToFloat(FloatToBits(w) & 0x7fffffffu) * inverse;
+  if (b.rounding == AdamRounding::kStochastic) {
+    return static_cast<uint8_t>(EncodeCodeStochastic<kWBits>(r, RoundingBits(b, i)));
+  }
+  return static_cast<uint8_t>(EncodeCode<kWBits>(r));
 }
 
 // One kInt8 element's update: writes master and params, returns the new m and w = sqrt(v).
@@ -185,7 +241,7 @@ inline void EncodeBlockTail(const AdamBuffers& b, int64_t start, int64_t from, i
   auto* vq = static_cast<uint8_t*>(b.v_out);
   for (int64_t j = from; j < n; ++j) {
     mq[start + j] = EncodeM(m_new[j], m_inverse);
-    vq[start + j] = EncodeW(w_new[j], w_inverse);
+    vq[start + j] = EncodeW(b, start + j, w_new[j], w_inverse);
   }
 }
 
@@ -255,6 +311,18 @@ JAXASCEND_TARGET_AVX2 inline __m256 Load8(const void* p, int64_t i) {
   }
 }
 
+// bf16 bits (each lane's high half of `rounded`) of x, a NaN keeping its top bits, quieted;
+// the 8 halves packed in order.
+JAXASCEND_TARGET_AVX2 inline __m128i PackBf16x8(__m256 x, __m256i rounded) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+  const __m256i quiet_nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  const __m256i r = _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
+  // Values are < 2**16, so the saturating pack is exact; it interleaves 128-bit lanes, which
+  // the permute undoes.
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
 template <AdamElem E>
 JAXASCEND_TARGET_AVX2 inline void Store8(void* p, int64_t i, __m256 x) {
   if constexpr (E == AdamElem::kF32) {
@@ -270,16 +338,39 @@ JAXASCEND_TARGET_AVX2 inline void Store8(void* p, int64_t i, __m256 x) {
       const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
       const __m256i rounded = _mm256_srli_epi32(
           _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-      const __m256i quiet_nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
-      const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-      const __m256i r = _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
-      // Values are < 2**16, so the saturating pack is exact; it interleaves 128-bit lanes,
-      // which the permute undoes.
-      h = _mm256_castsi256_si128(
-          _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+      h = PackBf16x8(x, rounded);
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), h);
   }
+}
+
+// 8 lanes of the stochastic rounding bits of elements i .. i + 7 (RoundingBits).
+JAXASCEND_TARGET_AVX2 inline __m256i RoundingBits8(const AdamBuffers& b, int64_t i) {
+  const uint32_t first = static_cast<uint32_t>(b.rounding_index + i) * kGolden + b.rounding_seed;
+  const __m256i steps = _mm256_setr_epi32(0, static_cast<int>(kGolden), static_cast<int>(2 * kGolden),
+                                          static_cast<int>(3 * kGolden), static_cast<int>(4 * kGolden),
+                                          static_cast<int>(5 * kGolden), static_cast<int>(6 * kGolden),
+                                          static_cast<int>(7 * kGolden));
+  __m256i x = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(first)), steps);
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x21f0aaad));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x735a2d97));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  return _mm256_srli_epi32(x, 16);
+}
+
+// Stores the new v of elements i .. i + 7 in S, rounded as b.rounding says.
+template <AdamElem S>
+JAXASCEND_TARGET_AVX2 inline void StoreV8(const AdamBuffers& b, int64_t i, __m256 v) {
+  if constexpr (S == AdamElem::kBF16) {
+    if (b.rounding == AdamRounding::kStochastic) {
+      const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v), RoundingBits8(b, i)), 16);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.v_out) + i), PackBf16x8(v, rounded));
+      return;
+    }
+  }
+  Store8<S>(b.v_out, i, v);
 }
 
 // The hyperparameters broadcast to 8 lanes, and one 8-lane update: the scalar AdamElement's
@@ -318,7 +409,7 @@ JAXASCEND_TARGET_AVX2 void AdamRangeAvx2(const AdamBuffers& b, const AdamScalars
                                           Load8<S>(b.m_in, i), Load8<S>(b.v_in, i), &m, &v);
     _mm256_storeu_ps(b.master_out + i, new_master);
     Store8<S>(b.m_out, i, m);
-    Store8<S>(b.v_out, i, v);
+    StoreV8<S>(b, i, v);
     Store8<P>(b.params_out, i, new_master);
   }
   AdamRangeScalar<G, P, S>(b, s, i, end);
@@ -351,6 +442,21 @@ JAXASCEND_TARGET_AVX2 inline __m256i EncodeCode8(__m256 r) {
   return _mm256_blendv_epi8(normal, sub, is_sub);
 }
 
+template <int M>
+JAXASCEND_TARGET_AVX2 inline __m256i EncodeCodeStochastic8(__m256 r, __m256i bits) {
+  constexpr int shift = 23 - M;
+  const __m256i u = _mm256_castps_si256(r);
+  __m256i normal = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_slli_epi32(bits, shift - 16)), shift);
+  normal = _mm256_sub_epi32(normal, _mm256_set1_epi32(static_cast<int>(kCodeBias << M)));
+  normal = _mm256_min_epi32(normal, _mm256_set1_epi32((1 << (4 + M)) - 1));
+  // Lanes that are not subnormal overflow the conversion; the blend drops them.
+  const __m256i fixed = _mm256_cvttps_epi32(
+      _mm256_mul_ps(r, _mm256_set1_ps(BitsToFloat(static_cast<uint32_t>(127 + 31 + M) << 23))));
+  const __m256i sub = _mm256_srai_epi32(_mm256_add_epi32(fixed, bits), 16);
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(kSubnormalLimitBits)), u);
+  return _mm256_blendv_epi8(normal, sub, is_sub);
+}
+
 JAXASCEND_TARGET_AVX2 inline __m256i LoadCodes8(const void* p, int64_t i) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(p) + i)));
 }
@@ -378,6 +484,7 @@ JAXASCEND_TARGET_AVX2 void AdamRangeInt8Avx2(const AdamBuffers& b, const AdamSca
   const float inv_bc1_scalar = 1.0f / s.bias_correction1, inv_bc2_scalar = 1.0f / s.bias_correction2;
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256i sign_bit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const bool stochastic = b.rounding == AdamRounding::kStochastic;
   alignas(64) float m_new[kAdamMaxBlock];
   alignas(64) float w_new[kAdamMaxBlock];
   for (int64_t start = begin; start < end; start += b.block) {
@@ -425,7 +532,8 @@ JAXASCEND_TARGET_AVX2 void AdamRangeInt8Avx2(const AdamBuffers& b, const AdamSca
       StoreCodes8(b.m_out, start + e, m_code);
       const __m256i w_bits = _mm256_castps_si256(_mm256_load_ps(w_new + e));
       const __m256 w_r = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(w_bits, magnitude)), w_inverse8);
-      StoreCodes8(b.v_out, start + e, EncodeCode8<kWBits>(w_r));
+      StoreCodes8(b.v_out, start + e, stochastic ? EncodeCodeStochastic8<kWBits>(w_r, RoundingBits8(b, start + e))
+                                                 : EncodeCode8<kWBits>(w_r));
     }
     EncodeBlockTail(b, start, e, n, m_new, w_new, m_inverse, w_inverse);
   }
@@ -472,6 +580,37 @@ JAXASCEND_TARGET_AVX512 inline void Store16(void* p, int64_t i, __m512 x) {
   }
 }
 
+// 16 lanes of the stochastic rounding bits of elements i .. i + 15 (RoundingBits).
+JAXASCEND_TARGET_AVX512 inline __m512i RoundingBits16(const AdamBuffers& b, int64_t i) {
+  const uint32_t first = static_cast<uint32_t>(b.rounding_index + i) * kGolden + b.rounding_seed;
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i x = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
+                               _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(kGolden))));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x21f0aaad));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x735a2d97));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  return _mm512_srli_epi32(x, 16);
+}
+
+// Stores the new v of elements i .. i + 15 in S, rounded as b.rounding says.
+template <AdamElem S>
+JAXASCEND_TARGET_AVX512 inline void StoreV16(const AdamBuffers& b, int64_t i, __m512 v) {
+  if constexpr (S == AdamElem::kBF16) {
+    if (b.rounding == AdamRounding::kStochastic) {
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, RoundingBits16(b, i)), 16);
+      const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+      const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.v_out) + i),
+                          _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet_nan)));
+      return;
+    }
+  }
+  Store16<S>(b.v_out, i, v);
+}
+
 template <AdamElem G, AdamElem P, AdamElem S>
 JAXASCEND_TARGET_AVX512 void AdamRangeAvx512(const AdamBuffers& b, const AdamScalars& s,
                                              int64_t begin, int64_t end) {
@@ -496,7 +635,7 @@ JAXASCEND_TARGET_AVX512 void AdamRangeAvx512(const AdamBuffers& b, const AdamSca
     const __m512 new_master = _mm512_sub_ps(master, _mm512_mul_ps(lr, update));
     _mm512_storeu_ps(b.master_out + i, new_master);
     Store16<S>(b.m_out, i, m);
-    Store16<S>(b.v_out, i, v);
+    StoreV16<S>(b, i, v);
     Store16<P>(b.params_out, i, new_master);
   }
   AdamRangeScalar<G, P, S>(b, s, i, end);

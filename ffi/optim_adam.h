@@ -18,10 +18,14 @@
 // Compressed moments (optimizer.state_dtype; the formats are documented, with their numpy
 // reference, in jaxascend/optim/state_codes.py): the kernel widens m and v in registers, runs
 // the arithmetic above, and narrows them again before they leave:
-//   kBF16: m and v rounded to the nearest bfloat16, ties to even;
+//   kBF16: m and v narrowed to bfloat16;
 //   kInt8: per block of `block` elements one fp32 scale each for m and v (a power of two); m as
 //          sign + E4M3 of |m|/scale, v as E4M4 of sqrt(v)/scale (v = w*w on the way in). A block
 //          is updated into an L1 scratch first, then its new scales chosen and its codes written.
+// m is rounded to nearest, ties to even; v by AdamRounding: to nearest even, or stochastically
+// with 16 bits per element from a counter-based hash of (rounding_seed, rounding_index + i), the
+// top half of lowbias32(uint32(index) * 0x9E3779B1 + seed), so results do not depend on the
+// variant, the thread split or where a run resumed.
 // The scalar and AVX2 variants agree bit for bit in every format; kInt8 has no AVX-512 variant
 // of its own (an avx512 request runs the AVX2 one).
 #pragma once
@@ -36,6 +40,9 @@ enum class AdamElem { kF32, kF16, kBF16 };
 
 // How m and v are stored (see the top of the file).
 enum class AdamState { kF32, kBF16, kInt8 };
+
+// How v is narrowed (kBF16 and kInt8; float32 state is not narrowed).
+enum class AdamRounding { kNearest, kStochastic };
 
 // kInt8 blocks: a power of two in [kAdamMinBlock, kAdamMaxBlock] elements.
 constexpr int64_t kAdamMinBlock = 256;
@@ -81,6 +88,10 @@ struct AdamBuffers {
   float* m_scale = nullptr;
   float* v_scale = nullptr;
   int64_t block = 0;
+  // kStochastic: the random bits of element i hash (rounding_seed, rounding_index + i).
+  AdamRounding rounding = AdamRounding::kNearest;
+  uint32_t rounding_seed = 0;
+  int64_t rounding_index = 0;
 };
 
 // Largest `threads` accepted by RunFusedAdamW.

@@ -196,7 +196,8 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
                       const std::string& param_dtype, int threads, const std::string& isa_name,
                       const std::string& state_dtype, std::optional<HostArray> m_scale,
                       std::optional<HostArray> v_scale,
-                      int64_t block) {
+                      int64_t block, const std::string& rounding, uint32_t rounding_seed,
+                      int64_t rounding_index) {
   AdamElem grad_type, param_type;
   if (!ParseElem(grad_dtype, &grad_type)) {
     throw nb::value_error(("adamw: grad_dtype '" + grad_dtype +
@@ -215,6 +216,12 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
   if (!ParseState(state_dtype, &state)) {
     throw nb::value_error(("adamw: state_dtype '" + state_dtype +
                            "' is not one of float32, bfloat16, int8").c_str());
+  }
+  if (rounding != "nearest" && rounding != "stochastic") {
+    throw nb::value_error(("adamw: rounding '" + rounding + "' is not one of nearest, stochastic").c_str());
+  }
+  if (rounding_index < 0) {
+    throw nb::value_error(("adamw: rounding_index=" + std::to_string(rounding_index) + " is negative").c_str());
   }
   const size_t grad_size = grad_type == AdamElem::kF32 ? 4 : 2;
   const size_t param_size = param_type == AdamElem::kF32 ? 4 : 2;
@@ -273,6 +280,9 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
   AdamBuffers b{master_data, m.data(), v.data(), grad.data(), master_data, m.data(), v.data(),
                 params_out.data(), n, grad_type, param_type};
   b.state_type = state;
+  b.rounding = rounding == "stochastic" ? AdamRounding::kStochastic : AdamRounding::kNearest;
+  b.rounding_seed = rounding_seed;
+  b.rounding_index = rounding_index;
   if (int8) {
     b.m_scale = static_cast<float*>(m_scale->data());
     b.v_scale = static_cast<float*>(v_scale->data());
@@ -351,10 +361,13 @@ void BindAdamW(nb::module_& m) {
         nb::arg("grad_dtype"), nb::arg("param_dtype"), nb::arg("threads") = 1,
         nb::arg("isa") = "auto", nb::arg("state_dtype") = "float32",
         nb::arg("m_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(), nb::arg("block") = 0,
+        nb::arg("rounding") = "nearest", nb::arg("rounding_seed") = 0, nb::arg("rounding_index") = 0,
         "Fused AdamW in place on C-contiguous numpy arrays (see jaxascend.optim.fused_adam). grad and "
         "params_out hold grad_dtype/param_dtype ('float32', 'float16', 'bfloat16'; 16-bit types "
         "may be passed as uint16 views); m and v hold state_dtype ('float32'; 'bfloat16' as uint16; "
         "'int8' as uint8 codes with float32 m_scale/v_scale, one per block of `block`). "
+        "rounding: how v is narrowed ('nearest' even, or 'stochastic' with the bits of element i "
+        "hashed from rounding_seed and rounding_index + i). "
         "Releases the GIL.");
   m.def("adamw_supported_isas", &SupportedIsas,
         "Kernel variants this CPU can run, e.g. ['scalar', 'avx2', 'avx512'].");

@@ -138,6 +138,8 @@ def main(argv=None) -> dict:
                    "float32 run with data.seed=1: the run-to-run spread beside the state dtypes' differences")
     p.add_argument("--dtypes", default=",".join(DTYPES),
                    help="comma-separated state dtypes to train (float32, the baseline, always among them)")
+    p.add_argument("--rounding", choices=["stochastic", "nearest"], default="stochastic",
+                   help="optimizer.state_rounding of the compressed runs (their work dirs say which)")
     p.add_argument("--work-dir", default="/tmp/jaxascend-bench-quality")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_state_quality"))
     p.add_argument("--reuse", action="store_true",
@@ -169,7 +171,9 @@ def main(argv=None) -> dict:
     for model, (overrides, steps) in models.items():
         runs = {}
         for d in dtypes:
-            runs[d] = train(f"{model}-{d}", overrides + [f"optimizer.state_dtype={d}"], work, args.reuse)
+            name = f"{model}-{d}" if d == "float32" else f"{model}-{d}-{args.rounding}"
+            runs[d] = train(name, overrides + [f"optimizer.state_dtype={d}", f"optimizer.state_rounding={args.rounding}"],
+                            work, args.reuse)
             print(f"{model} {d}: final loss {runs[d]['losses'][-1]:.4f} in {runs[d]['seconds']} s", file=sys.stderr)
         res = {"steps": steps, "num_params": runs["float32"]["num_params"], "runs": runs, "comparison": compare(runs)}
         if model in args.seed_spread.split(","):
@@ -177,7 +181,7 @@ def main(argv=None) -> dict:
             res["seed_spread_final_relative_difference"] = compare({"float32": runs["float32"],
                                                                     "seed1": other})["seed1"]["final_relative_difference"]
         results[model] = res
-    report = report_of(results)
+    report = report_of(results) | {"state_rounding": args.rounding}
     out.parent.mkdir(parents=True, exist_ok=True)
     (out.with_suffix(".json")).write_text(json.dumps(report | {"losses": {m: {d: x["losses"] for d, x in
                                                                              r["runs"].items()}

@@ -110,10 +110,14 @@ class OptimizerConfig:
     loss_scale_min: float = 1.0
     loss_scale_max: float = 2.0**24
     # How m and v are stored on SSD (the offloaded engine; the fp32 master weights stay fp32):
-    # float32 (12 B/param of state), bfloat16 (8: rounded to nearest even) or int8 (6 + 8/block:
-    # block-wise 8-bit codes with a float32 scale per block of state_block elements, 256-2048).
+    # float32 (12 B/param of state), bfloat16 (8) or int8 (6 + 8/block: block-wise 8-bit codes
+    # with a float32 scale per block of state_block elements, 256-2048).
     state_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
     state_block: int = 2048
+    # How bfloat16/int8 v is rounded: "stochastic" (seeded by train.seed, the update count and the
+    # element; reproducible) or "nearest" even, under which v stops following the gradients once a
+    # step changes it by less than half an ulp (jaxascend.optim.state_codes). m: always nearest.
+    state_rounding: Literal["stochastic", "nearest"] = "stochastic"
 
     def __post_init__(self):
         if not (256 <= self.state_block <= 2048 and self.state_block & (self.state_block - 1) == 0):

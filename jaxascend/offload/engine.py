@@ -118,8 +118,9 @@ def token_table_of(model_cfg: ModelConfig) -> tuple[str, ...]:
 
 
 def state_format(cfg: Config) -> StateFormat:
-    """The format of m and v on SSD: ``optimizer.state_dtype`` (and ``state_block`` for int8)."""
-    return StateFormat.of(cfg.optimizer.state_dtype, cfg.optimizer.state_block)
+    """The format of m and v on SSD: ``optimizer.state_dtype`` (and ``state_block`` for int8),
+    with v rounded as ``optimizer.state_rounding`` says."""
+    return StateFormat.of(cfg.optimizer.state_dtype, cfg.optimizer.state_block, cfg.optimizer.state_rounding)
 
 
 def layout_options(cfg: Config, model_cfg: ModelConfig, stream: bool, row_blocks: list[int]) -> dict:
@@ -204,7 +205,9 @@ class OffloadEngine:
         extra = checkpoint_slot_requests(OffloadLayout.plan(spec, cfg.offload, **options), cfg.offload)
         self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS if extra else STATE_SLOT_CLASS
         self.state = OffloadedAdamState.create(spec, cfg.offload, **options,
-                                               kernel_threads=cfg.offload.kernel_threads, extra_requests=extra)
+                                               kernel_threads=cfg.offload.kernel_threads, extra_requests=extra,
+                                               rounding_seed=cfg.train.seed,
+                                               partition_index=dp.partition.index if self.partitioned else 0)
         self._source = None
         self._update: Optional[BackgroundUpdate] = None  # the optimizer step running in the background
         self._resident: dict[int, np.ndarray] = {}  # overlapped, resident: stacked weights the source serves

@@ -50,7 +50,7 @@ import numpy as np
 
 from jaxascend.config import OffloadConfig
 from jaxascend.kill_points import kill_point
-from jaxascend.offload.layout import (PARAM_SLOT_CLASS, STATE_SLOT_CLASS, STATE_TENSORS, LeafLayout, OffloadLayout,
+from jaxascend.offload.layout import (PARAM_SLOT_CLASS, STATE_SLOT_CLASS, STATE_TENSORS, ChunkRef, LeafLayout, OffloadLayout,
                                      StackedSpec)
 from jaxascend.offload.param_source import ParamSource
 from jaxascend.offload.store_sink import (BufferTarget, Fp32BufferGradientSink, SinkTarget, StoreGradientSink,
@@ -137,7 +137,8 @@ class OffloadedAdamState:
     @classmethod
     def create(cls, params_spec, cfg: OffloadConfig, *, stacked: StackedSpec = None, kernel_threads: int = 1,
                extra_requests: tuple[SlotRequest, ...] = (), stream_params: bool = False,
-               row_blocks=None, state: StateFormat = StateFormat()) -> "OffloadedAdamState":
+               row_blocks=None, state: StateFormat = StateFormat(), rounding_seed: int = 0,
+               partition_index: int = 0) -> "OffloadedAdamState":
         """Builds the arena (store staging + step slots + ``extra_requests``), opens the store in
         ``cfg.dir`` and lays out the state; :meth:`close` then closes all three."""
         plan = (ArenaPlan().extend(SsdStore.arena_requests(cfg))
@@ -149,7 +150,8 @@ class OffloadedAdamState:
         try:
             store = SsdStore(cfg, arena)
             owner = cls(store, params_spec, stacked=stacked, kernel_threads=kernel_threads,
-                        stream_params=stream_params, row_blocks=row_blocks, state=state)
+                        stream_params=stream_params, row_blocks=row_blocks, state=state,
+                        rounding_seed=rounding_seed, partition_index=partition_index)
         except BaseException:
             if store is not None:
                 store.close()
@@ -159,12 +161,20 @@ class OffloadedAdamState:
         return owner
 
     def __init__(self, store: SsdStore, params_spec, *, stacked: StackedSpec = None, kernel_threads: int = 1,
-                 stream_params: bool = False, row_blocks=None, state: StateFormat = StateFormat()):
+                 stream_params: bool = False, row_blocks=None, state: StateFormat = StateFormat(),
+                 rounding_seed: int = 0, partition_index: int = 0):
         if int(kernel_threads) < 1:
             raise ValueError(f"offloaded AdamW: kernel_threads must be >= 1, got {kernel_threads}")
         self.store = store
         self.layout = OffloadLayout.plan(params_spec, store.cfg, stacked, stream_params, row_blocks, state)
         self.kernel_threads = int(kernel_threads)
+        # Stochastic rounding of v (state.rounding): element j of layer l of leaf k in the update
+        # after `updates_applied` draws its bits from chunk_seed(rounding_seed, updates_applied,
+        # k, l) and its index in the whole layer (this process's slice starts at
+        # partition_index * layer_elements), so a run draws the same bits however it was split
+        # into chunks and wherever it resumed.
+        self.rounding_seed = int(rounding_seed)
+        self.partition_index = int(partition_index)
         self.state_id = next(_owner_ids)  # what an optax state names to find this owner
         self.updates_applied = 0  # AdamW updates the SSD state has had since init (or restore)
         self.last_step: Optional[StepStats] = None
@@ -518,8 +528,10 @@ class OffloadedAdamState:
                         # chunk's parameter slot, written back to SSD behind the kernel.
                         out = chunk.arrays[-1].view(leaf.dtype)[:n] if streamed else \
                             hosts[leaf.index][ref.flat_start:ref.flat_start + n]
+                        seed, first = self._rounding_key(ref)
                         fused_adamw_update_numpy(master, m, v, grad[:n], out, scalars, threads=self.kernel_threads,
-                                                 state=self.layout.state, m_scale=m_scale, v_scale=v_scale)
+                                                 state=self.layout.state, m_scale=m_scale, v_scale=v_scale,
+                                                 seed=seed, index=first)
                         if handover is not None and streamed:
                             if ref.layer not in handed:
                                 handed[ref.layer] = handover.acquire_handover(ref.layer)
@@ -566,6 +578,14 @@ class OffloadedAdamState:
             flush_seconds=flushed)
         self.updates_applied += 1
         return self.last_step
+
+    def _rounding_key(self, ref: ChunkRef) -> tuple[int, int]:
+        """(chunk seed, index of its first element in the whole layer) of a chunk's stochastic
+        rounding in this update; (0, 0) when v is rounded to nearest."""
+        if not self.layout.state.stochastic:
+            return 0, 0
+        seed = state_codes.chunk_seed(self.rounding_seed, self.updates_applied, ref.leaf.index, ref.layer)
+        return seed, self.partition_index * ref.leaf.layer_elements + ref.start
 
     def _forget_gradients(self) -> None:
         self._grads_written = False

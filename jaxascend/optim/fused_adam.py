@@ -160,7 +160,8 @@ def _dtype_name(array: np.ndarray, name: str) -> str:
 def fused_adamw_update_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray,
                              params_out: np.ndarray, hparams: AdamHyperParams | np.ndarray, *,
                              threads: int = 1, isa: str = "auto", state: StateFormat = FLOAT32_STATE,
-                             m_scale: Optional[np.ndarray] = None, v_scale: Optional[np.ndarray] = None) -> None:
+                             m_scale: Optional[np.ndarray] = None, v_scale: Optional[np.ndarray] = None,
+                             seed: int = 0, index: int = 0) -> None:
     """One AdamW update in place on C-contiguous numpy arrays; bitwise equal to
     :func:`fused_adamw_update`.
 
@@ -174,7 +175,10 @@ def fused_adamw_update_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, g
     computed once per step when the step calls this for many chunks. ``threads``: 1 runs on
     the calling thread; more use the persistent compute pool. ``isa``: 'auto'
     (``JAXASCEND_ADAM_ISA`` or the best the CPU has), 'scalar', 'avx2' or 'avx512' (int8 state
-    runs its AVX2 variant for 'avx512'). The GIL is released while the kernel runs.
+    runs its AVX2 variant for 'avx512'). ``state.rounding`` "stochastic" rounds ``v`` with the
+    bits of element ``i`` hashed from ``seed`` (:func:`~jaxascend.optim.state_codes.chunk_seed`)
+    and ``index + i`` (its index in its layer); see :mod:`jaxascend.optim.state_codes`. The GIL
+    is released while the kernel runs.
     """
     named = {"master": master, "m": m, "v": v, "grad": grad, "params_out": params_out}
     if state.dtype == "int8":
@@ -201,7 +205,9 @@ def fused_adamw_update_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, g
     native._native.adamw_update(master, as_raw(m), as_raw(v), as_raw(grad), as_raw(params_out), scalars,
                                 grad_dtype=grad_dtype, param_dtype=param_dtype, threads=threads, isa=isa,
                                 state_dtype=state.dtype, m_scale=m_scale if state.dtype == "int8" else None,
-                                v_scale=v_scale if state.dtype == "int8" else None, block=state.block)
+                                v_scale=v_scale if state.dtype == "int8" else None, block=state.block,
+                                rounding=state.rounding, rounding_seed=int(seed) & 0xFFFFFFFF,
+                                rounding_index=int(index))
 
 
 def adamw_reference(master: jax.Array, m: jax.Array, v: jax.Array, grad: jax.Array,

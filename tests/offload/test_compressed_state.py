@@ -19,6 +19,8 @@ from tests.offload.test_state import STACKED, offload_cfg, random_tree, spec
 
 FORMATS = [StateFormat.of("bfloat16"), StateFormat.of("int8", 256), StateFormat.of("int8", 2048)]
 IDS = ["bfloat16", "int8-256", "int8-2048"]
+STOCHASTIC = [StateFormat.of("bfloat16", rounding="stochastic"), StateFormat.of("int8", 256, "stochastic")]
+RUN_SEED = 7
 
 
 def _chunk_bytes(fmt):
@@ -28,17 +30,19 @@ def _chunk_bytes(fmt):
 
 def _make(tmp_path, fmt, name="offload", dtype=jnp.bfloat16, **overrides):
     cfg = offload_cfg(tmp_path / name, chunk_bytes=_chunk_bytes(fmt), **overrides)
-    return OffloadedAdamState.create(spec(dtype), cfg, stacked=STACKED, state=fmt)
+    return OffloadedAdamState.create(spec(dtype), cfg, stacked=STACKED, state=fmt, rounding_seed=RUN_SEED)
 
 
 def _reference_step(fmt, ref, leaf, grad, hp):
     """One update of every layer of ``leaf`` with state_codes.adamw_reference (a layer's blocks
-    start at its first element, as the chunks' do: a chunk is whole blocks)."""
+    start at its first element, as the chunks' do: a chunk is whole blocks; stochastic rounding
+    draws by the element's index in the layer, whatever chunk it is in)."""
     g = np.asarray(grad, np.float32).reshape(leaf.layers, -1)
     scalars = np.asarray(hp.scalars())
     for layer in range(leaf.layers):
         r = ref[leaf.index][layer]
-        r[:] = sc.adamw_reference(r[0], r[1], r[2], g[layer], scalars, fmt, r[3], r[4])
+        seed = sc.chunk_seed(RUN_SEED, int(hp.count), leaf.index, layer)
+        r[:] = sc.adamw_reference(r[0], r[1], r[2], g[layer], scalars, fmt, r[3], r[4], seed)
 
 
 def _initial(fmt, master):
@@ -50,10 +54,11 @@ def _initial(fmt, master):
             np.zeros(blocks, np.float32)]
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize("fmt", FORMATS + STOCHASTIC, ids=IDS + ["bfloat16-stochastic", "int8-256-stochastic"])
 def test_streamed_step_equals_the_reference_on_whole_layers(tmp_path, fmt):
     """Chunk records, block scales and streaming change nothing: master, params and the decoded
-    moments are bit for bit the numpy reference's, for 3 steps."""
+    moments are bit for bit the numpy reference's, for 3 steps (stochastic rounding included:
+    its bits follow the element's place in its layer, not the chunking)."""
     with _make(tmp_path, fmt) as state:
         params = random_tree(2)
         state.init(params)
