@@ -158,6 +158,8 @@ def main(argv=None) -> dict:
                     help="comma-separated optimizer.state_dtype values to compare in one run, alternating "
                          "(e.g. float32,bfloat16,int8; the first is the baseline of the ratios)")
     ap.add_argument("--state-block", type=int, default=2048, help="optimizer.state_block of int8 state")
+    ap.add_argument("--state-rounding", choices=["stochastic", "nearest"], default="stochastic",
+                    help="optimizer.state_rounding of bfloat16/int8 state")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here (and a PNG beside it)")
     ap.add_argument("--replot", type=Path, default=None, help="only redraw the PNG of a saved JSON")
     args = ap.parse_args(argv)
@@ -167,7 +169,7 @@ def main(argv=None) -> dict:
         return result
 
     dtypes = [d.strip() for d in args.state_dtypes.split(",") if d.strip()]
-    formats = {d: StateFormat.of(d, args.state_block) for d in dtypes}
+    formats = {d: StateFormat.of(d, args.state_block, args.state_rounding) for d in dtypes}
     n_params = parse_count(args.params)
     spec, stacked = model_spec(n_params, parse_count(args.layer_elements))
     work = Path(tempfile.mkdtemp(prefix="jaxascend-bench-step-", dir=args.dir))
@@ -228,7 +230,7 @@ def main(argv=None) -> dict:
                 "grad_bytes": first.layout.grad_bytes, "compute_param_bytes": first.layout.grad_bytes,
                 "config": {"chunk_bytes": args.chunk, "block_bytes": args.block, "io_threads": args.io_threads,
                            "stream_depth": args.depth, "kernel_threads": args.kernel_threads,
-                           "state_block": args.state_block},
+                           "state_block": args.state_block, "state_rounding": args.state_rounding},
             }
     finally:
         shutil.rmtree(work, ignore_errors=True)  # only the folder this run created

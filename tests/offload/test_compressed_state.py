@@ -172,3 +172,37 @@ def test_restore_into_another_state_dtype_is_refused_before_writing(tmp_path):
                            match=r"holds bfloat16 optimizer state; this run keeps int8 \(blocks of 2048\)"):
             restore_arrays(item, _arrays(b, int8))
         assert before == [b.store.read(r).tobytes() for leaf in b.leaves for r in leaf.state_regions]
+
+
+def test_a_slice_rounds_as_the_whole_layer_does(tmp_path):
+    """Data parallel: process p of P holds elements [p*s, (p+1)*s) of every layer. Its stochastic
+    rounding draws by the element's index in the whole layer, so two processes' halves, updated
+    apart, are bit for bit the one-process update of the whole (bfloat16 state; int8's blocks are
+    each process's own, so it resumes with the same P only)."""
+    fmt = StateFormat.of("bfloat16", rounding="stochastic")
+    layers, width = 2, 8192
+    full = {"w": jax.ShapeDtypeStruct((layers, width), jnp.bfloat16)}
+    half = {"w": jax.ShapeDtypeStruct((layers, width // 2), jnp.bfloat16)}
+    rng = np.random.default_rng(0)
+    start = rng.standard_normal((layers, width)).astype(np.float32)
+    grads = [(rng.standard_normal((layers, width)) * 1e-3).astype(ml_dtypes.bfloat16) for _ in range(3)]
+
+    def run(name, shape_spec, part, cols):
+        cfg = offload_cfg(tmp_path / name, chunk_bytes="8KiB")
+        with OffloadedAdamState.create(shape_spec, cfg, stacked={"w": True}, state=fmt, rounding_seed=RUN_SEED,
+                                       partition_index=part) as state:
+            state.init({"w": start[:, cols]})
+            for count, g in enumerate(grads):
+                state.write_grads({"w": np.ascontiguousarray(g[:, cols])})
+                state.step(AdamHyperParams(lr=1e-2, count=count))
+            return state.read_state(state.leaves[0], "v"), state.read_state(state.leaves[0], "master")
+
+    whole = run("whole", full, 0, slice(None))
+    halves = [run(f"half{p}", half, p, slice(p * width // 2, (p + 1) * width // 2)) for p in range(2)]
+    for k, which in enumerate(("v", "master")):
+        joined = np.concatenate([h[k].reshape(layers, -1) for h in halves], axis=1)
+        np.testing.assert_array_equal(joined.view(np.uint32), whole[k].reshape(layers, -1).view(np.uint32),
+                                      err_msg=which)
+    # and the halves did not draw the same bits as each other (rounding_index moved them)
+    shifted = run("shifted", half, 0, slice(width // 2, width))
+    assert not np.array_equal(shifted[0], halves[1][0])
