@@ -40,6 +40,7 @@ def test_stop_and_resume_is_bit_identical(tmp_path, corpus, state_dtype):  # noq
     steps = [r for r in records if "ssd_written_bytes" in r]
     assert len(steps) == 6 and all(r["ssd_written_bytes"] > 0 and r["ssd_read_bytes"] > 0 for r in steps)
     assert steps[-1]["state_dtype"] == state_dtype
+    assert steps[-1]["state_rounding"] == "stochastic"  # the default; resume drew the same bits
     assert steps[-1]["ssd_written_bytes_run"] >= sum(r["ssd_written_bytes"] for r in steps)
     assert straight.ssd_bytes_written_run == steps[-1]["ssd_written_bytes_run"]
 

@@ -652,6 +652,7 @@ class OffloadEngine:
             # the offload files' traffic since the engine opened them: init, restore, steps, saves
             **dict(zip(("ssd_read_bytes_run", "ssd_written_bytes_run"), self._io_counters())),
             "state_dtype": self.state.layout.state.dtype,
+            "state_rounding": self.state.layout.state.rounding,  # of v; "nearest" for float32
             "state_bytes": self.state.layout.state_bytes,
             "ssd_gbps_step": last.ssd_gbps if last else 0.0,
             "optimizer_seconds_step": last.seconds if last else 0.0,
