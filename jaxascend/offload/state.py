@@ -641,14 +641,10 @@ class OffloadedAdamState:
             raw = self.store.read(leaf.state_regions[ref.layer], offset=ref.state_offset, nbytes=ref.state_bytes,
                                   dtype=np.uint8)
             master, m, v, m_scale, v_scale = ref.record.views(raw)
-            if which == "master" or fmt.dtype == "float32":
-                values = {"master": master, "m": m, "v": v}[which]
-            elif fmt.dtype == "bfloat16":
-                values = state_codes.bf16_widen(m if which == "m" else v)
-            elif which == "m":
-                values = state_codes.dequantize_m(m, m_scale, fmt.block)
+            if which == "master":
+                values = master
             else:
-                values = state_codes.dequantize_v(v, v_scale, fmt.block)
+                values = fmt.decode(which, m if which == "m" else v, m_scale if which == "m" else v_scale)
             out[ref.flat_start - first:ref.flat_start - first + n] = values
         return out.reshape(leaf.shape if layer is None else leaf.layer_shape)
 

@@ -118,6 +118,15 @@ class StateFormat:
             return np.dtype(ml_dtypes.bfloat16)
         return np.dtype(np.uint8)
 
+    def decode(self, which: str, stored: np.ndarray, scale: Optional[np.ndarray] = None) -> np.ndarray:
+        """The float32 values of a stored ``"m"`` or ``"v"`` (bfloat16 bits or codes; ``scale``:
+        the int8 block scales)."""
+        if self.dtype == "float32":
+            return np.asarray(stored, np.float32)
+        if self.dtype == "bfloat16":
+            return bf16_widen(np.asarray(stored).view(np.uint16))
+        return (dequantize_m if which == "m" else dequantize_v)(stored, scale, self.block)
+
     def blocks(self, n: int) -> int:
         """Scale blocks of a run of ``n`` elements (0 without scales)."""
         return -(-n // self.block) if self.block else 0

@@ -193,7 +193,7 @@ def _follow(fmt, steps=1500, n=4096):
                                      seed=sc.chunk_seed(0, t, 0, 0))
     v32 = states[StateFormat()][2]
     _, _, v, _, vs = states[fmt]
-    got = sc.bf16_widen(v) if fmt.dtype == "bfloat16" else sc.dequantize_v(v, vs, fmt.block)
+    got = fmt.decode("v", v, vs)
     return float(np.median(np.sqrt(got / v32)))
 
 
