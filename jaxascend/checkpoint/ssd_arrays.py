@@ -64,6 +64,7 @@ from jaxascend.checkpoint.zarr_layout import (chunk_grid, numpy_dtype, orbax_tre
 from jaxascend.config import OffloadConfig
 from jaxascend.kill_points import kill_point
 from jaxascend.optim import StateFormat
+from jaxascend.optim.state_codes import StateRecord
 from jaxascend.ssd import Segment, SlotRequest
 
 CHECKPOINT_SHAPE_CLASS = "checkpoint"
@@ -254,22 +255,21 @@ def specs_for_offload_layout(layout, pieces: Optional[Sequence[Piece]] = None) -
     chunk = layout.chunk_elements
     fmt = getattr(layout, "state", None) or StateFormat()
     stride = getattr(layout, "state_stride", 0) or 12 * chunk
-    isz = fmt.moment_itemsize
     pieces = list(pieces) if pieces is not None else [None] * len(layout.leaves)
     for leaf, piece in zip(layout.leaves, pieces):
         per_layer = leaf.layer_elements
         spans: dict[str, list] = {name: [] for name in ("master", "m", "v") + SCALE_ARRAYS}
         for region in leaf.state_regions:
             for j, start in enumerate(range(0, per_layer, chunk)):
-                n, base = min(chunk, per_layer - start), j * stride
-                spans["master"].append(Span(region, base, 4 * n))
-                spans["m"].append(Span(region, base + 4 * n, isz * n))
-                spans["v"].append(Span(region, base + 4 * n + isz * n, isz * n))
-                blocks = fmt.blocks(n)
-                if blocks:
-                    scales = base + -(-(4 * n + 2 * isz * n) // 4) * 4
-                    spans["m_scale"].append(Span(region, scales, 4 * blocks))
-                    spans["v_scale"].append(Span(region, scales + 4 * blocks, 4 * blocks))
+                record, base = StateRecord(fmt, min(chunk, per_layer - start)), j * stride
+                moment_bytes = fmt.moment_itemsize * record.count
+                spans["master"].append(Span(region, base, 4 * record.count))
+                spans["m"].append(Span(region, base + record.m_offset, moment_bytes))
+                spans["v"].append(Span(region, base + record.v_offset, moment_bytes))
+                if record.blocks:
+                    scales = base + record.scales_offset
+                    spans["m_scale"].append(Span(region, scales, 4 * record.blocks))
+                    spans["v_scale"].append(Span(region, scales + 4 * record.blocks, 4 * record.blocks))
         for name in ("master", "m", "v"):
             dtype = np.float32 if name == "master" else fmt.moment_dtype(name)
             specs.append(ArraySpec(f"{name}/{leaf.path}", leaf.shape, dtype, tuple(spans[name]), piece))

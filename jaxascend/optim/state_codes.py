@@ -140,6 +140,51 @@ class StateFormat:
         return out
 
 
+@dataclass(frozen=True)
+class StateRecord:
+    """Where master, m, v (and the int8 scales) of a chunk of ``count`` elements sit in its
+    record: byte offsets from the record's start, ``nbytes`` in all."""
+
+    state: StateFormat
+    count: int
+
+    @property
+    def m_offset(self) -> int:
+        return 4 * self.count
+
+    @property
+    def v_offset(self) -> int:
+        return self.m_offset + self.state.moment_itemsize * self.count
+
+    @property
+    def scales_offset(self) -> int:
+        return -(-(self.v_offset + self.state.moment_itemsize * self.count) // 4) * 4
+
+    @property
+    def blocks(self) -> int:
+        return self.state.blocks(self.count)
+
+    @property
+    def nbytes(self) -> int:
+        if not self.blocks:
+            return self.v_offset + self.state.moment_itemsize * self.count
+        return self.scales_offset + 8 * self.blocks
+
+    def views(self, raw: np.ndarray) -> tuple:
+        """``(master, m, v, m_scale, v_scale)`` views into a record's bytes ``raw`` (uint8; the
+        scales None without int8 state); m and v as the kernel takes them (float32, bfloat16
+        bits as uint16, or uint8 codes)."""
+        n, isz = self.count, self.state.moment_itemsize
+        moment = {4: np.float32, 2: np.uint16, 1: np.uint8}[isz]
+        master = raw[:4 * n].view(np.float32)
+        m = raw[self.m_offset:self.m_offset + isz * n].view(moment)
+        v = raw[self.v_offset:self.v_offset + isz * n].view(moment)
+        if not self.blocks:
+            return master, m, v, None, None
+        scales = raw[self.scales_offset:self.scales_offset + 8 * self.blocks].view(np.float32)
+        return master, m, v, scales[:self.blocks], scales[self.blocks:]
+
+
 def check_block(block: int) -> int:
     if not (isinstance(block, (int, np.integer)) and MIN_BLOCK <= block <= MAX_BLOCK and block & (block - 1) == 0):
         raise ValueError(f"int8 state block is {block!r}; it must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}]")
