@@ -76,7 +76,7 @@ inline void StoreElement(void* p, int64_t i, float x) {
 }
 
 // Stochastic rounding's random bits (optim_adam.h): Chris Wellons' lowbias32 of the element's
-// index and the seed, top 16 bits.
+// index and the seed; v takes its top 16 bits, int8 m its low 16.
 constexpr uint32_t kGolden = 0x9e3779b1u;
 
 inline uint32_t Lowbias32(uint32_t x) {
@@ -87,8 +87,8 @@ inline uint32_t Lowbias32(uint32_t x) {
   return x ^ (x >> 15);
 }
 
-inline uint32_t RoundingBits(const AdamBuffers& b, int64_t i) {
-  return Lowbias32(static_cast<uint32_t>(b.rounding_index + i) * kGolden + b.rounding_seed) >> 16;
+inline uint32_t RoundingHash(const AdamBuffers& b, int64_t i) {
+  return Lowbias32(static_cast<uint32_t>(b.rounding_index + i) * kGolden + b.rounding_seed);
 }
 
 // fp32 -> bf16 rounded up with the probability of the dropped half: (u + bits) >> 16; NaN as
@@ -104,7 +104,7 @@ template <AdamElem S>
 inline void StoreV(const AdamBuffers& b, int64_t i, float v) {
   if constexpr (S == AdamElem::kBF16) {
     if (b.rounding == AdamRounding::kStochastic) {
-      static_cast<uint16_t*>(b.v_out)[i] = FloatToBFloat16Stochastic(v, RoundingBits(b, i));
+      static_cast<uint16_t*>(b.v_out)[i] = FloatToBFloat16Stochastic(v, RoundingHash(b, i) >> 16);
       return;
     }
   }
@@ -206,18 +206,22 @@ inline float DecodeM(uint8_t c, float scale) {
   return (c & 0x80u) ? -r : r;
 }
 
-inline uint8_t EncodeM(float m, float inverse) {
+// `hash`: the element's RoundingHash when b.rounding is kStochastic (m takes the low 16 bits,
+// w the high 16), unused otherwise.
+inline uint8_t EncodeM(const AdamBuffers& b, uint32_t hash, float m, float inverse) {
   const uint32_t u = FloatToBits(m);
   const float r = BitsToFloat(u & 0x7fffffffu) * inverse;
-  return static_cast<uint8_t>(EncodeCode<kMBits>(r) | ((u >> 24) & 0x80u));
+  const uint32_t code = b.rounding == AdamRounding::kStochastic ? EncodeCodeStochastic<kMBits>(r, hash & 0xffffu)
+                                                                : EncodeCode<kMBits>(r);
+  return static_cast<uint8_t>(code | ((u >> 24) & 0x80u));
 }
 
 inline float DecodeW(uint8_t c, float scale) { return DecodeCode<kWBits>(c) * scale; }
 
-inline uint8_t EncodeW(const AdamBuffers& b, int64_t i, float w, float inverse) {
+inline uint8_t EncodeW(const AdamBuffers& b, uint32_t hash, float w, float inverse) {
   const float r = BitsToFloat(FloatToBits(w) & 0x7fffffffu) * inverse;
   if (b.rounding == AdamRounding::kStochastic) {
-    return static_cast<uint8_t>(EncodeCodeStochastic<kWBits>(r, RoundingBits(b, i)));
+    return static_cast<uint8_t>(EncodeCodeStochastic<kWBits>(r, hash >> 16));
   }
   return static_cast<uint8_t>(EncodeCode<kWBits>(r));
 }
@@ -240,8 +244,9 @@ inline void EncodeBlockTail(const AdamBuffers& b, int64_t start, int64_t from, i
   auto* mq = static_cast<uint8_t*>(b.m_out);
   auto* vq = static_cast<uint8_t*>(b.v_out);
   for (int64_t j = from; j < n; ++j) {
-    mq[start + j] = EncodeM(m_new[j], m_inverse);
-    vq[start + j] = EncodeW(b, start + j, w_new[j], w_inverse);
+    const uint32_t hash = b.rounding == AdamRounding::kStochastic ? RoundingHash(b, start + j) : 0;
+    mq[start + j] = EncodeM(b, hash, m_new[j], m_inverse);
+    vq[start + j] = EncodeW(b, hash, w_new[j], w_inverse);
   }
 }
 
@@ -344,8 +349,8 @@ JAXASCEND_TARGET_AVX2 inline void Store8(void* p, int64_t i, __m256 x) {
   }
 }
 
-// 8 lanes of the stochastic rounding bits of elements i .. i + 7 (RoundingBits).
-JAXASCEND_TARGET_AVX2 inline __m256i RoundingBits8(const AdamBuffers& b, int64_t i) {
+// 8 lanes of the stochastic rounding hashes of elements i .. i + 7 (RoundingHash).
+JAXASCEND_TARGET_AVX2 inline __m256i RoundingHash8(const AdamBuffers& b, int64_t i) {
   const uint32_t first = static_cast<uint32_t>(b.rounding_index + i) * kGolden + b.rounding_seed;
   const __m256i steps = _mm256_setr_epi32(0, static_cast<int>(kGolden), static_cast<int>(2 * kGolden),
                                           static_cast<int>(3 * kGolden), static_cast<int>(4 * kGolden),
@@ -356,8 +361,7 @@ JAXASCEND_TARGET_AVX2 inline __m256i RoundingBits8(const AdamBuffers& b, int64_t
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x21f0aaad));
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x735a2d97));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  return _mm256_srli_epi32(x, 16);
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
 }
 
 // Stores the new v of elements i .. i + 7 in S, rounded as b.rounding says.
@@ -365,7 +369,7 @@ template <AdamElem S>
 JAXASCEND_TARGET_AVX2 inline void StoreV8(const AdamBuffers& b, int64_t i, __m256 v) {
   if constexpr (S == AdamElem::kBF16) {
     if (b.rounding == AdamRounding::kStochastic) {
-      const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v), RoundingBits8(b, i)), 16);
+      const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(v), _mm256_srli_epi32(RoundingHash8(b, i), 16)), 16);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.v_out) + i), PackBf16x8(v, rounded));
       return;
     }
@@ -527,12 +531,16 @@ JAXASCEND_TARGET_AVX2 void AdamRangeInt8Avx2(const AdamBuffers& b, const AdamSca
     for (; e + 8 <= n; e += 8) {
       const __m256i m_bits = _mm256_castps_si256(_mm256_load_ps(m_new + e));
       const __m256 m_r = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(m_bits, magnitude)), m_inverse8);
-      const __m256i m_code = _mm256_or_si256(EncodeCode8<kMBits>(m_r),
+      const __m256i hash = stochastic ? RoundingHash8(b, start + e) : _mm256_setzero_si256();
+      const __m256i m_magnitude_code = stochastic
+          ? EncodeCodeStochastic8<kMBits>(m_r, _mm256_and_si256(hash, _mm256_set1_epi32(0xffff)))
+          : EncodeCode8<kMBits>(m_r);
+      const __m256i m_code = _mm256_or_si256(m_magnitude_code,
                                              _mm256_srli_epi32(_mm256_and_si256(m_bits, sign_bit), 24));
       StoreCodes8(b.m_out, start + e, m_code);
       const __m256i w_bits = _mm256_castps_si256(_mm256_load_ps(w_new + e));
       const __m256 w_r = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(w_bits, magnitude)), w_inverse8);
-      StoreCodes8(b.v_out, start + e, stochastic ? EncodeCodeStochastic8<kWBits>(w_r, RoundingBits8(b, start + e))
+      StoreCodes8(b.v_out, start + e, stochastic ? EncodeCodeStochastic8<kWBits>(w_r, _mm256_srli_epi32(hash, 16))
                                                  : EncodeCode8<kWBits>(w_r));
     }
     EncodeBlockTail(b, start, e, n, m_new, w_new, m_inverse, w_inverse);
@@ -580,7 +588,7 @@ JAXASCEND_TARGET_AVX512 inline void Store16(void* p, int64_t i, __m512 x) {
   }
 }
 
-// 16 lanes of the stochastic rounding bits of elements i .. i + 15 (RoundingBits).
+// 16 lanes of v's stochastic rounding bits of elements i .. i + 15 (RoundingHash >> 16).
 JAXASCEND_TARGET_AVX512 inline __m512i RoundingBits16(const AdamBuffers& b, int64_t i) {
   const uint32_t first = static_cast<uint32_t>(b.rounding_index + i) * kGolden + b.rounding_seed;
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);

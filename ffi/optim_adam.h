@@ -22,10 +22,11 @@
 //   kInt8: per block of `block` elements one fp32 scale each for m and v (a power of two); m as
 //          sign + E4M3 of |m|/scale, v as E4M4 of sqrt(v)/scale (v = w*w on the way in). A block
 //          is updated into an L1 scratch first, then its new scales chosen and its codes written.
-// m is rounded to nearest, ties to even; v by AdamRounding: to nearest even, or stochastically
-// with 16 bits per element from a counter-based hash of (rounding_seed, rounding_index + i), the
-// top half of lowbias32(uint32(index) * 0x9E3779B1 + seed), so results do not depend on the
-// variant, the thread split or where a run resumed.
+// AdamRounding kNearest rounds both to nearest, ties to even; kStochastic rounds v (both
+// formats) and int8's m stochastically, bf16 m to nearest, with a counter-based hash of
+// (rounding_seed, rounding_index + i): h = lowbias32(uint32(index) * 0x9E3779B1 + seed), v takes
+// h >> 16, m h & 0xffff. Results do not depend on the variant, the thread split or where a run
+// resumed.
 // The scalar and AVX2 variants agree bit for bit in every format; kInt8 has no AVX-512 variant
 // of its own (an avx512 request runs the AVX2 one).
 #pragma once

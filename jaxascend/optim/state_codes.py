@@ -3,8 +3,7 @@
 The fp32 master weights always stay fp32; ``m`` and ``v`` are stored as:
 
 * ``float32``: as they are (12 B/param of state with the master);
-* ``bfloat16``: each narrowed to bfloat16 (8 B/param): ``m`` to the nearest, ties to even;
-  ``v`` by the format's ``rounding`` (below);
+* ``bfloat16``: each narrowed to bfloat16 (8 B/param), as the format's ``rounding`` says (below);
 * ``int8``: one byte per element plus one float32 scale per block of ``block`` elements
   (256-2048; 6 B/param + 8/block), as in Dettmers et al.'s block-wise 8-bit optimizers, with a
   *dynamic exponent* map rather than a linear one (numbers in docs/architecture.md, "Compressed
@@ -25,23 +24,26 @@ The fp32 master weights always stay fp32; ``m`` and ``v`` are stored as:
   (111 << M)``, saturated at the largest code; ``decode(c)`` is ``c * 2**-(15 + M)`` for
   ``c < 2**M``, else ``float_from_bits((c + (111 << M)) << (23 - M))``.
 
-Rounding of ``v`` (``StateFormat.rounding``, ``optimizer.state_rounding``): ``"stochastic"`` (the
-default) rounds ``v`` up with probability equal to its distance from the lower neighbour, in ulps;
-``"nearest"`` rounds to nearest, ties to even. With beta2 = 0.999 a step changes ``v`` by about
-0.1%, less than half a bfloat16 ulp (0.2-0.4%) once the bias correction has settled (after ~500
-steps), and less than half an E4M4 ulp of ``sqrt(v)`` (1.6-3%) from the first steps: rounded to
-nearest, ``v`` stops following the gradients (stuck at its early, larger value in bfloat16, a
-smaller one in int8), which measured +1.5% (bfloat16) and +4.6% (int8) final loss on the tiny
-config over 1000 steps. Rounded stochastically it follows them in expectation. ``m`` (beta1 = 0.9,
-10% a step) keeps nearest: stochastic ``m`` measured no better in simulation and adds noise.
+Rounding (``StateFormat.rounding``, ``optimizer.state_rounding``): ``"nearest"`` rounds m and v
+to nearest, ties to even; ``"stochastic"`` (the default) rounds v, and int8's m, up with the
+probability of the dropped fraction (bfloat16 m stays nearest). Why: rounded to nearest, a
+moment stops moving when a step changes it by less than half an ulp, and then no longer follows
+the gradients. A step changes v by ``(1 - b2) |g**2 / v - 1|``: about 0.1% at b2 = 0.999, under
+half a bfloat16 ulp (0.2-0.4%); at b2 = 0.95 a decaying sqrt(v) moves 2.5% a step, under half an
+E4M4 ulp (1.6-3.1%). A step changes m by ``(1 - b1) |g / m - 1|``: under E4M3's half ulp (3-6%)
+whenever the gradient is within 30-60% of m, i.e. on every coordinate whose gradient is more
+signal than noise; bfloat16's band is 2-4%, so stochastic bfloat16 m only adds noise.
+``scripts/bench_state_rounding.py`` measures each combination (docs/architecture.md,
+"Compressed optimizer state").
 
-The random bits are a counter-based hash, not a generator: :func:`rounding_bits` of (a 32-bit
-``seed`` per chunk, the element's index in its layer), the top 16 bits of ``lowbias32(index *
-0x9E3779B1 + seed)``; :func:`chunk_seed` makes the seed from the run's seed, the update count,
-the leaf and the layer. So every update, kernel variant, thread split and resumed run draws the
-same bits, and the kernel matches the reference bit for bit. Stochastic rounding adds ``bits``
-to the bits below the kept ones and truncates: bfloat16 ``(u + bits) >> 16``; a normal code
-``(u + (bits << (7 - M))) >> (23 - M)``; a subnormal code ``(trunc(r * 2**(31 + M)) + bits) >> 16``.
+The random bits are a counter-based hash, not a generator: :func:`rounding_hash` of (a 32-bit
+``seed`` per chunk, the element's index in its layer), ``lowbias32(index * 0x9E3779B1 +
+seed)``, whose top 16 bits round v and low 16 bits int8 m; :func:`chunk_seed` makes the seed
+from the run's seed, the update count, the leaf and the layer. So every update, kernel variant,
+thread split and resumed run draws the same bits, and the kernel matches the reference bit for
+bit. Stochastic rounding adds the 16 ``bits`` below the kept ones and truncates: bfloat16 ``(u +
+bits) >> 16``; a normal code ``(u + (bits << (7 - M))) >> (23 - M)``; a subnormal code
+``(trunc(r * 2**(31 + M)) + bits) >> 16``.
 
 Per block the fused kernel decodes the old moments, runs the float32 AdamW arithmetic of
 :mod:`jaxascend.optim.fused_adam` on them (``v = w * w`` with ``w`` the decoded square root),
@@ -70,7 +72,7 @@ _GOLDEN = 0x9E3779B1
 @dataclass(frozen=True)
 class StateFormat:
     """How m and v are stored: ``dtype`` one of :data:`STATE_DTYPES`; ``block``: elements per
-    scale (int8 only; 0 otherwise); ``rounding``: how ``v`` is narrowed, one of :data:`ROUNDINGS`
+    scale (int8 only; 0 otherwise); ``rounding``: how the moments are narrowed, one of :data:`ROUNDINGS`
     ("nearest" for float32, which is not narrowed). The rounding is not part of the stored format:
     a checkpoint's ``describe()`` leaves it out, and either rounding resumes either's state."""
 
@@ -96,7 +98,7 @@ class StateFormat:
 
     @property
     def stochastic(self) -> bool:
-        """Whether ``v`` is rounded stochastically (so the kernel needs a seed and an index)."""
+        """Whether v (and int8 m) are rounded stochastically (so the kernel needs a seed and an index)."""
         return self.rounding == "stochastic"
 
     @property
@@ -246,13 +248,13 @@ def block_scale(maximum_bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale.astype(np.float32), inverse.astype(np.float32)
 
 
-def quantize_m(m: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """(uint8 codes, float32 scales) of a flat float32 ``m``."""
+def quantize_m(m: np.ndarray, block: int, bits: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 codes, float32 scales) of a flat float32 ``m``; stochastically with ``bits``."""
     m = np.asarray(m, np.float32).reshape(-1)
     mags = _bits(m) & np.uint32(0x7FFFFFFF)
     scale, inverse = block_scale(_block_max(mags, block))
     r = _f32(mags) * np.repeat(inverse, block)[:m.size]
-    codes = encode(r, M_MANTISSA_BITS) | ((_bits(m) >> np.uint32(24)) & np.uint32(0x80))
+    codes = encode(r, M_MANTISSA_BITS, bits) | ((_bits(m) >> np.uint32(24)) & np.uint32(0x80))
     return codes.astype(np.uint8), scale
 
 
@@ -344,14 +346,19 @@ def chunk_seed(run_seed: int, count: int, leaf: int, layer: int) -> int:
     return h
 
 
-def rounding_bits(seed: int, index: int, n: int) -> np.ndarray:
-    """The 16 random bits (uint32, below 2**16) of elements ``index .. index + n - 1`` of a layer
-    whose chunk seed is ``seed``: the top half of ``lowbias32(i * 0x9E3779B1 + seed)`` (``i``
-    modulo 2**32)."""
+def rounding_hash(seed: int, index: int, n: int) -> np.ndarray:
+    """The 32-bit hashes (uint32) of elements ``index .. index + n - 1`` of a layer whose chunk
+    seed is ``seed``: ``lowbias32(i * 0x9E3779B1 + seed)`` (``i`` modulo 2**32). v's rounding
+    takes the top 16 bits, int8 m's the low 16."""
     i = (np.arange(n, dtype=np.uint64) + np.uint64(index)).astype(np.uint32)
     with np.errstate(over="ignore"):
         x = i * np.uint32(_GOLDEN) + np.uint32(seed & 0xFFFFFFFF)
-    return _lowbias32(x) >> np.uint32(16)
+    return _lowbias32(x)
+
+
+def rounding_bits(seed: int, index: int, n: int) -> np.ndarray:
+    """v's 16 random bits (uint32, below 2**16): the top half of :func:`rounding_hash`."""
+    return rounding_hash(seed, index, n) >> np.uint32(16)
 
 
 def bf16_widen(bits: np.ndarray) -> np.ndarray:
@@ -387,10 +394,11 @@ def adamw_reference(master, m, v, grad, scalars, fmt: StateFormat, m_scale=None,
     master_new = master - lr * update
     if fmt.dtype == "float32":
         return master_new, m_new, v_new, None, None
-    bits = rounding_bits(seed, index, m_new.size) if fmt.stochastic else None
-    if fmt.dtype == "bfloat16":
-        v_out = bf16_round(v_new) if bits is None else bf16_round_stochastic(v_new, bits)
+    h = rounding_hash(seed, index, m_new.size) if fmt.stochastic else None
+    m_bits, v_bits = (None, None) if h is None else (h & np.uint32(0xFFFF), h >> np.uint32(16))
+    if fmt.dtype == "bfloat16":  # m to nearest: its ulp is far below a step's change
+        v_out = bf16_round(v_new) if v_bits is None else bf16_round_stochastic(v_new, v_bits)
         return master_new, bf16_round(m_new), v_out, None, None
-    mq, ms = quantize_m(m_new, fmt.block)
-    vq, vs = quantize_w(np.sqrt(v_new), fmt.block, bits)
+    mq, ms = quantize_m(m_new, fmt.block, m_bits)
+    vq, vs = quantize_w(np.sqrt(v_new), fmt.block, v_bits)
     return master_new, mq, vq, ms, vs

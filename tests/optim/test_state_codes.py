@@ -132,12 +132,12 @@ def _run(fmt, steps, n, seed=3, lr=1e-3):
 
 
 @pytest.mark.parametrize("state_dtype,rounding,bound", [("bfloat16", "stochastic", 0.004), ("bfloat16", "nearest", 0.004),
-                                                         ("int8", "stochastic", 0.06), ("int8", "nearest", 0.08)])
+                                                         ("int8", "stochastic", 0.07), ("int8", "nearest", 0.08)])
 def test_compressed_state_tracks_fp32_state(state_dtype, rounding, bound):
     """Against fp32-state AdamW on the same gradients: the relative error of the parameter
     change after 100 steps. Measured on this sequence (worst step in brackets): bfloat16
-    stochastic 0.0022 (0.0024), nearest 0.0019 (0.0021); int8 at block 2048 stochastic 0.036
-    (0.039), nearest 0.057 (0.057). The arithmetic is all IEEE and the rounding bits a hash, so
+    stochastic 0.0022 (0.0024), nearest 0.0019 (0.0021); int8 at block 2048 stochastic 0.043
+    (0.048), nearest 0.057 (0.057). The arithmetic is all IEEE and the rounding bits a hash, so
     every CPU measures the same; the bounds only leave room for a changed sequence."""
     n, steps = 16384, 100
     start, ref = _run(StateFormat(), steps, n)
@@ -206,6 +206,38 @@ def test_stochastic_v_follows_the_gradients_where_nearest_sticks(state_dtype):
     stochastic = _follow(StateFormat.of(state_dtype, rounding="stochastic"))
     assert abs(nearest - 1) > 0.15, nearest
     assert abs(stochastic - 1) < 0.03, stochastic
+
+
+def _drift_on_signal(fmt, steps=600, n=4096):
+    """|p - p32| / |p32| after ``steps`` updates (b2 = 0.95) on gradients that are mostly signal,
+    a slowly turning direction per element plus 20% noise, from zero weights."""
+    rng = np.random.default_rng(0)
+    size = np.exp(rng.normal(size=n)).astype(np.float32)
+    direction = rng.normal(size=n).astype(np.float32)
+    states = {}
+    for f in (StateFormat(), fmt):
+        m, v, ms, vs = _encoded(f, np.zeros(n, np.float32), np.zeros(n, np.float32))
+        states[f] = [np.zeros(n, np.float32), m, v, ms, vs]
+    params = np.empty(n, np.float32)
+    for t in range(steps):
+        grad = ((direction * np.cos(t / 100) + 0.2 * rng.normal(size=n)) * size).astype(np.float32)
+        hp = AdamHyperParams(lr=1e-4, weight_decay=0.0, count=t)
+        for f, (master, m, v, ms, vs) in states.items():
+            fused_adamw_update_numpy(master, m, v, grad, params, hp, state=f, m_scale=ms, v_scale=vs,
+                                     seed=sc.chunk_seed(0, t, 0, 0))
+    want = states[StateFormat()][0]
+    return float(np.linalg.norm(states[fmt][0] - want) / np.linalg.norm(want))
+
+
+def test_stochastic_int8_follows_gradients_that_are_mostly_signal():
+    """int8 rounds m stochastically too: a step moves m by 10% of |g - m|, under E4M3's half ulp
+    when g is within 30-60% of m, so rounded to nearest m and the weights stop following a
+    consistent gradient. Measured here: weights 1.55 (nearest) and 0.26 (stochastic) away from
+    float32 state's, relative; bfloat16 0.022 and 0.028."""
+    nearest = _drift_on_signal(StateFormat.of("int8", rounding="nearest"))
+    stochastic = _drift_on_signal(StateFormat.of("int8", rounding="stochastic"))
+    assert stochastic < 0.35 < 1.0 < nearest, (nearest, stochastic)
+    assert _drift_on_signal(StateFormat.of("bfloat16", rounding="stochastic")) < 0.05
 
 
 def test_kernel_refuses_bad_int8_arguments():
