@@ -12,9 +12,12 @@ Optimizers via Block-wise Quantization") report 8-bit block-wise Adam matching 3
 language modelling to within the run-to-run spread (perplexity differences of about 1%, i.e.
 well under 1% of the loss); a bf16 moment is 16x finer than their 8-bit one. The report also
 gives the largest gap between the curves smoothed over 20 steps, and the seed-to-seed spread of
-the float32 runs where ``--seed-spread`` adds a second float32 run with another data seed.
+the float32 runs where ``--seed-spread`` adds a second float32 run with another data seed, and
+the chaos floor where ``--noise-floor`` adds a float32 run perturbed only in its eps (1e-5 of it):
+how far the curve of an equally good optimizer drifts once anything changes the trajectory.
+Compressed runs use ``optimizer.state_rounding`` ``--rounding`` (default stochastic).
 
-    python scripts/bench_state_quality.py --seed-spread tiny    # both models (about 75 minutes)
+    python scripts/bench_state_quality.py --noise-floor tiny    # both models (about 90 minutes)
     python scripts/bench_state_quality.py --only tiny --tiny-steps 100   # smoke run
 """
 
@@ -34,6 +37,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_step import cpu_model  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "int8")
+PERTURBED_EPS = "1.00001e-8"  # the default eps, 1e-5 of itself larger
 TOLERANCE = 0.01  # relative, of the mean loss over the last 10% of steps (see the docstring)
 LARGE = ["model.arch=llama", "model.hidden_size=2048", "model.intermediate_size=5632",
          "model.num_hidden_layers=8", "model.num_attention_heads=16", "model.num_key_value_heads=16",
@@ -102,7 +106,7 @@ def plot(results: dict, path: Path) -> None:
         base = smooth(np.asarray(res["runs"]["float32"]["losses"]), 10)
         for d, r in res["runs"].items():
             y = smooth(np.asarray(r["losses"]), 10)
-            color = f"C{DTYPES.index(d)}" if d in DTYPES else None
+            color = f"C{DTYPES.index(d)}" if d in DTYPES else "0.55"
             top.plot(np.arange(len(y)) + 10, y, label=f"{d} state", lw=1.2, color=color)
             if d != "float32":
                 bottom.plot(np.arange(len(y)) + 10, (y / base - 1) * 100, label=d, lw=1.0, color=color)
@@ -136,6 +140,8 @@ def main(argv=None) -> dict:
     p.add_argument("--large-steps", type=int, default=100)
     p.add_argument("--seed-spread", default="", help="comma-separated models (tiny, 0.54b) that get a second "
                    "float32 run with data.seed=1: the run-to-run spread beside the state dtypes' differences")
+    p.add_argument("--noise-floor", default="", help="comma-separated models (tiny, 0.54b) that get a second "
+                   f"float32 run with optimizer.eps={PERTURBED_EPS}: how far a perturbation alone moves the curve")
     p.add_argument("--dtypes", default=",".join(DTYPES),
                    help="comma-separated state dtypes to train (float32, the baseline, always among them)")
     p.add_argument("--rounding", choices=["stochastic", "nearest"], default="stochastic",
@@ -180,6 +186,13 @@ def main(argv=None) -> dict:
             other = train(f"{model}-float32-seed1", overrides + ["data.seed=1"], work, args.reuse)
             res["seed_spread_final_relative_difference"] = compare({"float32": runs["float32"],
                                                                     "seed1": other})["seed1"]["final_relative_difference"]
+        if model in args.noise_floor.split(","):
+            # The same float32 run with eps 1e-5 of itself larger: the same data and weights, a
+            # trajectory that drifts apart as any perturbation's does (the chaos floor).
+            other = train(f"{model}-float32-eps", overrides + ["optimizer.state_dtype=float32",
+                                                               f"optimizer.eps={PERTURBED_EPS}"], work, args.reuse)
+            res["runs"]["float32 perturbed"] = other
+            res["comparison"] = compare(res["runs"])
         results[model] = res
     report = report_of(results) | {"state_rounding": args.rounding}
     out.parent.mkdir(parents=True, exist_ok=True)
