@@ -89,6 +89,12 @@ def compare(runs: dict) -> dict:
         gap = smooth(x) / smooth(base) - 1
         out[d] = {"final_relative_difference": round(final, 5), "within_tolerance": abs(final) <= TOLERANCE,
                   "largest_smoothed_gap": round(float(np.abs(gap).max()), 5)}
+    floor = runs.get("float32 perturbed")
+    if floor is not None:  # each against float32 perturbed, as float32 is against it
+        other = np.asarray(floor["losses"])[-tail:].mean()
+        for d in out:
+            if d != "float32 perturbed":
+                out[d]["vs_float32_perturbed"] = round(float(np.asarray(runs[d]["losses"])[-tail:].mean() / other - 1), 5)
     return out
 
 
@@ -107,9 +113,10 @@ def plot(results: dict, path: Path) -> None:
         for d, r in res["runs"].items():
             y = smooth(np.asarray(r["losses"]), 10)
             color = f"C{DTYPES.index(d)}" if d in DTYPES else "0.55"
-            top.plot(np.arange(len(y)) + 10, y, label=f"{d} state", lw=1.2, color=color)
+            label = f"{d} state" if d in DTYPES else "float32 state, eps x (1 + 1e-5)"
+            top.plot(np.arange(len(y)) + 10, y, label=label, lw=1.2, color=color)
             if d != "float32":
-                bottom.plot(np.arange(len(y)) + 10, (y / base - 1) * 100, label=d, lw=1.0, color=color)
+                bottom.plot(np.arange(len(y)) + 10, (y / base - 1) * 100, label=label, lw=1.0, color=color)
         top.set_title(f"{model}: {res['num_params'] / 1e6:.0f}M params, {res['steps']} steps")
         top.set_ylabel("training loss (mean of 10 steps)")
         verdict = ", ".join(f"{d}: {c['final_relative_difference'] * 100:+.2f}%" for d, c in res["comparison"].items())
