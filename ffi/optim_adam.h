@@ -42,7 +42,7 @@ enum class AdamElem { kF32, kF16, kBF16 };
 // How m and v are stored (see the top of the file).
 enum class AdamState { kF32, kBF16, kInt8 };
 
-// How v is narrowed (kBF16 and kInt8; float32 state is not narrowed).
+// How m and v are narrowed (kBF16 and kInt8; float32 state is not); see the top of the file.
 enum class AdamRounding { kNearest, kStochastic };
 
 // kInt8 blocks: a power of two in [kAdamMinBlock, kAdamMaxBlock] elements.

@@ -366,7 +366,7 @@ void BindAdamW(nb::module_& m) {
         "params_out hold grad_dtype/param_dtype ('float32', 'float16', 'bfloat16'; 16-bit types "
         "may be passed as uint16 views); m and v hold state_dtype ('float32'; 'bfloat16' as uint16; "
         "'int8' as uint8 codes with float32 m_scale/v_scale, one per block of `block`). "
-        "rounding: how v is narrowed ('nearest' even, or 'stochastic' with the bits of element i "
+        "rounding: how m and v are narrowed ('nearest' even, or 'stochastic': v, and int8 m, with the bits of element i "
         "hashed from rounding_seed and rounding_index + i). "
         "Releases the GIL.");
   m.def("adamw_supported_isas", &SupportedIsas,

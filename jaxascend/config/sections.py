@@ -114,9 +114,10 @@ class OptimizerConfig:
     # with a float32 scale per block of state_block elements, 256-2048).
     state_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
     state_block: int = 2048
-    # How bfloat16/int8 v is rounded: "stochastic" (seeded by train.seed, the update count and the
-    # element; reproducible) or "nearest" even, under which v stops following the gradients once a
-    # step changes it by less than half an ulp (jaxascend.optim.state_codes). m: always nearest.
+    # How bfloat16/int8 moments are rounded: "stochastic" (v in both, and int8's m; seeded by
+    # train.seed, the update count and the element; reproducible) or "nearest" even, under which
+    # a moment stops following the gradients once a step changes it by less than half an ulp
+    # (jaxascend.optim.state_codes). bfloat16 m is always rounded to nearest.
     state_rounding: Literal["stochastic", "nearest"] = "stochastic"
 
     def __post_init__(self):

@@ -119,7 +119,7 @@ def token_table_of(model_cfg: ModelConfig) -> tuple[str, ...]:
 
 def state_format(cfg: Config) -> StateFormat:
     """The format of m and v on SSD: ``optimizer.state_dtype`` (and ``state_block`` for int8),
-    with v rounded as ``optimizer.state_rounding`` says."""
+    rounded as ``optimizer.state_rounding`` says."""
     return StateFormat.of(cfg.optimizer.state_dtype, cfg.optimizer.state_block, cfg.optimizer.state_rounding)
 
 
@@ -652,7 +652,7 @@ class OffloadEngine:
             # the offload files' traffic since the engine opened them: init, restore, steps, saves
             **dict(zip(("ssd_read_bytes_run", "ssd_written_bytes_run"), self._io_counters())),
             "state_dtype": self.state.layout.state.dtype,
-            "state_rounding": self.state.layout.state.rounding,  # of v; "nearest" for float32
+            "state_rounding": self.state.layout.state.rounding,  # "nearest" for float32
             "state_bytes": self.state.layout.state_bytes,
             "ssd_gbps_step": last.ssd_gbps if last else 0.0,
             "optimizer_seconds_step": last.seconds if last else 0.0,

@@ -168,7 +168,7 @@ class OffloadedAdamState:
         self.store = store
         self.layout = OffloadLayout.plan(params_spec, store.cfg, stacked, stream_params, row_blocks, state)
         self.kernel_threads = int(kernel_threads)
-        # Stochastic rounding of v (state.rounding): element j of layer l of leaf k in the update
+        # Stochastic rounding (state.rounding): element j of layer l of leaf k in the update
         # after `updates_applied` draws its bits from chunk_seed(rounding_seed, updates_applied,
         # k, l) and its index in the whole layer (this process's slice starts at
         # partition_index * layer_elements), so a run draws the same bits however it was split

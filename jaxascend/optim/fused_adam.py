@@ -175,7 +175,7 @@ def fused_adamw_update_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, g
     computed once per step when the step calls this for many chunks. ``threads``: 1 runs on
     the calling thread; more use the persistent compute pool. ``isa``: 'auto'
     (``JAXASCEND_ADAM_ISA`` or the best the CPU has), 'scalar', 'avx2' or 'avx512' (int8 state
-    runs its AVX2 variant for 'avx512'). ``state.rounding`` "stochastic" rounds ``v`` with the
+    runs its AVX2 variant for 'avx512'). ``state.rounding`` "stochastic" rounds ``v`` (and int8 ``m``) with the
     bits of element ``i`` hashed from ``seed`` (:func:`~jaxascend.optim.state_codes.chunk_seed`)
     and ``index + i`` (its index in its layer); see :mod:`jaxascend.optim.state_codes`. The GIL
     is released while the kernel runs.
