@@ -566,6 +566,14 @@ JAXASCEND_TARGET_AVX512 inline __m512 Load16(const void* p, int64_t i) {
   }
 }
 
+// bf16 bits (each lane's high half of `rounded`) of x, a NaN keeping its top bits, quieted;
+// the 16 halves packed in order (PackBf16x8's AVX-512 twin).
+JAXASCEND_TARGET_AVX512 inline __m256i PackBf16x16(__m512 x, __m512i rounded) {
+  const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16), _mm512_set1_epi32(0x40));
+  const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet_nan));
+}
+
 template <AdamElem E>
 JAXASCEND_TARGET_AVX512 inline void Store16(void* p, int64_t i, __m512 x) {
   if constexpr (E == AdamElem::kF32) {
@@ -580,9 +588,7 @@ JAXASCEND_TARGET_AVX512 inline void Store16(void* p, int64_t i, __m512 x) {
       const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
       const __m512i rounded = _mm512_srli_epi32(
           _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-      const __m512i quiet_nan = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
-      const __mmask16 is_nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-      h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet_nan));
+      h = PackBf16x16(x, rounded);
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i), h);
   }
@@ -607,12 +613,8 @@ template <AdamElem S>
 JAXASCEND_TARGET_AVX512 inline void StoreV16(const AdamBuffers& b, int64_t i, __m512 v) {
   if constexpr (S == AdamElem::kBF16) {
     if (b.rounding == AdamRounding::kStochastic) {
-      const __m512i u = _mm512_castps_si512(v);
-      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, RoundingBits16(b, i)), 16);
-      const __m512i quiet_nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-      const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.v_out) + i),
-                          _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet_nan)));
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(v), RoundingBits16(b, i)), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.v_out) + i), PackBf16x16(v, rounded));
       return;
     }
   }

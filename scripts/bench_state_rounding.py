@@ -39,13 +39,9 @@ def narrow(dtype: str, m: np.ndarray, v: np.ndarray, m_bits, v_bits):
         def one(x, bits):
             return sc.bf16_widen(sc.bf16_round(x) if bits is None else sc.bf16_round_stochastic(x, bits))
         return one(m, m_bits), one(v, v_bits)
-    mags = m.view(np.uint32) & np.uint32(0x7FFFFFFF)
-    scale, inverse = sc.block_scale(sc._block_max(mags, BLOCK))
-    codes = sc.encode(mags.view(np.float32) * np.repeat(inverse, BLOCK)[:m.size], sc.M_MANTISSA_BITS, m_bits)
-    codes |= (m.view(np.uint32) >> np.uint32(24)) & np.uint32(0x80)
-    m_back = sc.dequantize_m(codes.astype(np.uint8), scale, BLOCK)
+    mq, ms = sc.quantize_m(m, BLOCK, m_bits)
     vq, vs = sc.quantize_w(np.sqrt(v), BLOCK, v_bits)
-    return m_back, sc.dequantize_v(vq, vs, BLOCK)
+    return sc.dequantize_m(mq, ms, BLOCK), sc.dequantize_v(vq, vs, BLOCK)
 
 
 def simulate(regime: str, n: int, steps: int, every: int, seed: int) -> list:
