@@ -81,3 +81,17 @@ def test_compressed_state_needs_the_offloaded_engine(tmp_path, corpus):  # noqa:
         load_config("configs/tiny.yaml", _overrides(tmp_path, corpus, "in-memory") + ["optimizer.state_dtype=int8"])
     with pytest.raises(ConfigError, match="optimizer.state_block: 1000 must be a power of two in \\[256, 2048\\]"):
         load_config("configs/tiny.yaml", _overrides(tmp_path, corpus, "offload") + ["optimizer.state_block=1000"])
+
+
+def test_an_unknown_state_rounding_is_one_line_and_writes_nothing(tmp_path, corpus):  # noqa: F811
+    with pytest.raises(ConfigError, match="optimizer.state_rounding: expected one of 'stochastic', 'nearest', got 'up'"):
+        load_config("configs/tiny.yaml", _overrides(tmp_path, corpus, "offload") + ["optimizer.state_rounding=up"])
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml"]
+    for o in _overrides(out, corpus, "offload") + ["optimizer.state_dtype=int8", "optimizer.state_rounding=up"]:
+        args += ["--set", o]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: optimizer.state_rounding:"), done.stderr
+    assert not out.exists()
