@@ -31,17 +31,32 @@ from jaxascend.models.losses import (TokenBatch, as_token_batch, batch_loss, for
 ARCHS = LLAMA_ARCHS + ("gpt2",) + GEMMA3_ARCHS
 
 
+def model_class(arch: str) -> type:
+    """The model class of architecture ``arch``."""
+    if arch in LLAMA_ARCHS:
+        return LlamaForCausalLM
+    if arch == "gpt2":
+        return GPT2LMHeadModel
+    if arch in GEMMA3_ARCHS:
+        return Gemma3ForCausalLM
+    raise ValueError(f"model.arch: {arch!r} is not supported (allowed: {', '.join(ARCHS)})")
+
+
+def layer_stack_key(arch: str) -> str:
+    """The attribute holding the scanned layer stack ('layers'; GPT-2: 'h')."""
+    return model_class(arch).LAYER_STACK
+
+
+def token_table_path(arch: str) -> tuple[str, ...]:
+    """The path of the token embedding table in the parameter tree (also the head when tied)."""
+    return model_class(arch).TOKEN_TABLE
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs) -> nnx.Module:
     """Builds the model ``cfg.arch`` names with freshly initialized parameters
     (normal(cfg.init_std) matrices and embeddings, ones for norm scales, zeros for biases and
     for Gemma 3's zero-centred norm scales)."""
-    if cfg.arch in LLAMA_ARCHS:
-        return LlamaForCausalLM(cfg, vocab_size, rngs=rngs)
-    if cfg.arch == "gpt2":
-        return GPT2LMHeadModel(cfg, vocab_size, rngs=rngs)
-    if cfg.arch in GEMMA3_ARCHS:
-        return Gemma3ForCausalLM(cfg, vocab_size, rngs=rngs)
-    raise ValueError(f"model.arch: {cfg.arch!r} is not supported (allowed: {', '.join(ARCHS)})")
+    return model_class(cfg.arch)(cfg, vocab_size, rngs=rngs)
 
 
 def norm_scale_init(arch: str) -> float:
@@ -59,6 +74,7 @@ __all__ = [
     "ARCHS", "DTYPES", "GPT2LMHeadModel", "Gemma3ForCausalLM", "KVCache", "LayerKV", "LlamaForCausalLM",
     "OFFLOADED_ACTIVATIONS", "REMAT_POLICIES", "TokenBatch",
     "as_token_batch", "batch_loss", "build_model", "cache_positions", "cached_attention", "count_params",
-    "decode_layers", "is_large_table", "layer_decode", "layer_forward", "loss_sum_and_count", "micro_batch",
+    "decode_layers", "is_large_table", "layer_decode", "layer_forward", "layer_stack_key", "loss_sum_and_count",
+    "micro_batch", "model_class", "token_table_path",
     "next_token_loss", "norm_scale_init", "scan_layers", "table_blocks", "token_batch", "token_losses", "forward",
 ]

@@ -137,6 +137,7 @@ class CachedDecoding:
     ``layer_flags``; each stacked layer has ``decode(hidden, positions, kv, start[, flag])``."""
 
     LAYER_STACK = "layers"
+    TOKEN_TABLE = ("embed_tokens", "embedding")  # the token table's path (also the head when tied)
     layer_flags: Optional[tuple[bool, ...]] = None
 
     def init_cache(self, batch: int, length: int, dtype=None) -> KVCache:

@@ -175,6 +175,7 @@ class GPT2LMHeadModel(nnx.Module, CachedDecoding):
     """
 
     LAYER_STACK = "h"  # the stacked blocks, for CachedDecoding
+    TOKEN_TABLE = ("wte", "embedding")
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
         _check_gpt2_config(cfg, vocab_size)
