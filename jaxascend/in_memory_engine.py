@@ -9,16 +9,16 @@ from __future__ import annotations
 import contextlib
 
 from functools import partial
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 from jaxascend.checkpoint import Checkpointer
 from jaxascend.config import Config
+from jaxascend.engine_contract import EngineReport, StepResult
 from jaxascend.models import TokenBatch, as_token_batch, batch_loss, loss_sum_and_count
 from jaxascend.optim import adamw_in_memory
 
@@ -58,7 +58,7 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State, tx: optax.GradientT
 
 class InMemoryEngine:
     """``step(tokens)`` runs one jitted AdamW step; nothing leaves RAM. A context manager, like
-    the offloaded engine, though it owns no files."""
+    the offloaded engine, though it owns no files. Implements :class:`jaxascend.engine_contract.Engine`."""
 
     name = "in-memory"
 
@@ -70,11 +70,14 @@ class InMemoryEngine:
         graphdef, rest = self.graphdef, self.rest
         self._eval = jax.jit(lambda params, batch: loss_sum_and_count(nnx.merge(graphdef, params, rest), batch))
 
-    def step(self, tokens) -> dict[str, Any]:
+    def step(self, tokens, optimizer: bool = True) -> StepResult:
         """Dispatches one step over ``tokens`` (a :class:`TokenBatch` ``[A, ...]``, or plain rows
-        ``int32 [A, B, T+1]``) asynchronously; the stats are device scalars (no sync here)."""
+        ``int32 [A, B, T+1]``) asynchronously; the loss and norm are device scalars (no sync here)."""
+        if not optimizer:
+            raise ValueError("in-memory engine: a step always applies its update (optimizer=False is the "
+                             "offloaded engine's compute-only step)")
         self.params, self.opt_state, stats = self._step(self.params, self.opt_state, as_token_batch(tokens))
-        return stats
+        return StepResult(loss=stats["loss"], grad_norm=stats["grad_norm"])
 
     def evaluate(self, batches) -> tuple[float, int]:
         """``(sum of the counted targets' losses, their count)`` over micro-batches ``batches``,
@@ -113,8 +116,14 @@ class InMemoryEngine:
         """As :meth:`OffloadEngine.exported_weights` (one process: the parameters)."""
         yield self.export_params()
 
-    def report(self) -> dict[str, Any]:
-        return {}
+    def report(self) -> EngineReport:
+        return EngineReport(engine=self.name)
+
+    def shard_files(self) -> list[str]:
+        return []
+
+    def timeline(self) -> None:
+        return None
 
     def __enter__(self) -> "InMemoryEngine":
         return self

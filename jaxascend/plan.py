@@ -33,32 +33,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.disk_gbps is not None and not args.disk_gbps > 0:
         print("error: --disk-gbps: must be > 0", file=sys.stderr)
         return 2
-    import dataclasses
     import json
+
+    import jax
 
     from jaxascend import console
     from jaxascend.config import load_config
-    from jaxascend.data import load_tokenizer, make_batch_stream
-    from jaxascend.offload import plan_run
+    from jaxascend.offload import JobShape
+    from jaxascend.preparation import prepare_run
     from jaxascend.ssd import measure_disk_gbps
-    from jaxascend.trainer import resolve_model_config, vocabulary_size
 
     with console.one_line_output():
         try:
             cfg = load_config(args.config, args.overrides)
-            model_cfg = resolve_model_config(cfg)
-            tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
-            data = make_batch_stream(cfg.data, tokenizer)  # as the trainer has it when it plans (the runtime part)
-            vocab = vocabulary_size(cfg, model_cfg, tokenizer)
             gbps = measure_disk_gbps(cfg.offload) if args.measure_disk else args.disk_gbps
-            plan = plan_run(cfg, dataclasses.replace(model_cfg, vocab_size=vocab), disk_gbps=gbps)
-            del data
+            job = JobShape(processes=cfg.train.distributed.num_processes or 1,
+                           local_devices=jax.local_device_count())
+            # The trainer's first phase: inputs read and checked, the plan made where the run
+            # will hold its tokenizer and data index (the runtime part).
+            prepared = prepare_run(cfg, job, disk_gbps=gbps)
         except (ValueError, OSError) as err:  # ConfigError is a ValueError
             if console.debugging():
                 raise
             console.error(console.first_line(err))
             return 2
-    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.format())
+    plan, step = prepared.plan, prepared.step
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "step": step.describe()}, indent=1))
+    else:
+        print(plan.format())
+        for line in step.notes:
+            if line not in plan.choices:
+                print(f"note: {line}")
     return 1 if plan.problems() else 0
 
 

@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -23,23 +23,25 @@ from flax import nnx
 
 from jaxascend import console
 from jaxascend.checkpoint import Checkpointer, check_resume_partition, resume_target
-from jaxascend.config import Config, ConfigError, ModelConfig
+from jaxascend.config import Config, ModelConfig
 from jaxascend.distributed import initialize as initialize_distributed
 from jaxascend.distributed import job_errors, process_dir
-from jaxascend.data import eval_batches, load_tokenizer, make_batch_stream, tokenizer_folder
+from jaxascend.data import make_batch_stream, tokenizer_folder
+from jaxascend.engine_contract import Engine, EngineReport, StepResult
 from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, export_hf, lean_init_reader,
-                          load_hf_model, model_config_from_hf, save_params)
+                          load_hf_model, save_params)
 from jaxascend.generation import SamplePrompts
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.models import TokenBatch, count_params, token_batch
-from jaxascend.offload import OffloadEngine, Partition, partition_refusal
-from jaxascend.offload import resolve as plan_resolve
-from jaxascend.offload.timeline import write_timeline_png
+from jaxascend.offload import JobShape, OffloadEngine, StepPlan, write_timeline_png
 from jaxascend.optim import learning_rate_schedule
+from jaxascend.preparation import PreparedRun, prepare_run
 from jaxascend.ssd import MemorySampler
 
 log = logging.getLogger(__name__)
+
+MasterReader = Callable[[tuple, Optional[int]], np.ndarray]
 
 
 @dataclasses.dataclass
@@ -67,29 +69,6 @@ class TrainResult:
     ssd_bytes_written_run: int = 0
     steps_this_run: int = 0  # steps this invocation ran (skipped ones included)
     state_dtype: str = "float32"  # how the optimizer's moments were stored (optimizer.state_dtype)
-
-
-def resolve_model_config(cfg: Config) -> ModelConfig:
-    """``cfg.model``, or the architecture read from ``model.path``'s config.json with the run's
-    numerics (dtype, param_dtype, remat) on top."""
-    if cfg.model.path is None:
-        return cfg.model
-    model_cfg = model_config_from_hf(cfg.model.path, base=cfg.model)
-    if cfg.data.seq_len > model_cfg.max_position_embeddings:
-        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_position_embeddings="
-                          f"{model_cfg.max_position_embeddings} ({cfg.model.path}/config.json)")
-    return model_cfg
-
-
-def vocabulary_size(cfg: Config, model_cfg: ModelConfig, tokenizer) -> int:
-    """The embedding rows: the model's vocabulary (config.json or model.vocab_size), or the
-    tokenizer's for a model from scratch; refuses a tokenizer whose ids do not fit the model."""
-    vocab_size = model_cfg.vocab_size or tokenizer.vocab_size
-    if vocab_size < tokenizer.vocab_size:
-        where = f"{cfg.model.path}/config.json" if cfg.model.path else "model.vocab_size"
-        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens but the model "
-                          f"has {vocab_size} ({where}); its ids would not fit the embedding")
-    return vocab_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,24 +113,7 @@ def step_batch(micro_batches: list) -> TokenBatch:
     return token_batch(*(np.stack(parts) for parts in zip(*micro_batches)))
 
 
-def held_out_batches(cfg: Config, tokenizer) -> list[TokenBatch]:
-    """The evaluation's batches (``eval.paths`` read like ``data.paths``; ``eval.batches`` of
-    them, or all), tokenized once, before anything is written: a malformed held-out record
-    stops the run at the start. Empty without ``eval.paths``."""
-    if not cfg.eval.paths:
-        return []
-    data = dataclasses.replace(cfg.data, paths=list(cfg.eval.paths), max_documents=None,
-                               batch_size=cfg.eval.batch_size or cfg.data.batch_size)
-    try:
-        batches = [token_batch(*b) for b in eval_batches(data, tokenizer, cfg.eval.batches)]
-    except ValueError as err:
-        raise ValueError(f"eval.paths: {err}") from None
-    if not batches or not any(b.weights.any() for b in batches):
-        raise ValueError(f"eval.paths: {cfg.eval.paths} hold no token to evaluate on")
-    return batches
-
-
-def evaluate(engine, batches: list[TokenBatch]) -> dict[str, float]:
+def evaluate(engine: Engine, batches: list[TokenBatch]) -> dict[str, float]:
     """The held-out loss (per-token mean over the counted targets, as in training), its
     perplexity and the tokens it counted, on the engine's compute params."""
     started = time.perf_counter()
@@ -161,57 +123,34 @@ def evaluate(engine, batches: list[TokenBatch]) -> dict[str, float]:
             "eval_seconds": time.perf_counter() - started}
 
 
-def data_parallel_partition(cfg: Config, model_cfg: ModelConfig, group) -> Optional[Partition]:
-    """This process's share of a data-parallel offloaded run: its partition of the state in a
-    job of processes (:func:`check_job` has refused what it cannot run), ``Partition(0, 1)`` for
-    one process with several devices (they share the rows; the process owns the whole state),
-    None for one device, or when the run is one the devices cannot share (noted)."""
-    if not cfg.offload.enabled:
-        return None
-    if group.count > 1:
-        return Partition(group.index, group.count)
-    devices = jax.local_device_count()
-    if devices == 1:
-        return None
-    why = partition_refusal(cfg, model_cfg, one_process=True) or _rows_refusal(cfg, devices, f"the {devices} devices")
-    if why:
-        log.warning("data parallel over this process's %d devices is off, the step runs on the first: %s", devices, why)
-        return None
-    return Partition(0, 1)
-
-
-def _rows_refusal(cfg: Config, shards: int, what: str) -> Optional[str]:
-    for name, rows in (("data.batch_size", cfg.data.batch_size), ("eval.batch_size", cfg.eval.batch_size)):
-        if rows and rows % shards:
-            return f"{name}: {rows} rows do not split evenly over {what}"
-    return None
-
-
-def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, master=None, partition=None):
-    """The offloaded engine (state on SSD) or the in-memory baseline, per ``offload.enabled``;
-    ``master`` reads the checkpoint's own values for the offloaded fp32 master weights;
-    ``partition``: data parallel (:func:`data_parallel_partition`)."""
-    if cfg.offload.enabled:
-        return OffloadEngine(cfg, model, model_cfg, master=master, partition=partition)
+def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, plan: StepPlan,
+                 master: Optional[MasterReader] = None) -> Engine:
+    """The offloaded engine (state on SSD) or the in-memory baseline, per ``plan.engine``;
+    ``master`` reads the checkpoint's own values for the offloaded fp32 master weights."""
+    if plan.engine == "offload":
+        return OffloadEngine(cfg, model, model_cfg, plan, master=master)
     return InMemoryEngine(cfg, model)
 
 
-def check_job(cfg: Config, model_cfg: ModelConfig, count: int) -> None:
-    """Refuses, before anything is written, what a job of ``count`` processes cannot run: the
-    in-memory engine, a batch whose rows do not split evenly, what the data-parallel engine
-    does not support yet (:func:`~jaxascend.offload.engine.partition_refusal`)."""
-    if count == 1:
-        return
-    where = f"train.distributed: this job has {count} processes"
-    if not cfg.offload.enabled:
-        raise ConfigError(f"{where}; data parallelism partitions the SSD state (offload.enabled: true), the "
-                          "in-memory engine runs one process")
-    uneven = _rows_refusal(cfg, count, f"the job's {count} processes")
-    if uneven:
-        raise ConfigError(uneven)
-    refused = partition_refusal(cfg, model_cfg)
-    if refused:
-        raise ConfigError(f"{where}; {refused}")
+@dataclasses.dataclass
+class _Run:
+    """One invocation's decisions, shared by its phases."""
+
+    cfg: Config
+    prepared: PreparedRun
+    out_dir: Path
+    main: bool  # process 0: it writes the run's outputs
+    start: int  # the step resumed from (0: a fresh run)
+    origin: Optional[Provenance] = None
+    num_params: int = 0
+
+    @property
+    def streamed(self) -> bool:
+        return self.prepared.step.engine == "offload" and self.prepared.step.weights == "ssd"
+
+    @property
+    def last(self) -> int:
+        return self.cfg.train.stop_at_step or self.cfg.train.steps
 
 
 def run(cfg: Config) -> TrainResult:
@@ -226,141 +165,153 @@ def run(cfg: Config) -> TrainResult:
 
 
 def _run(cfg: Config, group) -> TrainResult:
-    main = group.is_main
-    if not main:
+    if not group.is_main:
         logging.getLogger("jaxascend").setLevel(logging.ERROR)  # process 0 speaks for the job
     cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, dir=process_dir(cfg.offload.dir, group)))
-    out_dir = Path(cfg.train.out_dir)
-
     # Check: everything the run reads (config.json, tokenizer, data, the weights' names and
-    # shapes, the checkpoint to resume from), before anything is written.
-    model_cfg = resolve_model_config(cfg)
-    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
-    stream = make_batch_stream(cfg.data, tokenizer)
-    held_out = held_out_batches(cfg, tokenizer)
-    vocab_size = vocabulary_size(cfg, model_cfg, tokenizer)
-    # Plan: host memory, disk; offload.params auto -> resident or ssd. A run that cannot fit
-    # the budget or the disk stops here, naming the part and by how much.
-    sized = dataclasses.replace(model_cfg, vocab_size=vocab_size)
-    cfg, plan = plan_resolve(cfg, sized)
-    plan.check()
-    check_job(cfg, sized, group.count)
-    partition = data_parallel_partition(cfg, sized, group)
-    samples = SamplePrompts.from_config(cfg, tokenizer, sized)
-    streamed = cfg.offload.enabled and cfg.offload.params == "ssd"
+    # shapes, the checkpoint to resume from), and plan: host memory, disk, the step's modes.
+    # A run that cannot fit or run stops here, naming the part; nothing is written before.
+    prepared = prepare_run(cfg, JobShape(group.count, group.index, jax.local_device_count()))
+    prepared.plan.check()
+    cfg = prepared.cfg
+    samples = SamplePrompts.from_config(cfg, prepared.tokenizer, prepared.sized)
     start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
     if start:
         check_resume_partition(cfg.checkpoint, cfg, start, group.count)
-    # The checkpoint's tensors (names, shapes, dtypes) are checked when the reader opens.
-    with HFParamReader(cfg.model.path, model_cfg) if cfg.model.path else contextlib.nullcontext() as source:
-        origin = Provenance(sized,
-                            tokenizer_folder(cfg.data.tokenizer, cfg.model.path), cfg.model.path,
-                            source.source_dtype if source else model_cfg.param_dtype)
-
-        # Build: model, engine (optimizer state in RAM or on SSD).
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if main:
-            (out_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-        # Streamed weights (offload.params: ssd): the layer stack is never loaded whole; the
-        # engine reads it layer by layer into the SSD regions (with the master weights).
-        if source is not None:
-            model = load_hf_model(cfg.model.path, model_cfg, layer_stack=not streamed)  # tensor by tensor
-        else:
-            model = build_model_lean(model_cfg, vocab_size, cfg.train.seed, layer_stack=not streamed)
-        num_params = count_params(model)
-        # fp32 master weights from the checkpoint's own values, not from the rounded compute copy.
-        master = source.read if source else (lean_init_reader(origin.model_config, cfg.train.seed)
-                                             if streamed else None)
-        engine = build_engine(cfg, model, model_cfg, master=master, partition=partition)
-        del model  # the engine holds what it needs (compute params; master weights on SSD)
-    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
-    tokens_per_step = cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
-
+    r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, start)
+    if r.main:
+        for line in prepared.step.notes:  # every choice the user did not ask for
+            console.note(line)
+    engine = _build(r)
     with engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
-            MetricsLog(out_dir, resumed_from=start, enabled=main) as log, \
-            MemorySampler(getattr(engine, "shard_files", list), interval=0.2) as memory:
-        if main:
-            (out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        # Restore: the checkpoint checked above (train.resume: auto picks the newest).
-        if start:
-            meta = engine.restore_checkpoint(ckpt, start)
-            stream = make_batch_stream(cfg.data, tokenizer, state=meta["data_state"])
-            losses = list(meta["losses"])
-            if cfg.train.resume != "auto":
-                ckpt.discard_after(start)  # an explicit earlier step replaces the later ones
-        else:
-            losses = []
-        skipped_before = int(engine.report().get("skipped_steps", 0))
-
-        # Loop.
-        pending: list[dict[str, Any]] = []
-        throughput = Throughput()
-        progress = Progress(cfg.train.steps, initial=start, enabled=cfg.train.progress and main)
-        last = cfg.train.stop_at_step or cfg.train.steps
-        final_eval = None
-        for step in range(start + 1, last + 1):
-            batch = step_batch([next(stream) for _ in range(cfg.train.grad_accum)])
-            pending.append(engine.step(batch))
-            throughput.add(tokens_per_step)
-            evaluating = bool(held_out) and (step == last or (cfg.eval.every_steps > 0
-                                                              and step % cfg.eval.every_steps == 0))
-            if step % cfg.train.log_every and step != last and not ckpt.should_save(step, last) \
-                    and not evaluating:
-                progress.update(1)
-                continue
-            fetched = jax.device_get(pending)  # SYNC: waits for the steps dispatched since the last log
-            pending.clear()
-            losses.extend(float(s["loss"]) for s in fetched)
-            record = _log_record(step, fetched[-1], schedule, throughput, stream, engine, memory)
-            if evaluating:  # SYNC: the held-out loss on the weights after this step's update
-                final_eval = evaluate(engine, held_out)
-                record.update(final_eval)
-            log.write(record)
-            progress.update(1, record)
-            if ckpt.should_save(step, last):
-                engine.save_checkpoint(ckpt, step, {"data_state": stream.state(), "losses": losses,
-                                                    "origin": origin.to_dict()})
-        progress.close()
+            MetricsLog(r.out_dir, resumed_from=start, enabled=r.main) as log, \
+            MemorySampler(engine.shard_files, interval=0.2) as memory:
+        if r.main:
+            (r.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        stream, losses = _restore(r, engine, ckpt)
+        skipped_before = engine.report().skipped_steps
+        throughput, final_eval = _train(r, engine, ckpt, log, memory, stream, losses)
         ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
-        if cfg.export.save_params or cfg.export.enabled:  # fp32 master weights, one tensor at a time
-            with engine.exported_weights() as weights:  # a job's other processes serve their slices
-                if weights is not None:
-                    save_outputs(cfg, out_dir, weights, origin, last)
-        if samples is not None:  # the trained model answers eval.sample_prompts (on process 0)
-            with engine.sampled_weights() as weights:  # a job's other processes serve their slices
-                if weights is not None:
-                    _write_samples(samples.generate(origin.model_config, weights, tokenizer, stream_layers=streamed),
-                                   out_dir)
+        _save_and_sample(r, engine, samples)
         report = engine.report()
-        if main:
-            _write_timeline(engine, out_dir)
-
-    result = TrainResult(steps=len(losses), losses=losses, num_params=num_params,
+        if r.main:
+            _write_timeline(engine.timeline(), r.out_dir)
+    tokens = (r.last - start) * _tokens_per_step(cfg)
+    result = TrainResult(steps=len(losses), losses=losses, num_params=r.num_params,
                          peak_rss_bytes=peak_rss_bytes(), peak_page_cache_bytes=memory.peak_page_cache,
-                         tokens_per_s=(last - start) * tokens_per_step / max(throughput.elapsed(), 1e-9),
-                         engine=engine.name, skipped_steps=int(report.get("skipped_steps", 0)),
-                         arena_capacity_bytes=int(report.get("arena_capacity_bytes", 0)),
-                         arena_high_water_bytes=int(report.get("arena_high_water_bytes", 0)),
-                         ssd_bytes_read=int(getattr(engine, "ssd_bytes_read", 0)),
-                         ssd_bytes_written=int(getattr(engine, "ssd_bytes_written", 0)),
-                         out_dir=str(out_dir), eval_loss=final_eval["eval_loss"] if final_eval else None,
-                         data=stream.stats(),
-                         updates_this_run=last - start - (int(report.get("skipped_steps", 0)) - skipped_before),
-                         ssd_bytes_written_run=int(report.get("ssd_written_bytes_run", 0)),
-                         state_dtype=str(report.get("state_dtype", "float32")), steps_this_run=last - start)
-    if main:
-        (out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
+                         tokens_per_s=tokens / max(throughput.elapsed(), 1e-9), engine=engine.name,
+                         skipped_steps=report.skipped_steps,
+                         arena_capacity_bytes=report.arena_capacity_bytes or 0,
+                         arena_high_water_bytes=report.arena_high_water_bytes or 0,
+                         ssd_bytes_read=report.ssd_read_bytes_steps or 0,
+                         ssd_bytes_written=report.ssd_written_bytes_steps or 0,
+                         out_dir=str(r.out_dir), eval_loss=final_eval["eval_loss"] if final_eval else None,
+                         data=stream.stats(), updates_this_run=r.last - start - (report.skipped_steps - skipped_before),
+                         ssd_bytes_written_run=report.ssd_written_bytes_run or 0,
+                         state_dtype=report.state_dtype or "float32", steps_this_run=r.last - start)
+    if r.main:
+        (r.out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
         print(_summary(result, report))
     return result
 
 
-def _write_timeline(engine, out_dir: Path) -> None:
-    """The last step's timeline (which thread did what, when): timeline.json, and timeline.png
+def _tokens_per_step(cfg: Config) -> int:
+    return cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
+
+
+def _build(r: _Run) -> Engine:
+    """The model, loaded tensor by tensor (or initialised lean), and the engine around it;
+    creates the output directory and writes ``plan.json``."""
+    cfg, prepared = r.cfg, r.prepared
+    model_cfg = prepared.model_cfg
+    # The checkpoint's tensors (names, shapes, dtypes) are checked when the reader opens.
+    with HFParamReader(cfg.model.path, model_cfg) if cfg.model.path else contextlib.nullcontext() as source:
+        r.origin = Provenance(prepared.sized, tokenizer_folder(cfg.data.tokenizer, cfg.model.path), cfg.model.path,
+                              source.source_dtype if source else model_cfg.param_dtype)
+        r.out_dir.mkdir(parents=True, exist_ok=True)
+        if r.main:
+            (r.out_dir / "plan.json").write_text(json.dumps({**prepared.plan.to_dict(),
+                                                             "step": prepared.step.describe()}, indent=1))
+        # Streamed weights (offload.params: ssd): the layer stack is never loaded whole; the
+        # engine reads it layer by layer into the SSD regions (with the master weights).
+        if source is not None:
+            model = load_hf_model(cfg.model.path, model_cfg, layer_stack=not r.streamed)  # tensor by tensor
+        else:
+            model = build_model_lean(model_cfg, prepared.sized.vocab_size, cfg.train.seed, layer_stack=not r.streamed)
+        r.num_params = count_params(model)
+        # fp32 master weights from the checkpoint's own values, not from the rounded compute copy.
+        master = source.read if source else (lean_init_reader(r.origin.model_config, cfg.train.seed)
+                                             if r.streamed else None)
+        # The engine holds what it needs (compute params; master weights on SSD).
+        return build_engine(cfg, model, model_cfg, prepared.step, master=master)
+
+
+def _restore(r: _Run, engine: Engine, ckpt: Checkpointer) -> tuple[Any, list[float]]:
+    """The batch stream and the losses so far: from the checkpoint checked at the start
+    (``train.resume: auto`` picks the newest), or from the beginning."""
+    if not r.start:
+        return r.prepared.stream, []
+    meta = engine.restore_checkpoint(ckpt, r.start)
+    stream = make_batch_stream(r.cfg.data, r.prepared.tokenizer, state=meta["data_state"])
+    if r.cfg.train.resume != "auto":
+        ckpt.discard_after(r.start)  # an explicit earlier step replaces the later ones
+    return stream, list(meta["losses"])
+
+
+def _train(r: _Run, engine: Engine, ckpt: Checkpointer, log: MetricsLog, memory: MemorySampler, stream,
+           losses: list[float]) -> tuple[Throughput, Optional[dict]]:
+    """The loop: a step per batch; every ``log_every`` steps (and at an evaluation or a
+    checkpoint) the steps' figures come to the host and are written. Extends ``losses``."""
+    cfg, held_out = r.cfg, r.prepared.held_out
+    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    pending: list[StepResult] = []
+    throughput = Throughput()
+    progress = Progress(cfg.train.steps, initial=r.start, enabled=cfg.train.progress and r.main)
+    final_eval = None
+    for step in range(r.start + 1, r.last + 1):
+        batch = step_batch([next(stream) for _ in range(cfg.train.grad_accum)])
+        pending.append(engine.step(batch))
+        throughput.add(_tokens_per_step(cfg))
+        evaluating = bool(held_out) and (step == r.last or (cfg.eval.every_steps > 0
+                                                            and step % cfg.eval.every_steps == 0))
+        saving = ckpt.should_save(step, r.last)
+        if step % cfg.train.log_every and step != r.last and not saving and not evaluating:
+            progress.update(1)
+            continue
+        fetched = [result.fetched() for result in pending]  # SYNC: waits for the steps dispatched since the last log
+        pending.clear()
+        losses.extend(result.loss for result in fetched)
+        record = _log_record(step, fetched[-1], schedule, throughput, stream, engine, memory)
+        if evaluating:  # SYNC: the held-out loss on the weights after this step's update
+            final_eval = evaluate(engine, held_out)
+            record.update(final_eval)
+        log.write(record)
+        progress.update(1, record)
+        if saving:
+            engine.save_checkpoint(ckpt, step, {"data_state": stream.state(), "losses": losses,
+                                                "origin": r.origin.to_dict()})
+    progress.close()
+    return throughput, final_eval
+
+
+def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts]) -> None:
+    """The run's weights (``params.safetensors``, an export) and its answers to ``eval.sample_prompts``."""
+    cfg = r.cfg
+    if cfg.export.save_params or cfg.export.enabled:  # fp32 master weights, one tensor at a time
+        with engine.exported_weights() as weights:  # a job's other processes serve their slices
+            if weights is not None:
+                save_outputs(cfg, r.out_dir, weights, r.origin, r.last)
+    if samples is not None:  # the trained model answers eval.sample_prompts (on process 0)
+        with engine.sampled_weights() as weights:  # a job's other processes serve their slices
+            if weights is not None:
+                _write_samples(samples.generate(r.origin.model_config, weights, r.prepared.tokenizer,
+                                                stream_layers=r.streamed), r.out_dir)
+
+def _write_timeline(data: Optional[dict], out_dir: Path) -> None:
+    """The last update's timeline (which thread did what, when): timeline.json, and timeline.png
     when matplotlib is installed."""
-    timeline = getattr(engine, "last_timeline", None)
-    if timeline is None:
+    if data is None:
         return
-    data = timeline.to_dict()
     (out_dir / "timeline.json").write_text(json.dumps(data, indent=1))
     if not write_timeline_png(data, out_dir / "timeline.png"):
         console.note("timeline.png not drawn: matplotlib is not installed (timeline.json has the events)")
@@ -373,15 +324,15 @@ def _write_samples(results: list[dict], out_dir: Path) -> None:
         print(f"> {r['prompt']}\n{r['completion']}")
 
 
-def _log_record(step: int, stats: dict[str, Any], schedule: optax.Schedule, throughput: Throughput,
-                stream, engine, memory: MemorySampler) -> dict[str, Any]:
+def _log_record(step: int, result: StepResult, schedule: optax.Schedule, throughput: Throughput,
+                stream, engine: Engine, memory: MemorySampler) -> dict[str, Any]:
     sample = memory.sample()
     report = engine.report()
-    updates = step - 1 - int(report.get("skipped_steps", 0))
+    updates = step - 1 - report.skipped_steps
     return {
         "step": step,
-        "loss": float(stats["loss"]),
-        "grad_norm": float(stats["grad_norm"]),
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
         # The schedule is evaluated at the count used for this step's update (0-based).
         "learning_rate": float(schedule(updates)),
         "tokens_per_s": throughput.rate(),
@@ -392,14 +343,13 @@ def _log_record(step: int, stats: dict[str, Any], schedule: optax.Schedule, thro
         "peak_page_cache_bytes": memory.peak_page_cache,
         "data_state": stream.state(),
         **{f"data_{k}": v for k, v in stream.stats().items()},
-        **report,
-        **{k: v for k, v in stats.items() if k not in ("loss", "grad_norm")},
+        **report.record(),
+        **{k: v for k, v in result.record().items() if k not in ("loss", "grad_norm")},
     }
 
 
-def _summary(r: TrainResult, report: Optional[dict] = None) -> str:
-    report = report or {}
-    processes, devices = report.get("data_parallel_processes", 1), report.get("data_parallel_devices", 1)
+def _summary(r: TrainResult, report: EngineReport) -> str:
+    processes, devices = report.data_parallel_processes, report.data_parallel_devices
     rows = [
         ("engine", r.engine + (f" (data parallel over {processes} processes; figures of process 0)" if processes > 1
                                else f" (data parallel over {devices} devices)" if devices > 1 else "")),

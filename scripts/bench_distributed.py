@@ -4,7 +4,7 @@ P = 1 figure within 5 %), the state's bytes on disk, peak system memory (RSS) an
 Prints JSON, writes docs/bench_distributed.{json,png}.
 
 Each contender is a fresh set of processes (``jax.distributed`` over gloo, one CPU device
-each) running :class:`~jaxascend.offload.OffloadEngine` with ``partition=Partition(i, P)`` on
+each) running :class:`~jaxascend.offload.OffloadEngine` with a ``StepPlan`` of ``Partition(i, P)`` on
 random token batches; a step's time is the time between consecutive returns of
 ``engine.step`` after ``--warmup`` steps (which compile). The processes of P = 2 share the
 machine's cores and disk, so the step time here says what the partitioned step costs on one
@@ -58,8 +58,7 @@ def child(args) -> None:
     from jaxascend.config import load_config
     from jaxascend.distributed import initialize
     from jaxascend.models import build_model, token_batch
-    from jaxascend.offload import OffloadEngine
-    from jaxascend.offload.partition import Partition
+    from jaxascend.offload import JobShape, OffloadEngine, StepPlan
 
     out, shape = Path(args.child[0]), SHAPES[args.child[1]]
     group = initialize(None)
@@ -75,11 +74,10 @@ def child(args) -> None:
     params = count_params(model)
     import jax
 
-    partition = (Partition(group.index, group.count) if group.count > 1 else
-                 Partition(0, 1) if jax.local_device_count() > 1 else None)
+    plan = StepPlan.resolve(cfg, cfg.model, JobShape(group.count, group.index, jax.local_device_count()))
     rng = np.random.default_rng(0)
     times, reads, writes, losses = [], [], [], []
-    with OffloadEngine(cfg, model, cfg.model, partition=partition) as engine:
+    with OffloadEngine(cfg, model, cfg.model, plan) as engine:
         del model
         last = time.perf_counter()
         for step in range(args.warmup + args.steps):
@@ -91,7 +89,7 @@ def child(args) -> None:
                 times.append(now - last)
                 reads.append(engine.ssd_bytes_read - read0)
                 writes.append(engine.ssd_bytes_written - written0)
-            losses.append(stats["loss"])
+            losses.append(stats.loss)
             last = now
         disk = sum(os.path.getsize(f) for f in engine.shard_files())
         state = sum(r.nbytes for r in engine.state.store.regions())

@@ -108,7 +108,9 @@ def child_main(args) -> int:
     from jaxascend.config import load_config
     from jaxascend.hf import build_model_lean
     from jaxascend.models import count_params
-    from jaxascend.trainer import build_engine, resolve_model_config
+    from jaxascend.offload import StepPlan
+    from jaxascend.preparation import resolve_model_config
+    from jaxascend.trainer import build_engine
 
     work = Path(args.child_dir)
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"),
@@ -116,7 +118,7 @@ def child_main(args) -> int:
     model_cfg = resolve_model_config(cfg)
     model = build_model_lean(model_cfg, model_cfg.vocab_size, cfg.train.seed)
     n_params = count_params(model)
-    engine = build_engine(cfg, model, model_cfg)
+    engine = build_engine(cfg, model, model_cfg, StepPlan.resolve(cfg, model_cfg))
     del model
     rng = np.random.default_rng(0)
     records, returns = [], []
@@ -125,14 +127,14 @@ def child_main(args) -> int:
             tokens = rng.integers(0, model_cfg.vocab_size, (1, args.batch, args.seq_len + 1), dtype=np.int32)
             record = engine.step(tokens, optimizer=args.child != "compute")
             returns.append(time.perf_counter())
-            records.append(record)
+            records.append(record.record())
         engine.finish_update()
-        timeline = engine.last_timeline.to_dict() if engine.last_timeline else None
+        timeline = engine.timeline()
         report = engine.report()
     periods = [b - a for a, b in zip(returns, returns[1:])]
     result = {"mode": args.child, "params": n_params, "periods": periods[args.warmup - 1:] if args.warmup else periods,
               "records": records, "timeline": timeline, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-              "arena_capacity_bytes": report["arena_capacity_bytes"], "io_mode": report.get("io_engine", "")}
+              "arena_capacity_bytes": report.arena_capacity_bytes, "io_mode": report.io_engine or ""}
     print("BENCH_STEP_JSON " + json.dumps(result))
     return 0
 

@@ -45,6 +45,13 @@ def test_cli_has_a_pulse(tmp_path, corpus):
         assert np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["peak_rss_bytes"] > 0
     assert "loss first -> last" in proc.stdout
     assert (out / "summary.json").exists() and (out / "config.yaml").exists()
+    # Every choice the user did not ask for is one note line on stderr, and the plan records it.
+    notes = proc.stderr.strip().splitlines()
+    assert notes and all(line.startswith("note: ") for line in notes), proc.stderr
+    assert "note: offload.params: auto chose resident" in notes
+    assert sum("offload.overlap is off" in line and "model.remat: none" in line for line in notes) == 1
+    step = json.loads((out / "plan.json").read_text())["step"]
+    assert step["overlap"] is False and "model.remat: none" in step["overlap_refused"]
 
 
 def test_same_seed_same_losses_bitwise(tmp_path, corpus):

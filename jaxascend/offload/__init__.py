@@ -23,7 +23,8 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.hf` (p
 :mod:`jaxascend.ssd`, :mod:`jaxascend.optim` and :mod:`jaxascend.checkpoint`.
 """
 
-from jaxascend.offload.engine import OffloadEngine, partition_refusal
+from jaxascend.offload.engine import OffloadEngine
+from jaxascend.offload.step_plan import JobShape, StepPlan
 from jaxascend.offload.grad_sink import (GradientScatter, GradientSinkError, MemorySink, fetch_step_outputs,
                                          offload_on_backward, register_memory_sink, sink_gradient, unregister_sink)
 from jaxascend.offload.layout import (GRAD_SLOT_CLASS, PARAM_SLOT_CLASS, SOURCE_SLOT_CLASS, STATE_SLOT_CLASS,
@@ -39,14 +40,14 @@ from jaxascend.offload.state import OffloadedAdamState, StepStats
 from jaxascend.offload.step import (SinkRouting, make_accumulating_offload_step, make_offload_step,
                                     stacked_as_bits, total_stats)
 from jaxascend.offload.store_sink import SinkTarget, StoreGradientSink, register_store_sink
-from jaxascend.offload.timeline import StepTimeline
+from jaxascend.offload.timeline import StepTimeline, write_timeline_png
 
 __all__ = [
-    "BackgroundUpdate", "DataParallel", "JobReads", "Partition", "StepTimeline", "GRAD_SLOT_CLASS", "PARAM_SLOT_CLASS", "SOURCE_SLOT_CLASS", "STATE_SLOT_CLASS", "GradientSinkError",
+    "BackgroundUpdate", "DataParallel", "JobReads", "JobShape", "StepPlan", "write_timeline_png", "Partition", "StepTimeline", "GRAD_SLOT_CLASS", "PARAM_SLOT_CLASS", "SOURCE_SLOT_CLASS", "STATE_SLOT_CLASS", "GradientSinkError",
     "GradientScatter", "MemorySink", "OffloadEngine", "OffloadLayout", "OffloadedAdamState", "ParamSource", "ParamSourceError",
     "PlanError", "PostBackwardCheckedStep", "RunPlan", "SinkRouting", "SinkTarget", "SsdAdamWState", "StepStats",
     "StoreGradientSink", "adamw_on_ssd", "deepspeed_zero3_estimate", "fetch_layer", "fetch_step_outputs",
     "make_accumulating_offload_step", "make_full_gradient_step", "make_offload_step", "offload_on_backward",
-    "partition_refusal", "plan_run", "post_backward_stats", "register_memory_sink", "register_store_sink", "resolve", "sink_gradient",
+    "plan_run", "post_backward_stats", "register_memory_sink", "register_store_sink", "resolve", "sink_gradient",
     "ssd_adamw", "ssd_adamw_state", "ssd_adamw_step", "stacked_as_bits", "total_stats", "unregister_sink",
 ]

@@ -43,8 +43,8 @@ import psutil
 from jaxascend.config import Config, ConfigError, ModelConfig, check_param_placement
 from jaxascend.hf import abstract_params
 from jaxascend.models import DTYPES
-from jaxascend.offload.engine import checkpoint_slot_requests, layout_options, table_layout
 from jaxascend.offload.layout import OffloadLayout
+from jaxascend.offload.state_layout import StateLayoutOptions, TableLayout, checkpoint_slot_requests
 from jaxascend.ssd import ArenaPlan, SsdStore
 
 # What JAX's CPU runtime, the compiled step and a step's Python objects add to the process as it
@@ -82,6 +82,7 @@ class RunPlan:
     disk_gbps: float
     budget: Optional[int] = None
     notes: tuple = field(default=())
+    choices: tuple = field(default=())  # what the planner chose for the user (offload.params: auto), one line each
     largest_layer_params: int = 0  # the largest tensor (one layer of a stacked one)
     streaming_refused: Optional[str] = None  # why offload.params: ssd is not allowed here (None: it is)
 
@@ -145,7 +146,7 @@ class RunPlan:
         lines.append(f"anchor: DeepSpeed estimate_zero3_model_states_mem_needs (params + optimizer offloaded to "
                      f"CPU, 1 GPU): host {format_bytes(ds_host)} ({ds_host / n:.0f} B/param), GPU "
                      f"{format_bytes(ds_gpu)} (model states only)")
-        lines.extend(f"note: {note}" for note in self.notes)
+        lines.extend(f"note: {note}" for note in self.notes + self.choices)
         for problem in self.problems():
             lines.append(f"does not fit: {problem}")
         return "\n".join(lines)
@@ -189,8 +190,8 @@ def _layout(cfg: Config, model_cfg: ModelConfig, stream: bool) -> OffloadLayout:
     _, params = abstract_params(model_cfg)
     dtype = DTYPES[model_cfg.dtype]
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
-    row_blocks = table_layout(params, model_cfg)[0]
-    return OffloadLayout.plan(spec, cfg.offload, **layout_options(cfg, model_cfg, stream, row_blocks))
+    row_blocks = TableLayout.of(params, model_cfg).row_blocks
+    return StateLayoutOptions.of(cfg, model_cfg, row_blocks, stream).plan(spec, cfg.offload)
 
 
 def _arena_bytes(cfg: Config, layout: OffloadLayout) -> int:
@@ -239,12 +240,12 @@ def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
         runtime_bytes = _process_rss() + STEP_RUNTIME_BYTES if runtime_bytes is None else runtime_bytes
         resident = plan_run(cfg, model_cfg, "resident", disk_gbps, runtime_bytes)
         if not off.enabled or off.host_memory_budget is None or resident.host_peak <= off.host_memory_budget:
-            return dataclasses.replace(resident, notes=resident.notes + ("offload.params: auto chose resident",))
+            return dataclasses.replace(resident, choices=("offload.params: auto chose resident",))
         if not resident.streamable:
-            return dataclasses.replace(resident, notes=resident.notes + (
+            return dataclasses.replace(resident, choices=(
                 f"offload.params: auto stays resident over budget: {resident.streaming_refused}",))
         streamed = plan_run(cfg, model_cfg, "ssd", disk_gbps, runtime_bytes)
-        return dataclasses.replace(streamed, notes=streamed.notes + (
+        return dataclasses.replace(streamed, choices=(
             f"offload.params: auto chose ssd (resident would need {format_bytes(resident.host_peak)})",))
     gbps = float(disk_gbps or DEFAULT_DISK_GBPS)
     refused = _streaming_refusal(cfg)

@@ -85,7 +85,7 @@ class StepStats:
         return (self.bytes_read + self.bytes_written) / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def _to_default_device(host: np.ndarray) -> jax.Array:
+def to_default_device(host: np.ndarray) -> jax.Array:
     # device_put, unlike jnp.asarray, makes no intermediate host copy (measured: one leaf less
     # at the peak); the host buffer is never reused, so the array may alias it.
     return jax.device_put(host, may_alias=True)
@@ -374,6 +374,12 @@ class OffloadedAdamState:
         self._check_open()
         self._grads_written = True
 
+    @property
+    def early_gradient_arrivals(self) -> int:
+        """Gradients the sink held back because the optimizer had not yet read their region (an
+        overlapped step's ordering), since the sink was made; 0 without a sink."""
+        return self._sink.early_arrivals if self._sink is not None else 0
+
     @_serialized
     def gradient_sink(self, arrivals: Optional[dict[int, int]] = None) -> Union[StoreGradientSink,
                                                                                  Fp32BufferGradientSink]:
@@ -451,7 +457,7 @@ class OffloadedAdamState:
             self.store.flush()
             self._forget_gradients()
             return None
-        put = _to_default_device if put is None else put
+        put = to_default_device if put is None else put
         new_leaves: list = [None] * len(self.layout.leaves)
 
         def on_leaf(leaf: LeafLayout, host: np.ndarray) -> None:

@@ -103,6 +103,10 @@ class SinkRouting:
     def by_key(self) -> dict[str, LeafRoute]:
         return {r.key: r for r in self.routes}
 
+    def is_stacked(self, path) -> bool:
+        """Whether the leaf at tree path ``path`` belongs to the layer stack."""
+        return _first_key(path) == self.stack_key
+
 
 def _first_key(path) -> str:
     entry = path[0]
@@ -112,6 +116,53 @@ def _first_key(path) -> str:
 def _layer_key(path) -> str:
     """Key of a stacked leaf as seen inside the scan (its path without the stack attribute)."""
     return "layer:" + jax.tree_util.keystr(path[1:])
+
+
+class _SinkHooks:
+    """The identities that send each leaf's gradient to the sink in the backward pass: the
+    top-level leaves wrapped before the model is assembled, each layer's inside the scan, each
+    block of each use of the token table as the model computes it."""
+
+    def __init__(self, routing: SinkRouting, sink: int, scatter):
+        self.routing, self.sink, self.scatter = routing, sink, scatter
+        self.routes = routing.by_key()
+
+    def _hook(self, key, x, probe, layer=0):
+        return offload_on_backward(x, probe, sink=self.sink, tensor=self.routes[key].tensor, layer=layer,
+                                   scatter=self.scatter)
+
+    def top_leaves(self, params, probes):
+        routing = self.routing
+
+        def top(path, x):
+            if routing.is_stacked(path):
+                return x
+            key = jax.tree_util.keystr(path)
+            if key == routing.table_key and routing.table_uses:  # wrapped per use and block by table_hook
+                return x
+            return self._hook(key, x, probes[key])
+
+        return jax.tree_util.tree_map_with_path(top, params)
+
+    def layer_hook(self, probes, layer_weights):
+        def hook(layer_params, index):
+            def one(path, x):
+                key = "layer:" + jax.tree_util.keystr(path)
+                return self._hook(key, x, probes[key][index], layer=index)
+
+            return jax.tree_util.tree_map_with_path(one, layer_weights(layer_params, index))
+
+        return hook
+
+    def table_hook(self, probes, table_block):
+        routing = self.routing
+
+        def hook(block, use, index):  # each block of each use sends its own gradient
+            probe = probes[f"{routing.table_key}|{use}"]
+            return self._hook(routing.table_key, table_block(block), probe[index] if routing.table_blocks > 1
+                              else probe, layer=index)
+
+        return hook
 
 
 def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
@@ -136,49 +187,21 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     ``source`` too, it serves this process's slice of each layer, and ``whole_layers`` (one
     ``jax.ShapeDtypeStruct`` per stacked leaf) are the layers the slices are all-gathered into.
     """
-    routes = routing.by_key()
     stacked_keys = [r.key for r in routing.routes if r.layers]
     if source is not None and len(source.specs) != len(stacked_keys):
         raise ValueError(f"offload step: the parameter source serves {len(source.specs)} leaves, the layer "
                          f"stack has {len(stacked_keys)}")
     abstract, gather = _stack_shapes(routing, source, data_parallel, whole_layers)
-    scatter = data_parallel.scatter if data_parallel is not None else None
-
-    def hook_leaf(key, x, probe, layer=0):
-        route = routes[key]
-        return offload_on_backward(x, probe, sink=sink, tensor=route.tensor, layer=layer, scatter=scatter)
+    hooks = _SinkHooks(routing, sink, data_parallel.scatter if data_parallel is not None else None)
 
     def scaled_loss(probes, params, tokens, loss_scale, bit_dtypes):
         if abstract is not None:
             params = _with_abstract_stack(params, abstract)
         layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, dict(bit_dtypes), gather)
-
-        def top(path, x):
-            if _first_key(path) == routing.stack_key:
-                return x
-            key = jax.tree_util.keystr(path)
-            if key == routing.table_key and routing.table_uses:  # wrapped per use and block by table_hook
-                return x
-            return hook_leaf(key, x, probes[key])
-
-        params = jax.tree_util.tree_map_with_path(top, params)
-
-        def layer_hook(layer_params, index):
-            def one(path, x):
-                key = "layer:" + jax.tree_util.keystr(path)
-                return hook_leaf(key, x, probes[key][index], layer=index)
-
-            return jax.tree_util.tree_map_with_path(one, layer_weights(layer_params, index))
-
-        def table_hook(block, use, index):  # each block of each use sends its own gradient
-            block = table_block(block)
-            probe = probes[f"{routing.table_key}|{use}"]
-            return offload_on_backward(block, probe[index] if routing.table_blocks > 1 else probe, sink=sink,
-                                       tensor=routes[routing.table_key].tensor, layer=index, scatter=scatter)
-
-        model = nnx.merge(graphdef, params, rest)
+        model = nnx.merge(graphdef, hooks.top_leaves(params, probes), rest)
+        layer_hook = hooks.layer_hook(probes, layer_weights)
         if routing.table_uses:
-            loss = loss_fn(model, tokens, layer_hook, table_hook)
+            loss = loss_fn(model, tokens, layer_hook, hooks.table_hook(probes, table_block))
         else:
             loss = loss_fn(model, tokens, layer_hook)
         return loss * loss_scale.astype(loss.dtype), loss

@@ -19,8 +19,7 @@ CHILD = textwrap.dedent("""
     from jaxascend.distributed import initialize
     from jaxascend.config import load_config
     from jaxascend.models import build_model, token_batch
-    from jaxascend.offload import OffloadEngine
-    from jaxascend.offload.partition import Partition
+    from jaxascend.offload import JobShape, OffloadEngine, StepPlan
 
     out, dtype = sys.argv[1], sys.argv[2]
     group = initialize(None)
@@ -31,15 +30,15 @@ CHILD = textwrap.dedent("""
         "optimizer.learning_rate=3e-3", "optimizer.eps=1e-4", "offload.chunk_bytes=1MiB", "offload.staging_bytes=1MiB",
         "offload.overlap=false", f"offload.dir={out}/offload-{group.index}", f"train.out_dir={out}"])
     model = build_model(cfg.model, 259, rngs=nnx.Rngs(0))
-    partition = Partition(group.index, group.count) if group.count > 1 else None
+    plan = StepPlan.resolve(cfg, cfg.model, JobShape(group.count, group.index))
     rng = np.random.default_rng(0)
     losses, norms = [], []
-    with OffloadEngine(cfg, model, cfg.model, partition=partition) as engine:
+    with OffloadEngine(cfg, model, cfg.model, plan) as engine:
         for step in range(3):
             tokens = rng.integers(0, 259, (1, 4, 33)).astype(np.int32)
             mask = rng.random((1, 4, 32)) < 0.7
             stats = engine.step(token_batch(tokens, mask))
-            losses.append(stats["loss"]); norms.append(stats["grad_norm"])
+            losses.append(stats.loss); norms.append(stats.grad_norm)
         masters = {str(leaf.index): engine.state.read_state(leaf, "master").tolist() for leaf in engine.state.leaves}
         stacked = {str(leaf.index): bool(leaf.stacked) for leaf in engine.state.leaves}
         shard_bytes = sum(os.path.getsize(f) for f in engine.shard_files())

@@ -72,10 +72,10 @@ def test_grad_accum_2_equals_one_batch_of_twice_the_size(tmp_path, corpus, offlo
         for tokens, mask, seg, pos in steps:
             halves = [x.reshape((2, 2) + x.shape[1:]) for x in (tokens, mask, seg, pos)]
             assert halves[1][0].sum() != halves[1][1].sum()  # a per-micro-batch mean would weigh them alike
-            a = jax.device_get(double.step(token_batch(tokens[None], mask[None], seg[None], pos[None])))
-            b = jax.device_get(accum.step(token_batch(*halves)))
-            np.testing.assert_allclose(float(b["loss"]), float(a["loss"]), rtol=2e-6)
-            np.testing.assert_allclose(float(b["grad_norm"]), float(a["grad_norm"]), rtol=2e-5)
+            a = double.step(token_batch(tokens[None], mask[None], seg[None], pos[None])).fetched()
+            b = accum.step(token_batch(*halves)).fetched()
+            np.testing.assert_allclose(b.loss, a.loss, rtol=2e-6)
+            np.testing.assert_allclose(b.grad_norm, a.grad_norm, rtol=2e-5)
         for x, y in zip(_params(accum), _params(double)):
             np.testing.assert_allclose(x, y, rtol=0, atol=2e-6)
 
@@ -94,7 +94,7 @@ def test_the_loss_is_the_per_token_mean_over_the_counted_targets(tmp_path, corpu
         other = tokens.copy()
         other[:, -1] = (other[:, -1] + 7) % VOCAB
         total2, _ = engine.evaluate([token_batch(other, mask, seg, pos)])
-        loss = float(jax.device_get(engine.step(token_batch(tokens[None], mask[None], seg[None], pos[None]))["loss"]))
+        loss = engine.step(token_batch(tokens[None], mask[None], seg[None], pos[None])).fetched().loss
     assert count == int(mask.sum())
     np.testing.assert_allclose(total, per_token[mask].sum(), rtol=1e-6)
     assert total2 == total
@@ -128,8 +128,8 @@ def test_eval_touches_no_optimizer_state_and_does_not_change_training(tmp_path, 
         losses_plain, losses_evald, evals = [], [], []
         for tokens, mask, seg, pos in train:
             batch = token_batch(tokens[None], mask[None], seg[None], pos[None])
-            losses_plain.append(plain.step(batch)["loss"])
-            losses_evald.append(evald.step(batch)["loss"])
+            losses_plain.append(plain.step(batch).loss)
+            losses_evald.append(evald.step(batch).loss)
             evald.finish_update()
             before, applied = _shard_digest(evald), evald.state.updates_applied
             evals.append(evald.evaluate(held_out))

@@ -73,7 +73,7 @@ def test_fp16_overflow_skips_exactly_that_step(tmp_path, corpus):
     cfg, engine = _engine(tmp_path, corpus, "model.dtype=float16", "optimizer.loss_scale_init=1024")
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 259, (1, 4, 33)).astype(np.int32) for _ in range(4)]
-    real = engine._fwd_bwd
+    real = engine.routing.fwd_bwd
     with engine:
         engine.step(batches[0])
         engine.step(batches[1])
@@ -83,10 +83,10 @@ def test_fp16_overflow_skips_exactly_that_step(tmp_path, corpus):
         def poisoned(params, tokens, loss_scale):  # an inf loss scale makes every gradient inf/NaN
             return real(params, tokens, jnp.float32(np.inf))
 
-        engine._fwd_bwd = poisoned
+        engine.routing.fwd_bwd = poisoned
         stats = engine.step(batches[2])
-        engine._fwd_bwd = real
-        assert stats["skipped"] and stats["loss_scale"] == 1024.0
+        engine.routing.fwd_bwd = real
+        assert stats.skipped and stats.loss_scale == 1024.0
         assert engine.loss_scale.scale == 512.0 and engine.loss_scale.skipped_steps == 1
         after = _snapshot(engine)
         for a, b in zip(before, after):
@@ -95,7 +95,7 @@ def test_fp16_overflow_skips_exactly_that_step(tmp_path, corpus):
             np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
         assert int(engine.opt_state.count) == count_before
         stats = engine.step(batches[3])  # the next step trains again, at the lowered scale
-        assert not stats["skipped"] and stats["loss_scale"] == 512.0
+        assert not stats.skipped and stats.loss_scale == 512.0
         assert int(engine.opt_state.count) == count_before + 1
 
 
@@ -112,8 +112,8 @@ def test_clip_factor_matches_optax_clip_by_global_norm(tmp_path, corpus):
         # the step), so the comparison isolates the clipping and the update.
         grads = engine.state.layout.treedef.unflatten([engine.state.read_grad(leaf) for leaf in engine.state.leaves])
         master = [engine.state.read_state(leaf, "master") for leaf in engine.state.leaves]
-    assert stats["grad_norm"] > 0.01  # clipping is active
-    np.testing.assert_allclose(stats["grad_norm"], float(optax.tree.norm(grads)), rtol=1e-5)
+    assert stats.grad_norm > 0.01  # clipping is active
+    np.testing.assert_allclose(stats.grad_norm, float(optax.tree.norm(grads)), rtol=1e-5)
     lr = cfg.optimizer.learning_rate  # step 0 of a schedule without warmup
     tx = optax.chain(optax.clip_by_global_norm(0.01), optax.adamw(lr, b1=cfg.optimizer.b1, b2=cfg.optimizer.b2,
                                                                    eps=cfg.optimizer.eps, weight_decay=0.0))

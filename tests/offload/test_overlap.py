@@ -217,7 +217,7 @@ def test_sigkill_in_the_middle_of_the_overlap_resumes_bit_identically(tmp_path, 
 
 
 def test_what_runs_without_overlap_says_why(tmp_path, corpus):
-    from jaxascend.offload.engine import overlap_refusal
+    from jaxascend.offload.step_plan import overlap_refusal
 
     base = TINY + [f"data.paths=[{corpus}]", "data.include=['*.txt']", f"train.out_dir={tmp_path}",
                    "offload.overlap=true"]

@@ -1,0 +1,90 @@
+"""How a step's gradients reach the SSD, chosen once from the plan (``StepPlan.gradients``):
+
+* ``instant``: each layer's gradient (each block of a large token table, per use) leaves for the
+  sink inside the backward pass (:func:`~jaxascend.offload.step.make_offload_step`); the forward
+  reads the weights the plan's :class:`~jaxascend.offload.compute_weights.ComputeWeights` serve;
+* ``accumulate``: ``train.grad_accum > 1``, the micro-batches' gradients summed in float32, each
+  summed leaf sent at the end (:func:`~jaxascend.offload.step.make_accumulating_offload_step`);
+* ``post_backward``: the ZeRO-Infinity-style ablation, the whole tree and then a scan
+  (:func:`~jaxascend.offload.post_backward_check.make_full_gradient_step`).
+
+In a data-parallel run each of them runs under ``shard_map`` over this process's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxascend.config import ModelConfig
+from jaxascend.models import TokenBatch, as_token_batch, batch_loss, layer_stack_key, micro_batch, token_table_path
+from jaxascend.offload.compute_weights import ComputeWeights
+from jaxascend.offload.partition import DataParallel
+from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
+from jaxascend.offload.state import OffloadedAdamState
+from jaxascend.offload.state_layout import TableLayout
+from jaxascend.offload.step import SinkRouting, make_accumulating_offload_step, make_offload_eval, make_offload_step
+from jaxascend.offload.step_plan import StepPlan
+
+
+def sink_routing(plan: StepPlan, params, model_cfg: ModelConfig, table: TableLayout) -> SinkRouting:
+    """Tensor ids of every leaf; with instant gradients each use of the token table (the lookup
+    and, tied, the head) sends its gradient block by block and the sink sums the uses."""
+    uses = ()
+    if plan.table_per_use:
+        uses = ("lookup",) + (("head",) if model_cfg.tie_word_embeddings else ())
+    return SinkRouting.for_params(params, layer_stack_key(model_cfg.arch), token_table_path(model_cfg.arch), uses,
+                                  table.blocks, table_as_bits=table.large)
+
+
+@dataclass
+class GradientRouting:
+    """The jitted forward/backward (``fwd_bwd(params, batch, loss_scale) -> (loss, statistics)``)
+    and evaluation of a run, and how a step's batch becomes their input."""
+
+    plan: StepPlan
+    fwd_bwd: Any
+    evaluate: Any
+    data_parallel: Optional[DataParallel]
+
+    @classmethod
+    def build(cls, plan: StepPlan, graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting,
+              state: OffloadedAdamState, weights: ComputeWeights,
+              data_parallel: Optional[DataParallel]) -> "GradientRouting":
+        sink = state.gradient_sink(routing.arrivals())
+        if jax.tree.leaves(state.tensor_ids()) != [r.tensor for r in routing.routes]:
+            raise RuntimeError("offload: gradient-sink tensor ids disagree with the optimizer's leaf order")
+        dp = data_parallel
+        whole_layers = weights.whole_layers() if dp is not None and weights.source is not None else None
+        if plan.gradients == "post_backward":  # ablation: full tree, then a scan
+            fwd_bwd = PostBackwardCheckedStep(make_full_gradient_step(graphdef, rest, plan.grad_accum, batch_loss),
+                                              state)
+        elif plan.gradients == "accumulate":
+            fwd_bwd = make_accumulating_offload_step(graphdef, rest, routing, sink.handle, batch_loss,
+                                                     data_parallel=dp)
+        else:
+            fwd_bwd = make_offload_step(graphdef, rest, routing, sink.handle, batch_loss, source=weights.source,
+                                        data_parallel=dp, whole_layers=whole_layers)
+        evaluate = make_offload_eval(graphdef, rest, routing, source=weights.source, data_parallel=dp,
+                                     whole_layers=whole_layers)
+        return cls(plan, fwd_bwd, evaluate, dp)
+
+    def step_input(self, tokens) -> TokenBatch:
+        """The batch a step's forward/backward takes: one micro-batch ``[B, ...]`` without
+        accumulation, else all ``[A, B, ...]``; in a data-parallel run, this process's rows."""
+        batch = as_token_batch(tokens)
+        accumulating = self.plan.grad_accum > 1
+        micro = batch if accumulating else micro_batch(batch, 0)
+        if self.data_parallel is not None:  # the global batch: this process computes its rows
+            micro = self.data_parallel.shard_rows(micro, axis=1 if accumulating else 0)
+        return micro
+
+    def eval_input(self, batch: TokenBatch) -> TokenBatch:
+        return self.data_parallel.shard_rows(batch) if self.data_parallel is not None else batch
+
+    def run(self, params, batch: TokenBatch, loss_scale: float):
+        return self.fwd_bwd(params, batch, jnp.float32(loss_scale))

@@ -1,0 +1,82 @@
+"""How a run lays out its state on SSD, decided from the config and the model: which leaves are
+layer stacks, in how many blocks of rows a large token table arrives, whether the compute weights
+live there too, and the format of m and v. The engine and the run planner lay out with the same
+:class:`StateLayoutOptions`, so the plan is the layout the run will have.
+
+    options = StateLayoutOptions.of(cfg, model_cfg, params, stream=plan.weights == "ssd")
+    layout = options.plan(spec, cfg.offload)          # an OffloadLayout
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+from jaxascend.checkpoint import checkpoint_arena_requests
+from jaxascend.config import Config, ModelConfig, OffloadConfig
+from jaxascend.models import is_large_table, layer_stack_key, table_blocks, token_table_path
+from jaxascend.offload.layout import OffloadLayout
+from jaxascend.optim import StateFormat
+from jaxascend.ssd import SlotRequest
+
+
+def state_format(cfg: Config) -> StateFormat:
+    """The format of m and v on SSD: ``optimizer.state_dtype`` (and ``state_block`` for int8),
+    rounded as ``optimizer.state_rounding`` says."""
+    return StateFormat.of(cfg.optimizer.state_dtype, cfg.optimizer.state_block, cfg.optimizer.state_rounding)
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """How the token table's gradient arrives: ``row_blocks`` per leaf in flattening order (a
+    large table's in the blocks of rows the model computes it in, see models.vocab; 1 for every
+    other leaf), the table's ``blocks``, and whether it is ``large``."""
+
+    row_blocks: tuple[int, ...]
+    blocks: int
+    large: bool
+
+    @classmethod
+    def of(cls, params, model_cfg: ModelConfig) -> "TableLayout":
+        table = token_table_path(model_cfg.arch)
+        blocks, large = [], False
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            keys = tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
+            is_table = keys[:len(table)] == table and len(leaf.shape) == 2
+            blocks.append(table_blocks(*leaf.shape) if is_table else 1)
+            large = large or (is_table and is_large_table(leaf))
+        return cls(tuple(blocks), max(blocks), large)
+
+
+@dataclass(frozen=True)
+class StateLayoutOptions:
+    """The keywords of :meth:`OffloadLayout.plan` (and ``OffloadedAdamState.create``) for a run."""
+
+    stack_key: str
+    stream_params: bool
+    row_blocks: tuple[int, ...]
+    state: StateFormat
+
+    @classmethod
+    def of(cls, cfg: Config, model_cfg: ModelConfig, row_blocks: tuple[int, ...], stream: bool) -> "StateLayoutOptions":
+        return cls(layer_stack_key(model_cfg.arch), bool(stream), tuple(row_blocks), state_format(cfg))
+
+    def stacked(self, path: str, shape) -> bool:
+        """Whether the leaf at ``path`` ('layers/...') is a layer stack ``[L, ...]``."""
+        return path.split("/")[0] == self.stack_key
+
+    def keywords(self) -> dict:
+        return {"stacked": self.stacked, "stream_params": self.stream_params, "row_blocks": list(self.row_blocks),
+                "state": self.state}
+
+    def plan(self, spec, cfg: OffloadConfig) -> OffloadLayout:
+        return OffloadLayout.plan(spec, cfg, **self.keywords())
+
+
+def checkpoint_slot_requests(layout: OffloadLayout, cfg: OffloadConfig) -> tuple[SlotRequest, ...]:
+    """Checkpoints stream master/m/v through the step's state slots, idle between steps; a model
+    so small that those slots hold under 3 SSD blocks gets a few slots of its own (these)."""
+    if layout.state_slot_bytes < 3 * cfg.block_bytes:
+        return tuple(checkpoint_arena_requests(cfg, chunk_bytes=cfg.block_bytes))
+    return ()

@@ -1,0 +1,176 @@
+"""The step's strategy, resolved once: where the weights live, how gradients leave, how the update
+runs, and how a job shares the work.
+
+    job = JobShape(processes=group.count, index=group.index, local_devices=jax.local_device_count())
+    plan = StepPlan.resolve(cfg, model_cfg, job, choices=run_plan.choices)   # ConfigError: refused
+    for line in plan.notes: console.note(line)                                # every silent choice
+    engine = OffloadEngine(cfg, model, model_cfg, plan)                       # composes its parts from it
+
+Every refusal of a mode combination is decided here, and every choice the user did not ask for
+(overlap off and why, the devices of one process left unused, ``offload.params: auto``'s choice) is
+one line of :attr:`StepPlan.notes`. The engine branches on the plan's few fields once, when it
+composes its parts: the weights the forward takes (:attr:`StepPlan.weight_source`), the gradient
+routing (:attr:`StepPlan.gradients`) and the update runner (:attr:`StepPlan.overlap`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import jax
+
+from jaxascend.config import Config, ConfigError, ModelConfig
+from jaxascend.models import DTYPES, is_large_table
+from jaxascend.offload.partition import Partition
+
+Gradients = Literal["instant", "accumulate", "post_backward"]
+WeightSource = Literal["arrays", "host", "ssd"]
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """Where the step runs: this process's place in a ``jax.distributed`` job and its devices."""
+
+    processes: int = 1
+    index: int = 0
+    local_devices: int = 1
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Every mode one run's step takes (see the module doc)."""
+
+    engine: Literal["offload", "in-memory"]
+    weights: Literal["resident", "ssd"]  # where the layer stack's compute weights live
+    gradients: Gradients  # instant: each layer's gradient leaves in the backward; accumulate: A > 1
+    grad_accum: int
+    overlap: bool  # the optimizer of step t beside step t+1's forward/backward
+    overlap_refused: Optional[str] = None  # why an asked-for overlap is off
+    partition: Optional[Partition] = None  # None: one device; (0, 1): this process's devices; (i, P): a job
+    notes: tuple[str, ...] = ()  # the choices the user did not ask for, one line each
+
+    @classmethod
+    def resolve(cls, cfg: Config, model_cfg: ModelConfig, job: JobShape = JobShape(),
+                choices: tuple[str, ...] = ()) -> "StepPlan":
+        """The plan of ``cfg`` (``offload.params`` resolved: ``auto`` counts as resident) for
+        ``model_cfg`` (with the run's vocabulary) in ``job``; ``choices``: notes of choices made
+        before (the run planner's). Raises :class:`ConfigError` naming what a job cannot run."""
+        notes = list(choices)
+        partition = _partition(cfg, model_cfg, job, notes)
+        weights = "ssd" if cfg.offload.enabled and cfg.offload.params == "ssd" else "resident"
+        gradients: Gradients = ("post_backward" if cfg.offload.post_backward_overflow_check
+                                else "accumulate" if cfg.train.grad_accum > 1 else "instant")
+        refused = None
+        if cfg.offload.enabled and cfg.offload.overlap:
+            refused = overlap_refusal(cfg) or _data_parallel_overlap_refusal(partition, weights)
+            if refused:
+                notes.append(f"offload.overlap is off, the optimizer step runs after the forward/backward: {refused}")
+        return cls(engine="offload" if cfg.offload.enabled else "in-memory", weights=weights, gradients=gradients,
+                   grad_accum=cfg.train.grad_accum, overlap=cfg.offload.enabled and cfg.offload.overlap and not refused,
+                   overlap_refused=refused, partition=partition, notes=tuple(notes))
+
+    @property
+    def partitioned(self) -> bool:
+        """A job of processes: each owns its slice of every tensor's state."""
+        return self.partition is not None and self.partition.count > 1
+
+    @property
+    def processes(self) -> int:
+        return self.partition.count if self.partitioned else 1
+
+    @property
+    def weight_source(self) -> WeightSource:
+        """What the forward takes the layer stack from: arrays (the step's inputs), host buffers
+        the overlapped update writes in place (served layer by layer), or the SSD (streamed)."""
+        if self.weights == "ssd":
+            return "ssd"
+        return "host" if self.overlap else "arrays"
+
+    @property
+    def table_per_use(self) -> bool:
+        """Each use of the token table (the lookup and, tied, the head) sends its own gradient,
+        block by block; the other routings differentiate the whole tree and send it at the end."""
+        return self.gradients == "instant"
+
+    def describe(self) -> dict:
+        """The plan as JSON-able values (``plan.json``)."""
+        out = dataclasses.asdict(self)
+        out["partition"] = [self.partition.index, self.partition.count] if self.partition else None
+        out["notes"] = list(self.notes)
+        return out
+
+
+def overlap_refusal(cfg: Config) -> Optional[str]:
+    """Why a run with ``offload.overlap`` runs its steps one after the other (None: it overlaps)."""
+    if cfg.train.grad_accum > 1:
+        return "train.grad_accum > 1 (the accumulating step takes the whole layer stack as an input)"
+    if cfg.offload.post_backward_overflow_check:
+        return "offload.post_backward_overflow_check (the ablation differentiates the whole tree)"
+    if cfg.offload.fp32_grad_buffer:
+        return "offload.fp32_grad_buffer (the ablation's host buffer has no receipts to order the arrivals)"
+    if cfg.model.remat == "none" and cfg.offload.params != "ssd":
+        return ("model.remat: none (the layer scan would keep every layer it fetched for the backward: 2 B/param "
+                "more; remat dots recomputes only the fetch and the element-wise work)")
+    return None
+
+
+def partition_refusal(cfg: Config, model_cfg: ModelConfig, one_process: bool = False) -> Optional[str]:
+    """What data parallelism cannot run yet (None: it can): over the processes of a job, or
+    (``one_process``) over the devices of one process."""
+    if cfg.offload.params == "ssd" and one_process:
+        return "offload.params: ssd (each device would read every layer from the one SSD state)"
+    if cfg.train.grad_accum > 1 and cfg.offload.params == "ssd":
+        return "train.grad_accum > 1 with offload.params: ssd (the accumulating step takes the whole layer stack)"
+    if cfg.offload.post_backward_overflow_check or cfg.offload.fp32_grad_buffer:
+        return "the ablation switches (post_backward_overflow_check, fp32_grad_buffer) are single-process"
+    if model_cfg.vocab_size and is_large_table(jax.ShapeDtypeStruct((model_cfg.vocab_size, model_cfg.hidden_size),
+                                                                  DTYPES[model_cfg.dtype])):
+        return "a token table computed in blocks (a large vocabulary) is not supported yet"
+    return None
+
+
+def rows_refusal(cfg: Config, shards: int, what: str) -> Optional[str]:
+    """Why the batches' rows cannot be split over ``shards`` (None: they can)."""
+    for name, rows in (("data.batch_size", cfg.data.batch_size), ("eval.batch_size", cfg.eval.batch_size)):
+        if rows and rows % shards:
+            return f"{name}: {rows} rows do not split evenly over {what}"
+    return None
+
+
+def _partition(cfg: Config, model_cfg: ModelConfig, job: JobShape, notes: list[str]) -> Optional[Partition]:
+    """This process's share of a data-parallel run: its slice of the state in a job (what a job
+    cannot run is refused), ``Partition(0, 1)`` when this process's devices share the rows, None
+    for one device or when the devices cannot share the run (noted)."""
+    if job.processes > 1:
+        where = f"train.distributed: this job has {job.processes} processes"
+        if not cfg.offload.enabled:
+            raise ConfigError(f"{where}; data parallelism partitions the SSD state (offload.enabled: true), the "
+                              "in-memory engine runs one process")
+        refused = rows_refusal(cfg, job.processes, f"the job's {job.processes} processes")
+        if refused:
+            raise ConfigError(refused)
+        refused = partition_refusal(cfg, model_cfg)
+        if refused:
+            raise ConfigError(f"{where}; {refused}")
+        return Partition(job.index, job.processes)
+    if job.local_devices == 1:
+        return None
+    devices = f"the {job.local_devices} devices"
+    why = ("the in-memory engine runs on one device" if not cfg.offload.enabled else
+           partition_refusal(cfg, model_cfg, one_process=True) or rows_refusal(cfg, job.local_devices, devices))
+    if why:
+        notes.append(f"data parallel over this process's {job.local_devices} devices is off, the step runs on "
+                     f"the first: {why}")
+        return None
+    return Partition(0, 1)
+
+
+def _data_parallel_overlap_refusal(partition: Optional[Partition], weights: str) -> Optional[str]:
+    if partition is None or (partition.count > 1 and weights == "ssd"):
+        return None
+    if partition.count > 1:
+        return ("data parallelism with resident weights (they are all-gathered after the step; a job with "
+                "offload.params: ssd overlaps)")
+    return "data parallelism over one process's devices"

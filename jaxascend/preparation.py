@@ -1,0 +1,90 @@
+"""A run's first phase, shared by the trainer and the planner CLI: everything the run reads
+(``config.json``, the tokenizer, the data, the held-out data) and the plans made from it, before
+anything is written.
+
+    prepared = prepare_run(cfg, JobShape(...))
+    prepared.plan.check()                     # host memory, disk: PlanError naming the part
+    for line in prepared.step.notes: console.note(line)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from jaxascend.config import Config, ConfigError, ModelConfig
+from jaxascend.data import eval_batches, load_tokenizer, make_batch_stream
+from jaxascend.hf import model_config_from_hf
+from jaxascend.models import TokenBatch, token_batch
+from jaxascend.offload import JobShape, RunPlan, StepPlan
+from jaxascend.offload import resolve as plan_resolve
+
+
+def resolve_model_config(cfg: Config) -> ModelConfig:
+    """``cfg.model``, or the architecture read from ``model.path``'s config.json with the run's
+    numerics (dtype, param_dtype, remat) on top."""
+    if cfg.model.path is None:
+        return cfg.model
+    model_cfg = model_config_from_hf(cfg.model.path, base=cfg.model)
+    if cfg.data.seq_len > model_cfg.max_position_embeddings:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} exceeds the model's max_position_embeddings="
+                          f"{model_cfg.max_position_embeddings} ({cfg.model.path}/config.json)")
+    return model_cfg
+
+
+def vocabulary_size(cfg: Config, model_cfg: ModelConfig, tokenizer) -> int:
+    """The embedding rows: the model's vocabulary (config.json or model.vocab_size), or the
+    tokenizer's for a model from scratch; refuses a tokenizer whose ids do not fit the model."""
+    vocab_size = model_cfg.vocab_size or tokenizer.vocab_size
+    if vocab_size < tokenizer.vocab_size:
+        where = f"{cfg.model.path}/config.json" if cfg.model.path else "model.vocab_size"
+        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens but the model "
+                          f"has {vocab_size} ({where}); its ids would not fit the embedding")
+    return vocab_size
+
+
+def held_out_batches(cfg: Config, tokenizer) -> list[TokenBatch]:
+    """The evaluation's batches (``eval.paths`` read like ``data.paths``; ``eval.batches`` of
+    them, or all), tokenized once, before anything is written: a malformed held-out record
+    stops the run at the start. Empty without ``eval.paths``."""
+    if not cfg.eval.paths:
+        return []
+    data = dataclasses.replace(cfg.data, paths=list(cfg.eval.paths), max_documents=None,
+                               batch_size=cfg.eval.batch_size or cfg.data.batch_size)
+    try:
+        batches = [token_batch(*b) for b in eval_batches(data, tokenizer, cfg.eval.batches)]
+    except ValueError as err:
+        raise ValueError(f"eval.paths: {err}") from None
+    if not batches or not any(b.weights.any() for b in batches):
+        raise ValueError(f"eval.paths: {cfg.eval.paths} hold no token to evaluate on")
+    return batches
+
+
+@dataclass
+class PreparedRun:
+    """What a run has read and decided before it writes anything."""
+
+    cfg: Config  # offload.params resolved (auto -> resident or ssd)
+    model_cfg: ModelConfig  # config.json's architecture (or the config's) with the run's numerics
+    sized: ModelConfig  # the same with the run's vocabulary
+    tokenizer: Any
+    stream: Any  # the training batches, from the start
+    held_out: list[TokenBatch]
+    plan: RunPlan  # host memory, disk, SSD traffic
+    step: StepPlan  # the step's modes, refusals and notes
+
+
+def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None) -> PreparedRun:
+    """Reads and checks the run's inputs and makes its plans (nothing is written). Raises
+    ``ValueError``/``OSError`` (a :class:`ConfigError` for the config) naming the problem."""
+    model_cfg = resolve_model_config(cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
+    stream = make_batch_stream(cfg.data, tokenizer)
+    held_out = held_out_batches(cfg, tokenizer)
+    sized = dataclasses.replace(model_cfg, vocab_size=vocabulary_size(cfg, model_cfg, tokenizer))
+    # offload.params auto -> resident or ssd; host memory and disk by part (the runtime part
+    # measured here, after the tokenizer and the data index).
+    cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps)
+    step = StepPlan.resolve(cfg, sized, job, choices=plan.choices)
+    return PreparedRun(cfg, model_cfg, sized, tokenizer, stream, held_out, plan, step)

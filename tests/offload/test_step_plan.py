@@ -1,0 +1,90 @@
+"""The step's strategy is resolved once, from the config and the job: a matrix over the modes
+(weights resident or on SSD, overlap, accumulation, processes and devices), with every refusal
+and every silent choice where the plan says it is."""
+
+import dataclasses
+
+import pytest
+
+from jaxascend.config import ConfigError, load_config
+from jaxascend.offload import JobShape, Partition, StepPlan
+
+SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
+         "model.num_attention_heads=4", "model.num_key_value_heads=2", "data.seq_len=32", "data.batch_size=4"]
+SINGLE, JOB, DEVICES = JobShape(), JobShape(processes=2, index=1), JobShape(local_devices=2)
+
+
+def _plan(*overrides, job=SINGLE, vocab=259):
+    cfg = load_config("configs/tiny.yaml", SMALL + list(overrides))
+    return StepPlan.resolve(cfg, dataclasses.replace(cfg.model, vocab_size=vocab), job)
+
+
+# (overrides, job) -> (overlap, refusal in the note, gradients, weight source, partition)
+CASES = {
+    "resident-overlap": (["model.remat=full"], SINGLE, (True, None, "instant", "host", None)),
+    "resident-remat-none": (["model.remat=none"], SINGLE, (False, "model.remat: none", "instant", "arrays", None)),
+    "resident-no-overlap": (["model.remat=full", "offload.overlap=false"], SINGLE,
+                            (False, None, "instant", "arrays", None)),
+    "resident-accum": (["model.remat=full", "train.grad_accum=2"], SINGLE,
+                       (False, "train.grad_accum > 1", "accumulate", "arrays", None)),
+    "ssd-overlap": (["model.remat=full", "offload.params=ssd"], SINGLE, (True, None, "instant", "ssd", None)),
+    "ssd-no-overlap": (["model.remat=full", "offload.params=ssd", "offload.overlap=false"], SINGLE,
+                       (False, None, "instant", "ssd", None)),
+    "ablation": (["model.remat=full", "offload.post_backward_overflow_check=true"], SINGLE,
+                 (False, "offload.post_backward_overflow_check", "post_backward", "arrays", None)),
+    "job-resident": (["model.remat=full"], JOB,
+                     (False, "data parallelism with resident weights", "instant", "arrays", Partition(1, 2))),
+    "job-ssd": (["model.remat=full", "offload.params=ssd"], JOB, (True, None, "instant", "ssd", Partition(1, 2))),
+    "job-accum": (["model.remat=full", "train.grad_accum=2"], JOB,
+                  (False, "train.grad_accum > 1", "accumulate", "arrays", Partition(1, 2))),
+    "devices-resident": (["model.remat=full"], DEVICES,
+                         (False, "one process's devices", "instant", "arrays", Partition(0, 1))),
+    "devices-ssd": (["model.remat=full", "offload.params=ssd"], DEVICES, (True, None, "instant", "ssd", None)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_plan_of_each_mode(name):
+    overrides, job, (overlap, refusal, gradients, source, partition) = CASES[name]
+    plan = _plan(*overrides, job=job)
+    assert (plan.overlap, plan.gradients, plan.weight_source, plan.partition) == (overlap, gradients, source, partition)
+    assert plan.partitioned == (job.processes > 1) and plan.processes == job.processes
+    assert plan.table_per_use == (gradients == "instant")
+    overlap_notes = [n for n in plan.notes if n.startswith("offload.overlap is off")]
+    if refusal is None:
+        assert plan.overlap_refused is None and not overlap_notes
+    else:  # an asked-for overlap that is off is one note naming why
+        assert refusal in plan.overlap_refused and len(overlap_notes) == 1 and refusal in overlap_notes[0]
+    described = plan.describe()
+    assert described["overlap"] == overlap and described["notes"] == list(plan.notes)
+
+
+def test_devices_that_cannot_share_the_run_are_a_note_not_an_error():
+    plan = _plan("model.remat=full", "offload.params=ssd", job=DEVICES)
+    assert plan.partition is None
+    assert [n for n in plan.notes if "devices is off" in n] == [
+        "data parallel over this process's 2 devices is off, the step runs on the first: offload.params: ssd "
+        "(each device would read every layer from the one SSD state)"]
+    uneven = _plan("model.remat=full", "data.batch_size=3", job=DEVICES)
+    assert uneven.partition is None and any("3 rows do not split evenly" in n for n in uneven.notes)
+    in_memory = _plan("offload.enabled=false", job=DEVICES)
+    assert in_memory.engine == "in-memory" and in_memory.partition is None and not in_memory.overlap
+    assert any("the in-memory engine runs on one device" in n for n in in_memory.notes)
+
+
+@pytest.mark.parametrize("overrides, vocab, message", [
+    (["offload.enabled=false"], 259, "the in-memory engine runs one process"),
+    (["data.batch_size=3"], 259, "data.batch_size: 3 rows do not split evenly over the job's 2 processes"),
+    (["model.remat=full", "offload.fp32_grad_buffer=true"], 259, "the ablation switches"),
+    (["model.hidden_size=128"], 151936, "a token table computed in blocks"),
+], ids=["in-memory", "uneven-rows", "ablation", "large-table"])
+def test_what_a_job_cannot_run_is_refused_by_name(overrides, vocab, message):
+    with pytest.raises(ConfigError, match=message):
+        _plan(*overrides, job=JOB, vocab=vocab)
+
+
+def test_choices_made_before_are_notes_too():
+    cfg = load_config("configs/tiny.yaml", SMALL + ["model.remat=full"])
+    plan = StepPlan.resolve(cfg, dataclasses.replace(cfg.model, vocab_size=259), choices=("offload.params: auto "
+                                                                                          "chose resident",))
+    assert plan.notes == ("offload.params: auto chose resident",) and plan.overlap
