@@ -82,9 +82,9 @@ class RunPlan:
     disk_gbps: float
     budget: Optional[int] = None
     notes: tuple = field(default=())
-    choices: tuple = field(default=())  # what the planner chose for the user (offload.params: auto), one line each
     largest_layer_params: int = 0  # the largest tensor (one layer of a stacked one)
     streaming_refused: Optional[str] = None  # why offload.params: ssd is not allowed here (None: it is)
+    choices: tuple = field(default=())  # what the planner chose for the user (offload.params: auto), one line each
 
     @property
     def streamable(self) -> bool:
