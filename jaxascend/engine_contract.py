@@ -101,6 +101,7 @@ class EngineReport:
     param_source_optimizer_wait_seconds: Optional[float] = None
     param_source_bytes_copied: Optional[int] = None
     param_source_handovers: Optional[int] = None
+    param_source_bytes_handed: Optional[int] = None
     param_source_handover_skips: Optional[int] = None
 
     def record(self) -> dict[str, Any]:
