@@ -29,37 +29,9 @@ namespace nb = nanobind;
 
 namespace jaxascend {
 
-namespace {
-struct SinkTable {
-  std::mutex mu;
-  int64_t next = 1;
-  std::map<int64_t, std::shared_ptr<GradientSink>> sinks;
-};
-SinkTable& Table() {
-  static SinkTable table;
+HandleTable<GradientSink>& GradientSinks() {
+  static HandleTable<GradientSink> table("gradient sink");
   return table;
-}
-}  // namespace
-
-int64_t RegisterSink(std::shared_ptr<GradientSink> sink) {
-  SinkTable& t = Table();
-  std::lock_guard<std::mutex> lock(t.mu);
-  const int64_t handle = t.next++;
-  t.sinks[handle] = std::move(sink);
-  return handle;
-}
-
-bool UnregisterSink(int64_t handle) {
-  SinkTable& t = Table();
-  std::lock_guard<std::mutex> lock(t.mu);
-  return t.sinks.erase(handle) > 0;
-}
-
-std::shared_ptr<GradientSink> FindSink(int64_t handle) {
-  SinkTable& t = Table();
-  std::lock_guard<std::mutex> lock(t.mu);
-  auto it = t.sinks.find(handle);
-  return it == t.sinks.end() ? nullptr : it->second;
 }
 
 namespace {
@@ -135,11 +107,8 @@ ffi::Error GradSinkDispatch(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer,
                             ffi::ResultBuffer<ffi::F32> sumsq,
                             ffi::ResultBuffer<ffi::S32> nonfinite, int64_t sink, int64_t tensor) {
   if (layer.element_count() != 1) return ffi::Error::InvalidArgument("grad_sink: layer must be a scalar");
-  std::shared_ptr<GradientSink> target = FindSink(sink);
-  if (!target) {
-    return ffi::Error::InvalidArgument("grad_sink: no open gradient sink with handle " +
-                                       std::to_string(sink));
-  }
+  std::shared_ptr<GradientSink> target = GradientSinks().Find(sink);
+  if (!target) return ffi::Error::InvalidArgument("grad_sink: " + GradientSinks().Missing(sink));
   GradStats s;
   const int64_t n = static_cast<int64_t>(x.element_count());
   if (!GradStatsOf(x.element_type(), x.untyped_data(), n, &s)) {
@@ -163,7 +132,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGradSink, GradSinkDispatch,
                                   .Arg<ffi::Buffer<ffi::S32>>()    // layer: index in the stack
                                   .Ret<ffi::Buffer<ffi::F32>>()    // sum of squares of finite x
                                   .Ret<ffi::Buffer<ffi::S32>>()    // count of inf/NaN in x
-                                  .Attr<int64_t>("sink")           // handle from RegisterSink
+                                  .Attr<int64_t>("sink")           // handle from GradientSinks()
                                   .Attr<int64_t>("tensor"));       // sink-defined tensor id
 
 JAXASCEND_REGISTER_FFI("jaxascend_grad_sink", kGradSink);
@@ -178,20 +147,19 @@ void BindGradSink(nb::module_& m) {
       .def("writes", &MemorySink::Writes, nb::arg("tensor"), "Number of layers consumed for a tensor.");
   m.def(
       "register_memory_sink",
-      [](std::shared_ptr<MemorySink> sink) { return RegisterSink(sink); }, nb::arg("sink"),
+      [](std::shared_ptr<MemorySink> sink) { return GradientSinks().Register(sink); }, nb::arg("sink"),
       "Makes a MemorySink reachable from jaxascend_grad_sink; returns its handle.");
-  m.def("unregister_sink", &UnregisterSink, nb::arg("handle"),
-        "Removes a sink; later calls with its handle fail with an error.");
+  m.def(
+      "unregister_sink", [](int64_t handle) { return GradientSinks().Remove(handle); }, nb::arg("handle"),
+      "Removes a sink; later calls with its handle fail with an error.");
   // The host half of the sink for backends whose FFI calls cannot run on the host (GPU): the
   // jitted step copies the gradient to host memory with an io_callback and calls this.
   m.def(
       "consume_gradient",
       [](int64_t handle, int64_t tensor, int64_t layer, nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig> g,
          const std::string& dtype) {
-        std::shared_ptr<GradientSink> target = FindSink(handle);
-        if (!target) {
-          throw nb::value_error(("grad_sink: no open gradient sink with handle " + std::to_string(handle)).c_str());
-        }
+        std::shared_ptr<GradientSink> target = GradientSinks().Find(handle);
+        if (!target) throw nb::value_error(("grad_sink: " + GradientSinks().Missing(handle)).c_str());
         ffi::DataType type;
         if (!ParseGradDtype(dtype, &type)) {
           throw nb::value_error(("grad_sink: unsupported gradient dtype " + dtype).c_str());

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "dtypes.h"
+#include "handle_table.h"
 #include "optim_grad_stats.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -87,9 +88,8 @@ inline std::string CheckGradientLayer(int64_t tensor, int64_t layer, int64_t lay
   return "";
 }
 
-// Process-wide table of live sinks; handles are never reused.
-int64_t RegisterSink(std::shared_ptr<GradientSink> sink);
-bool UnregisterSink(int64_t handle);
-std::shared_ptr<GradientSink> FindSink(int64_t handle);
+// The process-wide table of live sinks (offload_grad_sink.cc): each sink's register_*_sink
+// binding adds it, unregister_sink removes it, jaxascend_grad_sink and consume_gradient find it.
+HandleTable<GradientSink>& GradientSinks();
 
 }  // namespace jaxascend

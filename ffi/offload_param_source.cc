@@ -50,6 +50,7 @@
 #include <tuple>
 #include <vector>
 
+#include "handle_table.h"
 #include "offload_grad_sink.h"
 #include "registry.h"
 #include "ssd_arena.h"
@@ -68,10 +69,8 @@ int64_t AlignUp(int64_t n) { return (n + 4095) / 4096 * 4096; }
 class ParamSource {
  public:
   ParamSource(int64_t store_handle, std::string slot_class) : slot_class_(std::move(slot_class)) {
-    std::shared_ptr<ShardStore> store = FindStore(store_handle);
-    if (!store) {
-      throw nb::value_error(("ParamSource: no open shard store with handle " + std::to_string(store_handle)).c_str());
-    }
+    std::shared_ptr<ShardStore> store = ShardStores().Find(store_handle);
+    if (!store) throw nb::value_error(("ParamSource: " + ShardStores().Missing(store_handle)).c_str());
     store_ = store;
   }
 
@@ -487,31 +486,17 @@ class ParamSource {
   std::vector<Event> events_;
 };
 
-struct SourceTable {
-  std::mutex mu;
-  int64_t next = 1;
-  std::map<int64_t, std::shared_ptr<ParamSource>> sources;
-};
-
-SourceTable& Sources() {
-  static SourceTable* table = new SourceTable();  // never destroyed: FFI calls may outlive Python
+HandleTable<ParamSource>& ParamSources() {
+  static HandleTable<ParamSource>* table =
+      new HandleTable<ParamSource>("parameter source");  // never destroyed: FFI calls may outlive Python
   return *table;
-}
-
-std::shared_ptr<ParamSource> FindSource(int64_t handle) {
-  SourceTable& t = Sources();
-  std::lock_guard<std::mutex> lock(t.mu);
-  auto it = t.sources.find(handle);
-  return it == t.sources.end() ? nullptr : it->second;
 }
 
 // Dispatch: finds the source, collects the output buffers and fetches the layer into them.
 ffi::Error ParamSourceDispatch(ffi::Buffer<ffi::S32> layer, ffi::RemainingRets outs, int64_t source) {
   if (layer.element_count() != 1) return ffi::Error::InvalidArgument("param_source: layer must be a scalar");
-  std::shared_ptr<ParamSource> target = FindSource(source);
-  if (!target) {
-    return ffi::Error::InvalidArgument("param_source: no open parameter source with handle " + std::to_string(source));
-  }
+  std::shared_ptr<ParamSource> target = ParamSources().Find(source);
+  if (!target) return ffi::Error::InvalidArgument("param_source: " + ParamSources().Missing(source));
   std::vector<void*> data;
   std::vector<size_t> sizes;
   std::vector<ffi::DataType> dtypes;
@@ -570,26 +555,13 @@ void BindParamSource(nb::module_& m) {
       .def_prop_ro("num_leaves", &ParamSource::num_leaves);
   m.def(
       "register_param_source",
-      [](std::shared_ptr<ParamSource> source) {
-        SourceTable& t = Sources();
-        std::lock_guard<std::mutex> lock(t.mu);
-        const int64_t handle = t.next++;
-        t.sources[handle] = std::move(source);
-        return handle;
-      },
-      nb::arg("source"), "Makes a ParamSource reachable from jaxascend_param_source; returns its handle.");
+      [](std::shared_ptr<ParamSource> source) { return ParamSources().Register(source); }, nb::arg("source"),
+      "Makes a ParamSource reachable from jaxascend_param_source; returns its handle.");
   m.def(
       "unregister_param_source",
       [](int64_t handle) {
-        std::shared_ptr<ParamSource> source;
-        {
-          SourceTable& t = Sources();
-          std::lock_guard<std::mutex> lock(t.mu);
-          auto it = t.sources.find(handle);
-          if (it == t.sources.end()) return false;
-          source = std::move(it->second);
-          t.sources.erase(it);
-        }
+        std::shared_ptr<ParamSource> source = ParamSources().Take(handle);
+        if (!source) return false;
         nb::gil_scoped_release release;
         source->Drain();
         return true;
@@ -601,10 +573,8 @@ void BindParamSource(nb::module_& m) {
       "fetch_params_to_host",
       [](int64_t handle, int64_t layer, std::vector<nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig>> outs,
          std::vector<std::string> dtype_names) {
-        std::shared_ptr<ParamSource> target = FindSource(handle);
-        if (!target) {
-          throw nb::value_error(("param_source: no open parameter source with handle " + std::to_string(handle)).c_str());
-        }
+        std::shared_ptr<ParamSource> target = ParamSources().Find(handle);
+        if (!target) throw nb::value_error(("param_source: " + ParamSources().Missing(handle)).c_str());
         if (dtype_names.size() != outs.size()) throw nb::value_error("param_source: one dtype per output is needed");
         std::vector<void*> data;
         std::vector<size_t> sizes;

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <map>
 
 #include "ssd_crc32c.h"
 #include "ssd_fault_injection.h"
@@ -17,17 +16,6 @@
 
 namespace jaxascend {
 namespace {
-
-struct StoreTable {
-  std::mutex mu;
-  int64_t next = 1;
-  std::map<int64_t, std::weak_ptr<ShardStore>> stores;
-};
-
-StoreTable& Table() {
-  static StoreTable table;
-  return table;
-}
 
 Status ValidateOptions(const StoreOptions& o) {
   auto bad = [](const std::string& what) { return Status::InvalidArgument("shard store: " + what); };
@@ -86,11 +74,9 @@ std::string Hex32(uint32_t v) {
 
 }  // namespace
 
-std::shared_ptr<ShardStore> FindStore(int64_t handle) {
-  StoreTable& t = Table();
-  std::lock_guard<std::mutex> lock(t.mu);
-  auto it = t.stores.find(handle);
-  return it == t.stores.end() ? nullptr : it->second.lock();
+HandleTable<ShardStore, std::weak_ptr<ShardStore>>& ShardStores() {
+  static HandleTable<ShardStore, std::weak_ptr<ShardStore>> table("shard store");
+  return table;
 }
 
 Status ShardStore::Open(const StoreOptions& options, std::shared_ptr<Arena> arena,
@@ -131,12 +117,7 @@ Status ShardStore::Open(const StoreOptions& options, std::shared_ptr<Arena> aren
     store->staging_.push_back(std::move(staging));
   }
   JAXASCEND_RETURN_IF_ERROR(store->StartEngine());
-  {
-    StoreTable& t = Table();
-    std::lock_guard<std::mutex> lock(t.mu);
-    store->handle_ = t.next++;
-    t.stores[store->handle_] = store;
-  }
+  store->handle_ = ShardStores().Register(store);
   *out = std::move(store);
   return Status::Ok();
 }
@@ -596,11 +577,7 @@ Status ShardStore::Close() {
     close(lock_fd_);  // releases the flock
     lock_fd_ = -1;
   }
-  if (handle_ != 0) {
-    StoreTable& t = Table();
-    std::lock_guard<std::mutex> lock(t.mu);
-    t.stores.erase(handle_);
-  }
+  if (handle_ != 0) ShardStores().Remove(handle_);
   return first;
 }
 
