@@ -2,9 +2,12 @@
 //
 // The FFI target jaxascend_grad_sink (offload_grad_sink.cc) is called inside a jitted backward pass
 // with one layer's gradient of one tensor; it computes the overflow/norm statistics and hands
-// the bytes to a sink found by an integer handle. The SSD store implements a sink that stages
-// the bytes in the arena and queues their write; MemorySink copies into host arrays (tests,
-// and the "full host gradient buffer" ablation).
+// the bytes to a sink found by an integer handle. On backends whose FFI calls cannot run on the
+// host (GPU), consume_gradient (offload_grad_sink_host.cc) does the same with a host copy. The
+// sinks: StoreSink (offload_store_sink.cc) stages the bytes in the arena and queues their write
+// to the SSD store; Fp32BufferSink (offload_fp32_grad_sink.cc) widens them into one float32 host
+// buffer (the fp32_grad_buffer ablation); MemorySink (offload_memory_sink.cc) copies into host
+// arrays.
 #pragma once
 
 #include <cstddef>
