@@ -1,8 +1,8 @@
 // Fused host AdamW kernel (see optim_adam.h): run-time ISA selection and RunFusedAdamW, which
 // splits the elements over the compute pool and runs the chosen variant's range on each part.
 // The variants: optim_adam_scalar.h, optim_adam_avx2.cc, optim_adam_avx512.cc (what they share
-// and why they agree bit for bit: optim_adam_kernel.h). The FFI target and the nanobind entry
-// live in optim_adam_bindings.cc; both call RunFusedAdamW.
+// and why they agree bit for bit: optim_adam_kernel.h). The FFI target is optim_adam_ffi.cc,
+// the numpy entry optim_adam_bindings.cc; both call RunFusedAdamW.
 #include "optim_adam.h"
 
 #include <cstdlib>
@@ -140,6 +140,11 @@ AdamScalars AdamScalarsFromArray(const float* values) {
   static_assert(sizeof(AdamScalars) == kAdamScalarCount * sizeof(float), "packed floats");
   std::memcpy(&s, values, sizeof s);
   return s;
+}
+
+std::string AdamCountMismatch(const char* name, int64_t count, int64_t n) {
+  return std::string("adamw: ") + name + " has " + std::to_string(count) + " elements but master has " +
+         std::to_string(n);
 }
 
 std::string RunFusedAdamW(const AdamBuffers& b, const AdamScalars& s, int threads, AdamIsa isa) {
