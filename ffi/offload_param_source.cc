@@ -11,6 +11,7 @@
 
 #include "offload_grad_sink.h"
 #include "ssd_arena.h"
+#include "ssd_bindings.h"
 
 namespace ffi = xla::ffi;
 namespace nb = nanobind;
@@ -119,13 +120,8 @@ nb::list ParamSource::HandoverViews(int32_t slot) {
   if (!store) throw nb::value_error("ParamSource.handover_views: the shard store is closed");
   uint8_t* base = store->arena()->slots()[slot].data;
   nb::list out;
-  for (const Leaf& leaf : leaves_) {
-    // The views keep the arena alive (a capsule owns a reference), so numpy never copies them.
-    nb::capsule owner(new std::shared_ptr<Arena>(store->arena()),
-                      [](void* p) noexcept { delete static_cast<std::shared_ptr<Arena>*>(p); });
-    size_t shape[1] = {static_cast<size_t>(leaf.layer_bytes)};
-    out.append(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(base + leaf.slot_offset, 1, shape, owner));
-  }
+  // The views keep the arena alive (a capsule owns a reference), so numpy never copies them.
+  for (const Leaf& leaf : leaves_) out.append(ArenaView(store->arena(), base + leaf.slot_offset, leaf.layer_bytes));
   return out;
 }
 
