@@ -42,6 +42,17 @@ nb::dict CountersDict(const IoCounters& c) {
   return d;
 }
 
+// Runs `io` (returning a Status) with the GIL released, then raises its error, if any.
+template <typename Io>
+void CheckWithoutGil(Io&& io) {
+  Status st;
+  {
+    nb::gil_scoped_release release;
+    st = io();
+  }
+  CheckStatus(st);
+}
+
 // Synchronous zero-copy I/O between a region and an arena slot.
 void SlotIo(ShardStore& store, IoDirection dir, int32_t region, int64_t offset, int64_t nbytes, int32_t slot_id) {
   const ArenaSlot& slot = ArenaSlotOrRaise(*store.arena(), slot_id);
@@ -86,14 +97,7 @@ void BindStore(nb::module_& m) {
                     return store;
                   })
       .def("close",
-           [](ShardStore& s) {
-             Status st;
-             {
-               nb::gil_scoped_release release;
-               st = s.Close();
-             }
-             CheckStatus(st);
-           })
+           [](ShardStore& s) { CheckWithoutGil([&] { return s.Close(); }); })
       .def_prop_ro("closed", &ShardStore::closed)
       .def_prop_ro("handle", &ShardStore::handle)
       .def_prop_ro("direct_io", &ShardStore::direct_io)
@@ -134,32 +138,18 @@ void BindStore(nb::module_& m) {
            })
       .def("write",
            [](ShardStore& s, int32_t region, int64_t offset, ConstBytesArg data, bool wait) {
-             Status st;
-             {
-               nb::gil_scoped_release release;
-               st = s.WriteFromHost(region, offset, data.data(), static_cast<int64_t>(data.shape(0)), wait);
-             }
-             CheckStatus(st);
+             CheckWithoutGil([&] {
+               return s.WriteFromHost(region, offset, data.data(), static_cast<int64_t>(data.shape(0)), wait);
+             });
            },
            nb::arg("region"), nb::arg("offset"), nb::arg("data"), nb::arg("wait") = true)
       .def("read",
            [](ShardStore& s, int32_t region, int64_t offset, BytesArg out) {
-             Status st;
-             {
-               nb::gil_scoped_release release;
-               st = s.ReadToHost(region, offset, out.data(), static_cast<int64_t>(out.shape(0)));
-             }
-             CheckStatus(st);
+             CheckWithoutGil(
+                 [&] { return s.ReadToHost(region, offset, out.data(), static_cast<int64_t>(out.shape(0))); });
            })
       .def("flush",
-           [](ShardStore& s) {
-             Status st;
-             {
-               nb::gil_scoped_release release;
-               st = s.Flush();
-             }
-             CheckStatus(st);
-           })
+           [](ShardStore& s) { CheckWithoutGil([&] { return s.Flush(); }); })
       .def("counters", [](const ShardStore& s) { return CountersDict(s.counters()); })
       .def("stream",
            [](std::shared_ptr<ShardStore> store, const std::vector<std::vector<SegmentTuple>>& chunks,
@@ -181,24 +171,12 @@ void BindStore(nb::module_& m) {
   nb::class_<StreamPass>(m, "StreamPass", "A pipelined pass (see ssd_stream_pass.h); use SsdStore.stream().")
       .def("next",
            [](StreamPass& p) {
-             Status st;
              bool has = false;
-             {
-               nb::gil_scoped_release release;
-               st = p.Next(&has);
-             }
-             CheckStatus(st);
+             CheckWithoutGil([&] { return p.Next(&has); });
              return has;
            })
       .def("finish",
-           [](StreamPass& p) {
-             Status st;
-             {
-               nb::gil_scoped_release release;
-               st = p.Finish();
-             }
-             CheckStatus(st);
-           })
+           [](StreamPass& p) { CheckWithoutGil([&] { return p.Finish(); }); })
       .def("abort",
            [](StreamPass& p) {
              nb::gil_scoped_release release;
