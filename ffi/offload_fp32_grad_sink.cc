@@ -180,7 +180,7 @@ void BindFp32BufferSink(nb::module_& m) {
            "Per layer, how many times the sink consumed it since reset().")
       .def("reset", &Fp32BufferSink::Reset, "Zeroes the receipt counters.");
   m.def(
-      "register_fp32_buffer_sink", [](std::shared_ptr<Fp32BufferSink> sink) { return RegisterSink(sink); },
+      "register_fp32_buffer_sink", [](std::shared_ptr<Fp32BufferSink> sink) { return GradientSinks().Register(sink); },
       nb::arg("sink"), "Makes an Fp32BufferSink reachable from jaxascend_grad_sink; returns its handle.");
 }
 

@@ -2,9 +2,12 @@
 //
 // The FFI target jaxascend_grad_sink (offload_grad_sink.cc) is called inside a jitted backward pass
 // with one layer's gradient of one tensor; it computes the overflow/norm statistics and hands
-// the bytes to a sink found by an integer handle. The SSD store implements a sink that stages
-// the bytes in the arena and queues their write; MemorySink copies into host arrays (tests,
-// and the "full host gradient buffer" ablation).
+// the bytes to a sink found by an integer handle. On backends whose FFI calls cannot run on the
+// host (GPU), consume_gradient (offload_grad_sink_host.cc) does the same with a host copy. The
+// sinks: StoreSink (offload_store_sink.cc) stages the bytes in the arena and queues their write
+// to the SSD store; Fp32BufferSink (offload_fp32_grad_sink.cc) widens them into one float32 host
+// buffer (the fp32_grad_buffer ablation); MemorySink (offload_memory_sink.cc) copies into host
+// arrays.
 #pragma once
 
 #include <cstddef>
@@ -13,6 +16,7 @@
 #include <string>
 
 #include "dtypes.h"
+#include "handle_table.h"
 #include "optim_grad_stats.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -87,9 +91,8 @@ inline std::string CheckGradientLayer(int64_t tensor, int64_t layer, int64_t lay
   return "";
 }
 
-// Process-wide table of live sinks; handles are never reused.
-int64_t RegisterSink(std::shared_ptr<GradientSink> sink);
-bool UnregisterSink(int64_t handle);
-std::shared_ptr<GradientSink> FindSink(int64_t handle);
+// The process-wide table of live sinks (offload_grad_sink.cc): each sink's register_*_sink
+// binding adds it, unregister_sink removes it, jaxascend_grad_sink and consume_gradient find it.
+HandleTable<GradientSink>& GradientSinks();
 
 }  // namespace jaxascend

@@ -51,10 +51,8 @@ namespace {
 class StoreSink : public GradientSink {
  public:
   explicit StoreSink(int64_t store_handle) : store_handle_(store_handle) {
-    std::shared_ptr<ShardStore> store = FindStore(store_handle);
-    if (!store) {
-      throw nb::value_error(("StoreSink: no open shard store with handle " + std::to_string(store_handle)).c_str());
-    }
+    std::shared_ptr<ShardStore> store = ShardStores().Find(store_handle);
+    if (!store) throw nb::value_error(("StoreSink: " + ShardStores().Missing(store_handle)).c_str());
     store_ = store;
   }
 
@@ -258,7 +256,8 @@ void BindStoreSink(nb::module_& m) {
       .def_prop_ro("early_arrivals", &StoreSink::early_arrivals)
       .def_prop_ro("store_handle", &StoreSink::store_handle);
   m.def(
-      "register_store_sink", [](std::shared_ptr<StoreSink> sink) { return RegisterSink(sink); }, nb::arg("sink"),
+      "register_store_sink", [](std::shared_ptr<StoreSink> sink) { return GradientSinks().Register(sink); },
+      nb::arg("sink"),
       "Makes a StoreSink reachable from jaxascend_grad_sink; returns its handle.");
 }
 

@@ -122,4 +122,8 @@ const char* AdamStateName(AdamState state);
 // Reads AdamScalars from a float buffer laid out as documented above.
 AdamScalars AdamScalarsFromArray(const float* values);
 
+// The message of an argument whose element count is not master's, e.g.
+// "adamw: grad has 3 elements but master has 4".
+std::string AdamCountMismatch(const char* name, int64_t count, int64_t n);
+
 }  // namespace jaxascend

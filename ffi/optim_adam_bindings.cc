@@ -1,9 +1,8 @@
-// The two entry points of the fused AdamW kernel (optim_adam.h):
-//   - the XLA FFI target "jaxascend_adamw" (CPU), for jax arrays inside jit;
-//   - jaxascend._native.adamw_update, in place on numpy arrays (arena views when streaming),
-//     with the GIL released;
-// plus adamw_bandwidth_probe, the memory-bandwidth yardstick of scripts/bench_adam.py.
-// Both entries check their arguments here and run the same RunFusedAdamW.
+// The numpy entry of the fused AdamW kernel (optim_adam.h): jaxascend._native.adamw_update, in
+// place on numpy arrays (arena views when streaming), with the GIL released; it checks its
+// arguments here and runs RunFusedAdamW, as the FFI target (optim_adam_ffi.cc) does. Plus the
+// kernel's queries (adamw_supported_isas, adamw_default_isa, compute_pool_workers) and
+// adamw_bandwidth_probe, the memory-bandwidth yardstick of scripts/bench_adam.py.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -19,121 +18,11 @@
 #include "optim_adam.h"
 #include "optim_compute_pool.h"
 #include "registry.h"
-#include "xla/ffi/api/ffi.h"
 
-namespace ffi = xla::ffi;
 namespace nb = nanobind;
 
 namespace jaxascend {
 namespace {
-
-std::string CountMismatch(const char* name, int64_t count, int64_t n) {
-  return std::string("adamw: ") + name + " has " + std::to_string(count) +
-         " elements but master has " + std::to_string(n);
-}
-
-// ---------------------------------------------------------------------------------------------
-// XLA FFI entry.
-
-const char* FfiTypeName(ffi::DataType t) {
-  switch (t) {
-    case ffi::F32: return "float32";
-    case ffi::F16: return "float16";
-    case ffi::BF16: return "bfloat16";
-    case ffi::F64: return "float64";
-    case ffi::S32: return "int32";
-    case ffi::S64: return "int64";
-    case ffi::U16: return "uint16";
-    default: return "another dtype";
-  }
-}
-
-bool FfiElem(ffi::DataType t, AdamElem* e) {
-  switch (t) {
-    case ffi::F32: *e = AdamElem::kF32; return true;
-    case ffi::F16: *e = AdamElem::kF16; return true;
-    case ffi::BF16: *e = AdamElem::kBF16; return true;
-    default: return false;
-  }
-}
-
-// master/m/v and their aliased outputs: float32 with n elements.
-std::string CheckFfiState(const char* name, ffi::DataType type, int64_t count, int64_t n) {
-  if (type != ffi::F32) {
-    return std::string("adamw: ") + name + " must be float32, got " + FfiTypeName(type);
-  }
-  return count == n ? "" : CountMismatch(name, count, n);
-}
-
-ffi::Error AdamWDispatch(ffi::AnyBuffer master, ffi::AnyBuffer m, ffi::AnyBuffer v,
-                         ffi::AnyBuffer grad, ffi::AnyBuffer scalars,
-                         ffi::Result<ffi::AnyBuffer> master_out, ffi::Result<ffi::AnyBuffer> m_out,
-                         ffi::Result<ffi::AnyBuffer> v_out,
-                         ffi::Result<ffi::AnyBuffer> params_out, int64_t threads) {
-  const int64_t n = static_cast<int64_t>(master.element_count());
-  const struct {
-    const char* name;
-    ffi::DataType type;
-    int64_t count;
-  } state[] = {
-      {"master", master.element_type(), n},
-      {"m", m.element_type(), static_cast<int64_t>(m.element_count())},
-      {"v", v.element_type(), static_cast<int64_t>(v.element_count())},
-      {"master_out", master_out->element_type(), static_cast<int64_t>(master_out->element_count())},
-      {"m_out", m_out->element_type(), static_cast<int64_t>(m_out->element_count())},
-      {"v_out", v_out->element_type(), static_cast<int64_t>(v_out->element_count())},
-  };
-  for (const auto& s : state) {
-    std::string error = CheckFfiState(s.name, s.type, s.count, n);
-    if (!error.empty()) return ffi::Error::InvalidArgument(error);
-  }
-  AdamElem grad_type, param_type;
-  if (!FfiElem(grad.element_type(), &grad_type)) {
-    return ffi::Error::InvalidArgument(std::string("adamw: grad dtype ") +
-                                       FfiTypeName(grad.element_type()) +
-                                       " is not supported (float16, bfloat16, float32)");
-  }
-  if (!FfiElem(params_out->element_type(), &param_type)) {
-    return ffi::Error::InvalidArgument(std::string("adamw: params dtype ") +
-                                       FfiTypeName(params_out->element_type()) +
-                                       " is not supported (float16, bfloat16, float32)");
-  }
-  if (static_cast<int64_t>(grad.element_count()) != n) {
-    return ffi::Error::InvalidArgument(CountMismatch("grad", grad.element_count(), n));
-  }
-  if (static_cast<int64_t>(params_out->element_count()) != n) {
-    return ffi::Error::InvalidArgument(CountMismatch("params", params_out->element_count(), n));
-  }
-  if (scalars.element_type() != ffi::F32 ||
-      static_cast<int64_t>(scalars.element_count()) != kAdamScalarCount) {
-    return ffi::Error::InvalidArgument(
-        std::string("adamw: scalars must be float32[") + std::to_string(kAdamScalarCount) +
-        "], got " + FfiTypeName(scalars.element_type()) + " with " +
-        std::to_string(scalars.element_count()) + " elements");
-  }
-  const AdamBuffers b{static_cast<const float*>(master.untyped_data()),
-                      static_cast<const float*>(m.untyped_data()),
-                      static_cast<const float*>(v.untyped_data()),
-                      grad.untyped_data(),
-                      static_cast<float*>(master_out->untyped_data()),
-                      static_cast<float*>(m_out->untyped_data()),
-                      static_cast<float*>(v_out->untyped_data()),
-                      params_out->untyped_data(),
-                      n,
-                      grad_type,
-                      param_type};
-  const AdamScalars s = AdamScalarsFromArray(static_cast<const float*>(scalars.untyped_data()));
-  if (threads < 1 || threads > kAdamMaxThreads) {
-    return ffi::Error::InvalidArgument("adamw: threads=" + std::to_string(threads) +
-                                       " must be in [1, " + std::to_string(kAdamMaxThreads) + "]");
-  }
-  std::string error = RunFusedAdamW(b, s, static_cast<int>(threads), AdamIsa::kAuto);
-  if (!error.empty()) return ffi::Error::InvalidArgument(error);
-  return ffi::Error::Success();
-}
-
-// ---------------------------------------------------------------------------------------------
-// nanobind entry (numpy arrays, in place).
 
 using HostArray = nb::ndarray<nb::device::cpu>;              // writable
 using HostArrayRO = nb::ndarray<nb::ro, nb::device::cpu>;    // may be read-only
@@ -236,7 +125,7 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
   };
   const int64_t n = views[0].count;
   for (const ArrayView& a : views) {
-    if (a.count != n) throw nb::value_error(CountMismatch(a.name, a.count, n).c_str());
+    if (a.count != n) throw nb::value_error(AdamCountMismatch(a.name, a.count, n).c_str());
   }
   if (int8) {
     if (block < kAdamMinBlock || block > kAdamMaxBlock || (block & (block - 1)) != 0) {
@@ -322,7 +211,7 @@ void BandwidthProbe(HostArray master, HostArray m, HostArray v, HostArrayRO grad
       CheckArray("params_out", params_out, 2, false)};
   const int64_t n = views[0].count;
   for (const ArrayView& a : views) {
-    if (a.count != n) throw nb::value_error(CountMismatch(a.name, a.count, n).c_str());
+    if (a.count != n) throw nb::value_error(AdamCountMismatch(a.name, a.count, n).c_str());
   }
   if (threads < 1 || threads > kComputePoolMaxThreads) {
     throw nb::value_error(("adamw_bandwidth_probe: threads=" + std::to_string(threads) +
@@ -383,20 +272,6 @@ void BindAdamW(nb::module_& m) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAdamW, AdamWDispatch,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // master: f32[n]
-                                  .Arg<ffi::AnyBuffer>()  // m: f32[n]
-                                  .Arg<ffi::AnyBuffer>()  // v: f32[n]
-                                  .Arg<ffi::AnyBuffer>()  // grad: f16/bf16/f32[n]
-                                  .Arg<ffi::AnyBuffer>()  // scalars: f32[10], see optim_adam.h
-                                  .Ret<ffi::AnyBuffer>()  // new master (aliases master)
-                                  .Ret<ffi::AnyBuffer>()  // new m (aliases m)
-                                  .Ret<ffi::AnyBuffer>()  // new v (aliases v)
-                                  .Ret<ffi::AnyBuffer>()  // new params: f16/bf16/f32[n]
-                                  .Attr<int64_t>("threads"));  // compute-pool threads
-
-JAXASCEND_REGISTER_FFI("jaxascend_adamw", kAdamW);
 JAXASCEND_REGISTER_BINDINGS(BindAdamW);
 
 }  // namespace jaxascend

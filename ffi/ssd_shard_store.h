@@ -25,7 +25,8 @@
 // the page cache does not grow with the model (unless drop_page_cache is false: then plain
 // page-cache I/O, written back whenever the kernel likes). direct_io() / io_mode_status() say which.
 //
-// For native callers (the gradient sink FFI handler): FindStore(handle) returns an open store;
+// For native callers (the gradient sink, the parameter source): ShardStores().Find(handle)
+// returns an open store;
 // WriteFromHost() copies a host buffer into the store's arena staging slots and queues the
 // write, returning once the source may be reused; Flush() surfaces deferred errors.
 #pragma once
@@ -37,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "handle_table.h"
 #include "ssd_arena.h"
 #include "ssd_io_queue.h"
 #include "ssd_io_status.h"
@@ -178,7 +180,8 @@ class ShardStore : private BlockHandler {
   IoCounters final_counters_;  // the queue's counters when it was shut down
 };
 
-// The table of open stores, for native code that receives an integer handle.
-std::shared_ptr<ShardStore> FindStore(int64_t handle);
+// The table of open stores, for native code that receives an integer handle: a store adds itself
+// when it opens and removes itself when it closes; the table does not keep it alive.
+HandleTable<ShardStore, std::weak_ptr<ShardStore>>& ShardStores();
 
 }  // namespace jaxascend
