@@ -16,7 +16,8 @@ removed the next time the directory is opened, with ``checkpoint.cleanup_partial
       meta/metadata          JSON: step, the run config, and the caller's meta (data stream
                              state, loss scale, ...)
 
-The trainer's use (``state`` an :class:`~jaxascend.offload.state.OffloadedAdamState`)::
+The trainer's use (``state`` an :class:`~jaxascend.offload.OffloadedAdamState`, whose regions
+:func:`jaxascend.offload.specs_for_offload_layout` describes)::
 
     ckpt = Checkpointer(cfg.checkpoint, run_config=cfg)           # context manager
     ssd = SsdArrays(state.store, specs_for_offload_layout(state.layout),

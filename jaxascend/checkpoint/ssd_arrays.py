@@ -64,7 +64,6 @@ from jaxascend.checkpoint.zarr_layout import (chunk_grid, numpy_dtype, orbax_tre
 from jaxascend.config import OffloadConfig
 from jaxascend.kill_points import kill_point
 from jaxascend.optim import StateFormat
-from jaxascend.optim.state_codes import StateRecord
 from jaxascend.ssd import Segment, SlotRequest
 
 CHECKPOINT_SHAPE_CLASS = "checkpoint"
@@ -72,6 +71,9 @@ MANIFEST_FILE = "jaxascend_arrays.json"
 PROCESSES_FILE = "jaxascend_processes.json"  # a data-parallel save: how many process<i>/ parts
 FORMAT = "jaxascend-offloaded/1"
 COMPRESSORS = {"none": None, "zstd": {"id": "zstd", "level": 1}}  # zstd level 1: Orbax's own choice
+# int8 optimizer state: the top-level names of its arrays of block scales (one float32 scale per
+# block of each layer). They are coded per block of a process's slices and cannot be re-split.
+SCALE_ARRAYS = ("m_scale", "v_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,54 +238,6 @@ def checkpoint_arena_requests(cfg: OffloadConfig, chunk_bytes: Optional[int] = N
     (default ``offload.chunk_bytes``) plus two SSD blocks, of class ``"checkpoint"``."""
     chunk = int(chunk_bytes if chunk_bytes is not None else cfg.chunk_bytes)
     return [SlotRequest(CHECKPOINT_SHAPE_CLASS, chunk + 2 * cfg.block_bytes, cfg.stream_depth)]
-
-
-SCALE_ARRAYS = ("m_scale", "v_scale")  # int8 state: one float32 scale per block of each layer
-
-
-def specs_for_offload_layout(layout, pieces: Optional[Sequence[Piece]] = None) -> list[ArraySpec]:
-    """Array specs for :class:`jaxascend.offload.layout.OffloadLayout`'s state regions: per leaf
-    ``"master/<leaf path>"`` (float32) and ``"m/..."``, ``"v/..."`` in the layout's state format
-    (float32, bfloat16, or uint8 codes), each of the leaf's shape, gathered from every layer's
-    chunk records ``master[n] | m[n] | v[n] (| pad | m_scale | v_scale)``; int8 state adds
-    ``"m_scale/..."`` and ``"v_scale/..."``, float32 ``[layers, blocks per layer]`` (``[blocks]``
-    for a leaf of one layer). A leaf whose compute weights are streamed from SSD adds
-    ``"params/<leaf path>"`` in its dtype. ``pieces`` (one per leaf): where each leaf sits in the
-    whole tensor (a data-parallel process's slices), so that a restore can re-partition; the
-    scales of int8 state belong to their process's slices and record none."""
-    specs = []
-    chunk = layout.chunk_elements
-    fmt = getattr(layout, "state", None) or StateFormat()
-    stride = getattr(layout, "state_stride", 0) or 12 * chunk
-    pieces = list(pieces) if pieces is not None else [None] * len(layout.leaves)
-    for leaf, piece in zip(layout.leaves, pieces):
-        per_layer = leaf.layer_elements
-        spans: dict[str, list] = {name: [] for name in ("master", "m", "v") + SCALE_ARRAYS}
-        for region in leaf.state_regions:
-            for j, start in enumerate(range(0, per_layer, chunk)):
-                record, base = StateRecord(fmt, min(chunk, per_layer - start)), j * stride
-                moment_bytes = fmt.moment_itemsize * record.count
-                spans["master"].append(Span(region, base, 4 * record.count))
-                spans["m"].append(Span(region, base + record.m_offset, moment_bytes))
-                spans["v"].append(Span(region, base + record.v_offset, moment_bytes))
-                if record.blocks:
-                    scales = base + record.scales_offset
-                    spans["m_scale"].append(Span(region, scales, 4 * record.blocks))
-                    spans["v_scale"].append(Span(region, scales + 4 * record.blocks, 4 * record.blocks))
-        for name in ("master", "m", "v"):
-            dtype = np.float32 if name == "master" else fmt.moment_dtype(name)
-            specs.append(ArraySpec(f"{name}/{leaf.path}", leaf.shape, dtype, tuple(spans[name]), piece))
-        if fmt.block:  # a chunk is whole blocks (but the last of a layer): the layer's blocks in order
-            blocks = fmt.blocks(per_layer)
-            shape = (leaf.layers, blocks) if leaf.layers > 1 else (blocks,)
-            for name in SCALE_ARRAYS:
-                specs.append(ArraySpec(f"{name}/{leaf.path}", shape, np.float32, tuple(spans[name])))
-        if getattr(leaf, "param_regions", ()):  # offload.params: ssd: the compute weights live on SSD too
-            size = leaf.dtype.itemsize
-            param_spans = [Span(region, size * start, size * min(chunk, per_layer - start))
-                           for region in leaf.param_regions for start in range(0, per_layer, chunk)]
-            specs.append(ArraySpec(f"params/{leaf.path}", leaf.shape, leaf.dtype, tuple(param_spans), piece))
-    return specs
 
 
 def _ts_context() -> ts.Context:

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxascend.checkpoint import (CHECKPOINT_SHAPE_CLASS, Checkpointer, Piece, SsdArrays, checkpoint_arena_requests,
-                                  specs_for_offload_layout)
+from jaxascend.checkpoint import CHECKPOINT_SHAPE_CLASS, Checkpointer, Piece, SsdArrays, checkpoint_arena_requests
+from jaxascend.offload.checkpoint_specs import specs_for_offload_layout
 from jaxascend.config import Config, ModelConfig
 from jaxascend.hf import tree_path_to_dotted
 from jaxascend.kill_points import kill_point
