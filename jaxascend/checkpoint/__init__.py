@@ -18,10 +18,10 @@ moments); knows nothing of the engines or their layouts.
 
 from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                          IncompatibleCheckpointError)
+from jaxascend.checkpoint.array_specs import (CHECKPOINT_SHAPE_CLASS, SCALE_ARRAYS, ArraySpec, Piece, Span, SsdArrays,
+                                              checkpoint_arena_requests)
 from jaxascend.checkpoint.manager import (Checkpointer, Restored, check_compatible, check_resume_partition,
                                           complete_steps, default_directory, read_meta, resume_target)
-from jaxascend.checkpoint.ssd_arrays import (CHECKPOINT_SHAPE_CLASS, SCALE_ARRAYS, ArraySpec, Piece, Span, SsdArrays,
-                                             checkpoint_arena_requests)
 from jaxascend.checkpoint.run_weights import RunWeights, open_weights
 from jaxascend.checkpoint.weights import CheckpointWeights
 

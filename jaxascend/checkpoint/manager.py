@@ -11,7 +11,7 @@ removed the next time the directory is opened, with ``checkpoint.cleanup_partial
       params/                compute params: StandardSave (OCDBT + zarr), written asynchronously
       opt_state/             optional pytree of small arrays, e.g. an optax state (StandardSave)
       offloaded/             SSD-resident fp32 master/m/v, streamed through the arena (see
-                             jaxascend.checkpoint.ssd_arrays): one zarr array per tensor and leaf
+                             jaxascend.checkpoint.offloaded_item): one zarr array per tensor and leaf
       rng/                   optional {"key": uint32 key data} (StandardSave)
       meta/metadata          JSON: step, the run config, and the caller's meta (data stream
                              state, loss scale, ...)
@@ -64,12 +64,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxascend import _native
+from jaxascend.checkpoint.array_specs import SsdArrays, validate_arrays
 from jaxascend.checkpoint.checksums import (ORBAX_ITEMS, leaf_name, raise_if_a_file_is_corrupt, tree_checksums,
                                             verify_checksums, write_file_checksums)
 from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                          IncompatibleCheckpointError)
-from jaxascend.checkpoint.ssd_arrays import (SsdArrays, SsdArraysRestore, SsdArraysSave, saved_processes,
-                                             validate_arrays)
+from jaxascend.checkpoint.offloaded_item import saved_processes
+from jaxascend.checkpoint.orbax_handler import SsdArraysRestore, SsdArraysSave
 from jaxascend.config import CheckpointConfig, Config
 
 log = logging.getLogger(__name__)
