@@ -20,8 +20,10 @@ from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundErro
                                          IncompatibleCheckpointError)
 from jaxascend.checkpoint.array_specs import (CHECKPOINT_SHAPE_CLASS, SCALE_ARRAYS, ArraySpec, Piece, Span, SsdArrays,
                                               checkpoint_arena_requests)
-from jaxascend.checkpoint.manager import (Checkpointer, Restored, check_compatible, check_resume_partition,
-                                          complete_steps, default_directory, read_meta, resume_target)
+from jaxascend.checkpoint.manager import Checkpointer, Restored
+from jaxascend.checkpoint.resume import (check_compatible, check_resume_partition, complete_steps, default_directory,
+                                         resume_target)
+from jaxascend.checkpoint.step_meta import read_meta
 from jaxascend.checkpoint.run_weights import RunWeights, open_weights
 from jaxascend.checkpoint.weights import CheckpointWeights
 

@@ -24,8 +24,9 @@ import orbax.checkpoint as ocp
 
 from jaxascend.checkpoint.checksums import leaf_name, raise_if_a_file_is_corrupt, verify_checksums
 from jaxascend.checkpoint.errors import CorruptCheckpointError
-from jaxascend.checkpoint.manager import OFFLOADED, PARAMS, _root_cause, read_meta
+from jaxascend.checkpoint.manager import _root_cause
 from jaxascend.checkpoint.repartition import saved_tensors
+from jaxascend.checkpoint.step_meta import OFFLOADED, PARAMS, read_meta
 from jaxascend.config import ModelConfig
 
 
