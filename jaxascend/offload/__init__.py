@@ -37,7 +37,8 @@ from jaxascend.offload.planner import PlanError, RunPlan, deepspeed_zero3_estima
 from jaxascend.offload.post_backward_check import (PostBackwardCheckedStep, make_full_gradient_step,
                                                    post_backward_stats)
 from jaxascend.offload.ssd_adamw import SsdAdamWState, adamw_on_ssd, ssd_adamw, ssd_adamw_state, ssd_adamw_step
-from jaxascend.offload.state import OffloadedAdamState, StepStats
+from jaxascend.offload.state import OffloadedAdamState
+from jaxascend.offload.streamed_update import StepStats
 from jaxascend.offload.step import (SinkRouting, make_accumulating_offload_step, make_offload_step,
                                     stacked_as_bits, total_stats)
 from jaxascend.offload.store_sink import SinkTarget, StoreGradientSink, register_store_sink
