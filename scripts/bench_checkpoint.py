@@ -32,11 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxascend import _native
-from jaxascend.checkpoint import (CHECKPOINT_SHAPE_CLASS, Checkpointer, SsdArrays, checkpoint_arena_requests,
-                                  specs_for_offload_layout)
+from jaxascend.checkpoint import CHECKPOINT_SHAPE_CLASS, Checkpointer, SsdArrays, checkpoint_arena_requests
 from jaxascend.config import CheckpointConfig, OffloadConfig, parse_bytes
 from jaxascend.metrics import rss_bytes
-from jaxascend.offload import OffloadLayout
+from jaxascend.offload import OffloadLayout, specs_for_offload_layout
 from jaxascend.optim import StateFormat
 from jaxascend.ssd import ArenaPlan, HostArena, Segment, SsdStore
 

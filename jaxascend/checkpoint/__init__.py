@@ -2,29 +2,34 @@
 
 * :class:`Checkpointer` -- saves and restores params, optax state, the SSD-resident fp32
   master/m/v, the data position and the loss-scale state; refuses incompatible or corrupt steps;
-* :class:`SsdArrays` / :class:`ArraySpec` -- SSD regions streamed chunk by chunk through arena
-  slots into plain zarr arrays (readable by stock Orbax and tensorstore), with a crc32c per chunk;
+* :class:`SsdArrays` / :class:`ArraySpec` / :class:`Span` / :class:`Piece` -- SSD regions streamed
+  chunk by chunk through arena slots into plain zarr arrays (readable by stock Orbax and
+  tensorstore), with a crc32c per chunk; an engine describes its own regions with them
+  (:data:`SCALE_ARRAYS`: the names of int8 state's block scales, which cannot be re-split);
 * :class:`CheckpointWeights` -- one step's weights, one layer at a time, for an export;
 * :func:`open_weights` / :class:`RunWeights` -- a run's folder, a step, a checkpoint directory or
   a ``params.safetensors`` file as one reader with its model config and tokenizer (the CLIs' input);
 * the errors: :class:`CheckpointError` and its subclasses.
 
-Imports :mod:`jaxascend.config`, :mod:`jaxascend.ssd`, :mod:`jaxascend.data` (tokenizer folders) and
-:mod:`jaxascend.hf` (parameter files); knows nothing of the engines.
+Imports :mod:`jaxascend.config`, :mod:`jaxascend.ssd`, :mod:`jaxascend.data` (tokenizer folders),
+:mod:`jaxascend.hf` (parameter files) and :mod:`jaxascend.optim` (the formats of compressed
+moments); knows nothing of the engines or their layouts.
 """
 
 from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                          IncompatibleCheckpointError)
-from jaxascend.checkpoint.manager import (Checkpointer, Restored, check_compatible, check_resume_partition,
-                                          complete_steps, default_directory, read_meta, resume_target)
-from jaxascend.checkpoint.ssd_arrays import (CHECKPOINT_SHAPE_CLASS, ArraySpec, Piece, Span, SsdArrays,
-                                             checkpoint_arena_requests, specs_for_offload_layout)
+from jaxascend.checkpoint.array_specs import (CHECKPOINT_SHAPE_CLASS, SCALE_ARRAYS, ArraySpec, Piece, Span, SsdArrays,
+                                              checkpoint_arena_requests)
+from jaxascend.checkpoint.manager import Checkpointer, Restored
+from jaxascend.checkpoint.resume import (check_compatible, check_resume_partition, complete_steps, default_directory,
+                                         resume_target)
+from jaxascend.checkpoint.step_meta import read_meta
 from jaxascend.checkpoint.run_weights import RunWeights, open_weights
 from jaxascend.checkpoint.weights import CheckpointWeights
 
 __all__ = [
-    "CHECKPOINT_SHAPE_CLASS", "ArraySpec", "CheckpointError", "CheckpointNotFoundError", "CheckpointWeights",
+    "CHECKPOINT_SHAPE_CLASS", "SCALE_ARRAYS", "ArraySpec", "CheckpointError", "CheckpointNotFoundError", "CheckpointWeights",
     "Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError", "Piece", "Restored", "RunWeights", "Span", "SsdArrays",
     "check_compatible", "check_resume_partition", "checkpoint_arena_requests", "complete_steps", "default_directory", "open_weights",
-    "read_meta", "resume_target", "specs_for_offload_layout",
+    "read_meta", "resume_target",
 ]

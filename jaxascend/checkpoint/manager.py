@@ -11,12 +11,13 @@ removed the next time the directory is opened, with ``checkpoint.cleanup_partial
       params/                compute params: StandardSave (OCDBT + zarr), written asynchronously
       opt_state/             optional pytree of small arrays, e.g. an optax state (StandardSave)
       offloaded/             SSD-resident fp32 master/m/v, streamed through the arena (see
-                             jaxascend.checkpoint.ssd_arrays): one zarr array per tensor and leaf
+                             jaxascend.checkpoint.offloaded_item): one zarr array per tensor and leaf
       rng/                   optional {"key": uint32 key data} (StandardSave)
       meta/metadata          JSON: step, the run config, and the caller's meta (data stream
                              state, loss scale, ...)
 
-The trainer's use (``state`` an :class:`~jaxascend.offload.state.OffloadedAdamState`)::
+The trainer's use (``state`` an :class:`~jaxascend.offload.OffloadedAdamState`, whose regions
+:func:`jaxascend.offload.specs_for_offload_layout` describes)::
 
     ckpt = Checkpointer(cfg.checkpoint, run_config=cfg)           # context manager
     ssd = SsdArrays(state.store, specs_for_offload_layout(state.layout),
@@ -52,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -62,31 +62,20 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxascend import _native
+from jaxascend.checkpoint.array_specs import SsdArrays, validate_arrays
 from jaxascend.checkpoint.checksums import (ORBAX_ITEMS, leaf_name, raise_if_a_file_is_corrupt, tree_checksums,
                                             verify_checksums, write_file_checksums)
 from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
                                          IncompatibleCheckpointError)
-from jaxascend.checkpoint.ssd_arrays import (SsdArrays, SsdArraysRestore, SsdArraysSave, saved_processes,
-                                             validate_arrays)
+from jaxascend.checkpoint.orbax_handler import SsdArraysRestore, SsdArraysSave
+from jaxascend.checkpoint.resume import check_compatible, default_directory, requested_step
+from jaxascend.checkpoint.step_meta import (FORMAT, META, OFFLOADED, OPT_STATE, PARAMS, RNG, as_dict, jsonable,
+                                            read_meta, record_crc)
 from jaxascend.config import CheckpointConfig, Config
 
 log = logging.getLogger(__name__)
 
-PARAMS, OPT_STATE, RNG = ORBAX_ITEMS  # the items Orbax writes; their files get crc32c records
-OFFLOADED, META = "offloaded", "meta"
-META_FILE = "metadata"  # the file Orbax's JsonSave writes in the item directory
-FORMAT = "jaxascend-checkpoint/1"
 TMP_MARKER = ".orbax-checkpoint-tmp"
-
-# Config fields that decide the shapes and dtypes of what a checkpoint holds. Anything else
-# (learning rate, steps, data paths, checkpoint and offload tuning) may change on resume.
-COMPATIBILITY_FIELDS = (
-    "model.arch", "model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_hidden_layers",
-    "model.num_attention_heads", "model.num_key_value_heads", "model.head_dim", "model.tie_word_embeddings",
-    "model.attention_bias", "model.dtype", "model.param_dtype", "offload.enabled", "offload.params",
-    "optimizer.state_dtype", "optimizer.state_block",
-)
 
 
 @dataclasses.dataclass
@@ -101,134 +90,6 @@ class Restored:
     config: dict  # the run config the checkpoint was made with
 
 
-def default_directory(run_config: Union[Config, dict]) -> Path:
-    """``checkpoint.dir``, or ``<train.out_dir>/checkpoints`` when unset."""
-    cfg = _as_dict(run_config)
-    return Path(cfg["checkpoint"].get("dir") or Path(cfg["train"]["out_dir"]) / "checkpoints")
-
-
-# What a checkpoint made before a field existed was made with.
-_MISSING_MEANS = {"optimizer.state_dtype": "float32"}
-
-
-def check_compatible(saved: dict, current: dict, where: Union[str, Path]) -> None:
-    """Raises :class:`IncompatibleCheckpointError` naming every field of
-    :data:`COMPATIBILITY_FIELDS` whose value differs (fields missing on either side are skipped,
-    unless :data:`_MISSING_MEANS` says what their absence meant; ``optimizer.state_block``
-    counts only where both sides keep int8 state)."""
-    def value(cfg: dict, name: str):
-        section, field = name.split(".")
-        return cfg.get(section, {}).get(field, _MISSING_MEANS.get(name))
-
-    diffs = []
-    for name in COMPATIBILITY_FIELDS:
-        a, b = value(saved, name), value(current, name)
-        if name == "optimizer.state_block" and not value(saved, "optimizer.state_dtype") == \
-                value(current, "optimizer.state_dtype") == "int8":
-            continue
-        if a is not None and b is not None and a != b:
-            diffs.append(f"{name}: checkpoint has {a!r}, this run has {b!r}")
-    if diffs:
-        raise IncompatibleCheckpointError(f"checkpoint {where} was made with an incompatible config: "
-                                          + "; ".join(diffs))
-
-
-def complete_steps(directory: Union[str, Path]) -> list[int]:
-    """Steps of the complete checkpoints in ``directory`` (ascending), read without creating or
-    cleaning anything: Orbax renames a step directory to its bare number only once it is
-    complete, so half-written saves (``<step>.orbax-checkpoint-tmp-*``) never count."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
-
-
-def resume_target(cfg: CheckpointConfig, run_config: Union[Config, dict], resume: Union[str, int]) -> Optional[int]:
-    """The step ``train.resume`` will restore (None: a fresh start), checked before a run writes
-    anything: the step exists, its meta is intact and its config is compatible with this run.
-
-    A corrupt newest checkpoint under ``resume: auto`` is refused with the way out in the
-    message: an explicit earlier ``train.resume: <step>``, whose later steps are then replaced.
-    """
-    run_config = _as_dict(run_config)
-    directory = Path(cfg.dir or default_directory(run_config)).absolute()
-    steps = complete_steps(directory)
-    if resume == "none":
-        if steps:  # a fresh start would fail when it reaches one of them, and mix two runs
-            raise CheckpointError(f"train.resume=none: {directory} holds checkpoints of an earlier run (steps "
-                                  f"{steps}); resume from them (train.resume=auto), or give this run another "
-                                  f"train.out_dir or checkpoint.dir")
-        return None
-    step = _requested_step(directory, directory.is_dir(), steps, resume)
-    if step is None:
-        return None
-    try:
-        record = read_meta(directory / str(step))
-    except CorruptCheckpointError as err:
-        earlier = [s for s in steps if s < step]
-        if resume == "auto" and earlier:
-            raise CorruptCheckpointError(f"{err}; to resume from the newest earlier checkpoint instead, set "
-                                         f"train.resume={earlier[-1]} (steps after it are then replaced)") from None
-        raise
-    check_compatible(record["config"], run_config, directory / str(step))
-    return step
-
-
-def check_resume_partition(cfg: CheckpointConfig, run_config: Union[Config, dict], step: int, processes: int) -> None:
-    """Refuses, before a run writes anything, to resume int8 optimizer state saved by another
-    number of processes: its codes are scaled per block of each process's slices, so they cannot
-    be re-split (float32 and bfloat16 state re-partition on restore)."""
-    run_config = _as_dict(run_config)
-    if run_config.get("optimizer", {}).get("state_dtype") != "int8":
-        return
-    item = Path(cfg.dir or default_directory(run_config)).absolute() / str(step) / OFFLOADED
-    saved = saved_processes(item) if item.is_dir() else processes
-    if saved != processes:
-        raise IncompatibleCheckpointError(
-            f"checkpoint {item.parent} was saved by {saved} process(es), this run has {processes}: int8 optimizer "
-            f"state is coded in blocks of each process's slices and cannot be re-split; resume with {saved} "
-            f"process(es)")
-
-
-def _requested_step(directory: Path, existed: bool, steps: list[int], resume: Union[str, int]) -> Optional[int]:
-    """``train.resume`` against the complete ``steps`` of ``directory`` (``existed``: before this
-    run opened it): ``"none"`` -> None,
-    ``"auto"`` -> the newest (None if there is none), a number -> that step, or
-    :class:`CheckpointNotFoundError` naming the directory and the steps it holds."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return steps[-1] if steps else None
-    step = int(resume)
-    if not existed:
-        raise CheckpointNotFoundError(f"train.resume={step}: checkpoint directory {directory} does not exist")
-    if step not in steps:
-        raise CheckpointNotFoundError(f"train.resume={step}: no complete checkpoint for step {step} in "
-                                      f"{directory} (available steps: {steps or 'none'})")
-    return step
-
-
-def read_meta(step_dir: Union[str, Path]) -> dict:
-    """The ``meta`` item of a step directory (format, step, items, config, meta), checked."""
-    path = Path(step_dir) / META / META_FILE
-    try:
-        record = json.loads(path.read_text())
-        if not isinstance(record, dict) or record.get("format") != FORMAT:
-            raise ValueError(f"format is {record.get('format') if isinstance(record, dict) else None!r}, "
-                             f"expected {FORMAT!r}")
-        missing = [key for key in ("step", "items", "config", "meta", "crc32c") if key not in record]
-        if missing:
-            raise ValueError(f"it lacks {missing}")
-        saved_crc = record.pop("crc32c")
-        if saved_crc != _record_crc(record):
-            raise ValueError(f"its contents have crc32c {_record_crc(record):#010x}, it recorded {saved_crc:#010x}")
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"checkpoint file {path} is missing") from None
-    except (ValueError, KeyError, TypeError) as err:
-        raise CorruptCheckpointError(f"checkpoint file {path} is corrupt ({err})") from None
-    return record
-
-
 class Checkpointer:
     """Owner of one checkpoint directory (wraps an Orbax ``CheckpointManager``).
 
@@ -239,7 +100,7 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, run_config: Union[Config, dict, None] = None,
                  directory: Union[str, Path, None] = None):
         self.cfg = cfg
-        self.run_config = _as_dict(run_config) if run_config is not None else {}
+        self.run_config = as_dict(run_config) if run_config is not None else {}
         if directory is None:
             if cfg.dir is None and not self.run_config:
                 raise ValueError("Checkpointer: checkpoint.dir is unset; give run_config or directory")
@@ -286,7 +147,7 @@ class Checkpointer:
         complete checkpoint (None if there is none); a number -> that step, or
         :class:`CheckpointNotFoundError` naming the directory and the steps it holds."""
         steps = [] if resume == "none" else self.all_steps()
-        step = _requested_step(self.directory, self.existed, steps, resume)
+        step = requested_step(self.directory, self.existed, steps, resume)
         newer = [s for s in steps if step is not None and s > step]
         if newer:
             log.warning("checkpoint: resuming from step %d while %s holds later steps %s; saving one of those "
@@ -335,9 +196,9 @@ class Checkpointer:
         checksums = {item: tree_checksums(arg.item) for item, arg in items.items()
                      if isinstance(arg, ocp.args.StandardSave)}
         record = {"format": FORMAT, "step": step, "items": sorted(items),
-                  "config": _jsonable(self.run_config, "config"), "meta": _jsonable(meta or {}, "meta"),
+                  "config": jsonable(self.run_config, "config"), "meta": jsonable(meta or {}, "meta"),
                   "checksums": checksums}
-        record["crc32c"] = _record_crc(record)  # a garbled byte may still parse as JSON
+        record["crc32c"] = record_crc(record)  # a garbled byte may still parse as JSON
         items[META] = ocp.args.JsonSave(record)
         self._saving = step
         with self._save_errors():
@@ -447,27 +308,6 @@ class Checkpointer:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def _as_dict(run_config: Union[Config, dict]) -> dict:
-    return run_config.to_dict() if isinstance(run_config, Config) else dict(run_config)
-
-
-def _jsonable(value: Any, where: str) -> Any:
-    """``value`` with numpy/JAX scalars and small arrays turned into Python numbers/lists."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v, f"{where}.{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, (str, bool, int, float)) or value is None:
-        return value
-    if isinstance(value, (np.ndarray, np.generic, jax.Array)):
-        return np.asarray(value).tolist()
-    raise TypeError(f"checkpoint {where}: {type(value).__name__} is not JSON-serialisable; "
-                    f"save arrays as params/opt_state/rng")
-
-
-def _record_crc(record: dict) -> int:
-    return _native.crc32c(np.frombuffer(json.dumps(record, sort_keys=True).encode(), np.uint8))
 
 
 def _root_cause(err: BaseException) -> str:

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import yaml
 
-from jaxascend.checkpoint.manager import complete_steps
+from jaxascend.checkpoint.resume import complete_steps
 from jaxascend.checkpoint.weights import CheckpointWeights
 from jaxascend.config import ModelConfig
 from jaxascend.data import tokenizer_folder

@@ -6,7 +6,7 @@
 
 An offloaded run's checkpoint holds the fp32 master weights as plain zarr arrays
 (``offloaded/master.<leaf>``, or one slice of each per process of a data-parallel job, see
-:mod:`jaxascend.checkpoint.ssd_arrays`): :meth:`read` pulls one layer of one of them (joining
+:mod:`jaxascend.checkpoint.offloaded_item`): :meth:`read` pulls one layer of one of them (joining
 the slices), reading only the zarr chunks that hold it, each checked against the crc32c
 in the item's manifest before use. An in-memory run's weights are its ``params`` item (the model
 fits in memory by definition); it is restored once and checked against the crc32c of every leaf.
@@ -24,8 +24,9 @@ import orbax.checkpoint as ocp
 
 from jaxascend.checkpoint.checksums import leaf_name, raise_if_a_file_is_corrupt, verify_checksums
 from jaxascend.checkpoint.errors import CorruptCheckpointError
-from jaxascend.checkpoint.manager import OFFLOADED, PARAMS, _root_cause, read_meta
-from jaxascend.checkpoint.ssd_arrays import saved_tensors
+from jaxascend.checkpoint.manager import _root_cause
+from jaxascend.checkpoint.repartition import saved_tensors
+from jaxascend.checkpoint.step_meta import OFFLOADED, PARAMS, read_meta
 from jaxascend.config import ModelConfig
 
 

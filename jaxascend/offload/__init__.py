@@ -5,6 +5,7 @@
   and the ablation paths (``offload.*`` switches);
 * :class:`OffloadedAdamState` / :class:`OffloadLayout` -- the SSD layout of fp32 master/m/v and
   the per-layer gradient regions, init, the streamed fused step;
+  :func:`specs_for_offload_layout` -- that state's regions as :mod:`jaxascend.checkpoint` arrays;
 * :func:`offload_on_backward` / :func:`make_offload_step` -- the forward/backward step whose
   gradients go to a sink (:func:`register_store_sink`, :class:`MemorySink`) layer by layer;
 * :func:`ssd_adamw` -- AdamW on SSD as an optax ``GradientTransformation``;
@@ -23,6 +24,7 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.hf` (p
 :mod:`jaxascend.ssd`, :mod:`jaxascend.optim` and :mod:`jaxascend.checkpoint`.
 """
 
+from jaxascend.offload.checkpoint_specs import specs_for_offload_layout
 from jaxascend.offload.engine import OffloadEngine
 from jaxascend.offload.step_plan import JobShape, StepPlan
 from jaxascend.offload.grad_sink import (GradientScatter, GradientSinkError, MemorySink, fetch_step_outputs,
@@ -36,7 +38,8 @@ from jaxascend.offload.planner import PlanError, RunPlan, deepspeed_zero3_estima
 from jaxascend.offload.post_backward_check import (PostBackwardCheckedStep, make_full_gradient_step,
                                                    post_backward_stats)
 from jaxascend.offload.ssd_adamw import SsdAdamWState, adamw_on_ssd, ssd_adamw, ssd_adamw_state, ssd_adamw_step
-from jaxascend.offload.state import OffloadedAdamState, StepStats
+from jaxascend.offload.state import OffloadedAdamState
+from jaxascend.offload.streamed_update import StepStats
 from jaxascend.offload.step import (SinkRouting, make_accumulating_offload_step, make_offload_step,
                                     stacked_as_bits, total_stats)
 from jaxascend.offload.store_sink import SinkTarget, StoreGradientSink, register_store_sink
@@ -49,5 +52,6 @@ __all__ = [
     "StoreGradientSink", "adamw_on_ssd", "deepspeed_zero3_estimate", "fetch_layer", "fetch_step_outputs",
     "make_accumulating_offload_step", "make_full_gradient_step", "make_offload_step", "offload_on_backward",
     "plan_run", "post_backward_stats", "register_memory_sink", "register_store_sink", "resolve", "sink_gradient",
-    "ssd_adamw", "ssd_adamw_state", "ssd_adamw_step", "stacked_as_bits", "total_stats", "unregister_sink",
+    "specs_for_offload_layout", "ssd_adamw", "ssd_adamw_state", "ssd_adamw_step", "stacked_as_bits", "total_stats",
+    "unregister_sink",
 ]

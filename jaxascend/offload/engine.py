@@ -35,7 +35,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxascend.checkpoint import CHECKPOINT_SHAPE_CLASS, Checkpointer, Piece, SsdArrays, specs_for_offload_layout
+from jaxascend.checkpoint import CHECKPOINT_SHAPE_CLASS, Checkpointer, Piece, SsdArrays
+from jaxascend.offload.checkpoint_specs import specs_for_offload_layout
 from jaxascend.config import Config, ModelConfig
 from jaxascend.engine_contract import EngineReport, StepResult
 from jaxascend.hf import tree_path_to_dotted

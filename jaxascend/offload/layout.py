@@ -45,8 +45,7 @@ import jax
 import numpy as np
 
 from jaxascend.config import OffloadConfig
-from jaxascend.optim import StateFormat
-from jaxascend.optim.state_codes import StateRecord
+from jaxascend.optim import StateFormat, StateRecord
 from jaxascend.ssd import SlotRequest, round_to_alignment
 
 STATE_SLOT_CLASS = "adam_state"

@@ -38,7 +38,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from jaxascend.offload.param_source import ParamSource
-from jaxascend.offload.state import OffloadedAdamState, StepStats
+from jaxascend.offload.state import OffloadedAdamState
+from jaxascend.offload.streamed_update import StepStats
 
 
 # XLA's CPU compute threads (Eigen's pool) by their thread name.

@@ -26,7 +26,9 @@ model size. Construction order (the trainer's fast path)::
     params = state.step(AdamHyperParams(lr=..., grad_scale=..., count=n))
 
 (:meth:`OffloadedAdamState.create` does the first four lines for you.) Every public method
-raises exceptions naming the leaf, size or region at fault.
+raises exceptions naming the leaf, size or region at fault. The owner checks and keeps the
+bookkeeping; the passes themselves are :mod:`jaxascend.offload.streamed_update` (the step) and
+:mod:`jaxascend.offload.initial_state` (init).
 
 With ``offload.fp32_grad_buffer`` (an ablation switch: ZeRO-Infinity's full fp32 host gradient
 copy) the gradients do not go to SSD: the owner allocates one float32 host buffer of 4 B/param
@@ -42,47 +44,27 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import jax
 import numpy as np
 
 from jaxascend.config import OffloadConfig
-from jaxascend.kill_points import kill_point
-from jaxascend.offload.layout import (PARAM_SLOT_CLASS, STATE_SLOT_CLASS, STATE_TENSORS, ChunkRef, LeafLayout, OffloadLayout,
-                                     StackedSpec)
+from jaxascend.offload.gradient_intake import GradientSink, arrival_problems, make_gradient_sink
+from jaxascend.offload.initial_state import (check_init_params, checked_reader, initial_segments,
+                                             write_initial_state)
+from jaxascend.offload.layout import STATE_TENSORS, LeafLayout, OffloadLayout, StackedSpec
 from jaxascend.offload.param_source import ParamSource
-from jaxascend.offload.store_sink import (BufferTarget, Fp32BufferGradientSink, SinkTarget, StoreGradientSink,
-                                          register_store_sink)
-from jaxascend.optim import AdamHyperParams, StateFormat, fused_adamw_update_numpy
-from jaxascend.optim import state_codes
-from jaxascend.ssd import (ArenaError, ArenaPlan, HostArena, Segment, SlotRequest, SsdStore, format_bytes,
-                           round_to_alignment)
+from jaxascend.offload.streamed_update import (ChunkKernel, StepStats, StreamedUpdate, UpdateOutputs, UpdatePlan,
+                                               check_step_slots, kernel_scalars)
+from jaxascend.optim import StateFormat
+from jaxascend.ssd import ArenaPlan, HostArena, SlotRequest, SsdStore, format_bytes
 
 log = logging.getLogger(__name__)
 
 _owner_ids = itertools.count(1)
 
 LeafRef = Union[int, str, LeafLayout]
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one streamed step cost, from the store's counters."""
-
-    bytes_read: int
-    bytes_written: int
-    seconds: float  # wall time of the step (flush of pending gradient writes included)
-    read_busy_seconds: float  # time with at least one read in flight
-    write_busy_seconds: float
-    chunks: int
-    flush_seconds: float = 0.0  # waiting, before the first chunk, for the backward's gradient writes
-
-    @property
-    def ssd_gbps(self) -> float:
-        """Bytes read plus written per second of the step."""
-        return (self.bytes_read + self.bytes_written) / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 def to_default_device(host: np.ndarray) -> jax.Array:
@@ -100,17 +82,6 @@ def _serialized(method):
         with self._lock:
             return method(self, *args, **kwargs)
     return locked
-
-
-def _scalars_array(hparams) -> np.ndarray:
-    """The kernel's float32[10] operand from an :class:`AdamHyperParams` or the array itself."""
-    if isinstance(hparams, AdamHyperParams):
-        hparams = hparams.scalars()
-    scalars = np.ascontiguousarray(np.asarray(hparams), dtype=np.float32)
-    if scalars.shape != (10,):
-        raise ValueError(f"offloaded AdamW: hyperparameters must be an AdamHyperParams or its float32[10] "
-                         f"scalars(), got shape {scalars.shape}")
-    return scalars
 
 
 class OffloadedAdamState:
@@ -178,7 +149,7 @@ class OffloadedAdamState:
         self.state_id = next(_owner_ids)  # what an optax state names to find this owner
         self.updates_applied = 0  # AdamW updates the SSD state has had since init (or restore)
         self.last_step: Optional[StepStats] = None
-        self._check_arena()
+        check_step_slots(self.layout, store)
         grads_on_ssd = self.layout.grads_on_ssd
         for leaf in self.layout.leaves:
             for layer, (state_region, grad_region) in enumerate(zip(leaf.state_regions, leaf.grad_regions)):
@@ -195,53 +166,20 @@ class OffloadedAdamState:
         if not grads_on_ssd:
             self.grad_buffer = np.empty(self.layout.num_parameters, np.float32)
             self.grad_buffer.fill(0.0)
-        self._chunks = self.layout.chunks()
-        # Segments name Region records (not names), so a step does no lookups per chunk.
         regions = {r.name: r for r in store.regions()}
-        self._step_segments = [
-            [Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes, read=True, write=True)] +
-            ([Segment(regions[c.leaf.grad_regions[c.layer]], c.grad_offset, c.grad_bytes, read=True, write=False)]
-             if grads_on_ssd else []) +
-            # a streamed leaf's new compute weights go to SSD (same offsets as the gradient's)
-            ([Segment(regions[c.leaf.param_regions[c.layer]], c.grad_offset, c.grad_bytes, read=False, write=True)]
-             if c.leaf.streamed else [])
-            for c in self._chunks]
-        # A step updates in the forward's order (layout.step_order: the leaves outside the stack,
-        # then the stack layer by layer). A pass needs one segment count for all its chunks: runs
-        # of chunks of resident leaves and of streamed leaves are streamed one after the other.
-        order = self.layout.step_order(self._chunks)
-        self._step_passes = [list(g) for _, g in itertools.groupby(order, key=lambda i: self._chunks[i].leaf.streamed)]
-        # The chunk that completes each layer of the stack (every stacked leaf of that layer).
-        last_chunk = {self._chunks[i].layer: i for i in order if self._chunks[i].leaf.stacked}
-        self._layer_done = {i: layer for layer, i in last_chunk.items()}
-        # A streamed leaf's place in a parameter-source slot (the source serves them in leaf order).
-        self._source_position = {leaf.index: k for k, leaf in enumerate(self.layout.streamed_leaves)}
-        self._init_segments = [[Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes,
-                                        read=False, write=True)] for c in self._chunks]
+        self._plan = UpdatePlan.build(self.layout, self.layout.chunks(), regions)  # the step's chunks and passes
+        self._init_segments = initial_segments(self._plan.chunks, regions)
         self._initialized = False
         self._broken: Optional[str] = None  # why the SSD state can no longer be trusted
         self._grads_written = False  # write_grads() ran since the last step
-        self._sink: Optional[Union[StoreGradientSink, Fp32BufferGradientSink]] = None
+        self._sink: Optional[GradientSink] = None
         self._source: Optional[ParamSource] = None
         self._arrivals: dict[int, int] = {}
         self._owned: tuple = ()  # (store, arena) when made by create()
         self._lock = threading.RLock()
         log.info("offloaded AdamW: %d leaves, %d parameters, %s of %s state on SSD, %d chunks of %d elements",
                  len(self.layout.leaves), self.layout.num_parameters, format_bytes(self.layout.state_bytes),
-                 self.layout.state.dtype, len(self._chunks), self.layout.chunk_elements)
-
-    def _check_arena(self) -> None:
-        for request in self.layout.arena_requests():
-            shape_class, nbytes, depth = request.shape_class, request.nbytes, request.count
-            slots = self.store.arena.slots(shape_class)
-            fitting = [s for s in slots if s.capacity >= round_to_alignment(nbytes)]
-            if len(fitting) < depth:
-                raise ArenaError(
-                    f"offloaded AdamW: a step streams chunks of up to {self.layout.chunk_elements} elements "
-                    f"(offload.chunk_bytes={self.store.cfg.chunk_bytes}) and needs {depth} arena slots of class "
-                    f"{shape_class!r} of {format_bytes(nbytes)} each (offload.stream_depth={depth}); the arena "
-                    f"has {len(fitting)} that large ({len(slots)} of that class). Add "
-                    f"OffloadedAdamState.arena_requests(params, cfg) to the arena plan or lower offload.chunk_bytes")
+                 self.layout.state.dtype, len(self._plan.chunks), self.layout.chunk_elements)
 
     # ------------------------------------------------------------------ identity
     @property
@@ -268,11 +206,7 @@ class OffloadedAdamState:
         """Writes fp32 master weights from ``params`` (float32, or the compute dtype upcast) and
         zero moments, one chunk at a time through the arena; resets :attr:`updates_applied`."""
         leaves = self.layout.flatten(params, "init params")
-        for leaf, x in zip(self.layout.leaves, leaves):
-            dtype = np.dtype(x.dtype)
-            if dtype != np.float32 and dtype != leaf.dtype:
-                raise ValueError(f"offloaded AdamW: init params leaf {leaf.path!r} has dtype {dtype}; "
-                                 f"expected float32 or the compute dtype {leaf.dtype}")
+        check_init_params(self.layout, leaves)
         # One leaf on the host at a time (a copy only if it is on a device). A streamed leaf's
         # compute weights are the leaf in the compute dtype.
         self._write_initial(lambda leaf, layer: leaves[leaf.index], whole_leaves=True,
@@ -288,18 +222,7 @@ class OffloadedAdamState:
         checkpoint's own, not a rounded compute copy), and only one layer is on the host at a time.
         ``compute(leaf, values)``: a streamed leaf's initial compute weights from the same values
         (default: cast to the compute dtype), written to its parameter regions in the same pass."""
-        def checked(leaf: LeafLayout, layer: Optional[int]) -> np.ndarray:
-            x = np.asarray(read(leaf, layer if leaf.layers > 1 else None))
-            where = f"{leaf.path!r}" + (f" layer {layer}" if leaf.layers > 1 else "")
-            if tuple(x.shape) != tuple(leaf.layer_shape):
-                raise ValueError(f"offloaded AdamW: init reader returned shape {list(x.shape)} for {where}; "
-                                 f"expected {list(leaf.layer_shape)}")
-            if x.dtype != np.float32 and x.dtype != leaf.dtype:
-                raise ValueError(f"offloaded AdamW: init reader returned dtype {x.dtype} for {where}; "
-                                 f"expected float32 or the compute dtype {leaf.dtype}")
-            return x
-
-        self._write_initial(checked, whole_leaves=False,
+        self._write_initial(checked_reader(read), whole_leaves=False,
                             compute=compute or (lambda leaf, x: np.asarray(x).astype(leaf.dtype)))
 
     def _write_initial(self, source: Callable, whole_leaves: bool, compute: Callable) -> None:
@@ -308,35 +231,10 @@ class OffloadedAdamState:
         weights from ``compute(leaf, values)``, layer by layer."""
         self._check_open(allow_broken=True)
         self._broken = "init() was interrupted; call init(params) again"
-        values = None
-        with self.store.stream(self._init_segments, STATE_SLOT_CLASS) as stream:
-            for chunk in stream:
-                ref = self._chunks[chunk.index]
-                if ref.first_of_leaf if whole_leaves else ref.start == 0:
-                    values = np.asarray(source(ref.leaf, ref.layer)).reshape(-1)
-                    if ref.leaf.streamed:
-                        self._write_compute_params(ref.leaf, values, compute, whole_leaves, ref.layer)
-                start = ref.flat_start if whole_leaves else ref.start
-                n = ref.count
-                raw = chunk.arrays[0]
-                raw[:4 * n].view(np.float32)[:] = values[start:start + n]
-                raw[4 * n:ref.state_bytes] = 0  # zero moments in every format (int8: code 0, scale 0)
-                if ref.last_of_leaf:
-                    values = None
-        self.store.flush()  # the compute weights' writes are on disk (or their error raises here)
+        write_initial_state(self.store, self._plan.chunks, self._init_segments, source, whole_leaves, compute)
         self._broken = None
         self._initialized = True
         self.updates_applied = 0
-
-    def _write_compute_params(self, leaf: LeafLayout, values: np.ndarray, compute: Callable, whole_leaf: bool,
-                              layer: int) -> None:
-        """Writes a streamed leaf's compute weights: every layer of ``values`` (the whole leaf) or
-        layer ``layer`` (one layer's values)."""
-        layers = range(leaf.layers) if whole_leaf else (layer,)
-        for i in layers:
-            part = values[i * leaf.layer_elements:(i + 1) * leaf.layer_elements] if whole_leaf else values
-            weights = np.ascontiguousarray(compute(leaf, part.reshape(leaf.layer_shape)), dtype=leaf.dtype)
-            self.store.write(leaf.param_regions[i], weights.reshape(-1), wait=False)
 
     @_serialized
     def restored(self, updates_applied: int) -> None:
@@ -374,15 +272,8 @@ class OffloadedAdamState:
         self._check_open()
         self._grads_written = True
 
-    @property
-    def early_gradient_arrivals(self) -> int:
-        """Gradients the sink held back because the optimizer had not yet read their region (an
-        overlapped step's ordering), since the sink was made; 0 without a sink."""
-        return self._sink.early_arrivals if self._sink is not None else 0
-
     @_serialized
-    def gradient_sink(self, arrivals: Optional[dict[int, int]] = None) -> Union[StoreGradientSink,
-                                                                                 Fp32BufferGradientSink]:
+    def gradient_sink(self, arrivals: Optional[dict[int, int]] = None) -> GradientSink:
         """The gradient sink for this state (created and registered once): pass ``sink.handle``
         and :meth:`tensor_ids` to :func:`jaxascend.offload.grad_sink.offload_on_backward` (``layer=``
         the index within a stacked leaf). Store-backed, or the fp32 host buffer's with
@@ -392,17 +283,15 @@ class OffloadedAdamState:
         self._check_open()
         if self._sink is None or self._sink.closed:
             self._arrivals = dict(arrivals or {})
-            n = self._arrivals.get
-            if self.grad_buffer is not None:
-                buffer_targets = [BufferTarget(leaf.index, offset, leaf.layers, leaf.layer_elements, leaf.dtype,
-                                               n(leaf.index, 1))
-                                  for leaf, offset in zip(self.layout.leaves, self._grad_offsets)]
-                self._sink = Fp32BufferGradientSink(self.grad_buffer, buffer_targets)
-            else:
-                targets = [SinkTarget(leaf.index, leaf.grad_regions, leaf.grad_layer_bytes, leaf.dtype,
-                                      n(leaf.index, 1)) for leaf in self.layout.leaves]
-                self._sink = register_store_sink(self.store, targets)
+            self._sink = make_gradient_sink(self.store, self.layout, self.grad_buffer, self._grad_offsets,
+                                            self._arrivals)
         return self._sink
+
+    @property
+    def early_gradient_arrivals(self) -> int:
+        """Gradients the sink refused because the optimizer had not read their region yet (0
+        without a sink, and unless the overlapped step's ordering broke)."""
+        return self._sink.early_arrivals if self._sink is not None else 0
 
     @_serialized
     def param_source(self, host: Optional[dict[int, np.ndarray]] = None) -> ParamSource:
@@ -487,7 +376,7 @@ class OffloadedAdamState:
         ``trace``: a list to append ``(what, begin, end, leaf index, layer)`` to for every chunk
         (``what``: "io wait", the pipeline handing out the chunk; "kernel", the fused update),
         in ``time.perf_counter`` seconds."""
-        scalars = _scalars_array(hparams)
+        scalars = kernel_scalars(hparams)
         self._check_open()
         if not self._initialized:
             raise ValueError("offloaded AdamW: the state has no master weights yet; call init(params) first")
@@ -503,95 +392,16 @@ class OffloadedAdamState:
         if sink is not None:
             sink.hold()
         self._broken = "a step failed midway, so some chunks are updated and others are not; restore a checkpoint"
-        outputs = outputs or {}
-        hosts: dict[int, np.ndarray] = {}  # leaf index -> its new weights, being filled
-        handed: dict[int, Optional[tuple]] = {}  # layer -> (slot, views) being filled for the handover
-        try:
-            for chunk_ids in self._step_passes:
-                streamed = self._chunks[chunk_ids[0]].leaf.streamed
-                classes = self.layout.slot_classes + ([PARAM_SLOT_CLASS] if streamed else [])
-                durable: list[tuple[int, int]] = []  # (last chunk position, layer), until written back
-                with self.store.stream([self._step_segments[i] for i in chunk_ids], classes) as stream:
-                    asked = time.perf_counter()
-                    for chunk in stream:
-                        got = time.perf_counter()
-                        kill_point("optimizer_chunk")
-                        while durable and durable[0][0] <= stream.written_through:  # on disk now
-                            on_layer(durable.pop(0)[1])
-                        index = chunk_ids[chunk.index]
-                        ref = self._chunks[index]
-                        leaf, n = ref.leaf, ref.count
-                        if not streamed and leaf.index not in hosts:
-                            hosts[leaf.index] = outputs.get(leaf.index)
-                            if hosts[leaf.index] is None:
-                                hosts[leaf.index] = np.empty(leaf.size, leaf.dtype)
-                        master, m, v, m_scale, v_scale = ref.record.views(chunk.arrays[0])
-                        if self.grad_buffer is None:
-                            grad = chunk.arrays[1].view(leaf.dtype)
-                        else:
-                            grad = self._grad_view(leaf)[ref.flat_start:ref.flat_start + n]
-                        # The new compute weights: into the leaf's host array, or (streamed) into the
-                        # chunk's parameter slot, written back to SSD behind the kernel.
-                        out = chunk.arrays[-1].view(leaf.dtype)[:n] if streamed else \
-                            hosts[leaf.index][ref.flat_start:ref.flat_start + n]
-                        seed, first = self._rounding_key(ref)
-                        fused_adamw_update_numpy(master, m, v, grad[:n], out, scalars, threads=self.kernel_threads,
-                                                 state=self.layout.state, m_scale=m_scale, v_scale=v_scale,
-                                                 seed=seed, index=first)
-                        if handover is not None and streamed:
-                            if ref.layer not in handed:
-                                handed[ref.layer] = handover.acquire_handover(ref.layer)
-                            if handed[ref.layer] is not None:  # the next forward's copy of this layer
-                                view = handed[ref.layer][1][self._source_position[leaf.index]].view(leaf.dtype)
-                                view[ref.start:ref.start + n] = out
-                        if trace is not None:
-                            asked_next = time.perf_counter()
-                            trace.append(("io wait", asked, got, leaf.index, ref.layer))
-                            trace.append(("kernel", got, asked_next, leaf.index, ref.layer))
-                            asked = asked_next
-                        if sink is not None and ref.start + n == leaf.layer_elements:
-                            sink.release(leaf.index, ref.layer)  # this layer's gradient is read
-                        if on_layer is not None and index in self._layer_done:
-                            layer = self._layer_done[index]
-                            if streamed:
-                                durable.append((chunk.index, layer))
-                                if handover is not None:
-                                    taken = handed.pop(layer)
-                                    if taken is None:
-                                        handover.skip_handover(layer)
-                                    else:
-                                        handover.handover(layer, taken[0])
-                            else:
-                                on_layer(layer)
-                        if ref.last_of_leaf and not streamed:
-                            on_leaf(leaf, hosts.pop(leaf.index).reshape(leaf.shape))
-                for _, layer in durable:  # the pass has finished: every write is on disk
-                    on_layer(layer)
-        finally:
-            if sink is not None:
-                sink.release_all()  # after a failure the state is broken anyway; no arrival is refused
-            for taken in handed.values():  # a failure midway: slots filled for a handover never made
-                if taken is not None:
-                    self.store.arena.native.release(taken[0])
+        kernel = ChunkKernel(scalars, self.layout.state, self.kernel_threads, self.rounding_seed,
+                             self.updates_applied, self.partition_index)
+        grad_view = self._grad_view if self.grad_buffer is not None else None
+        StreamedUpdate(self._plan, self.store, self.layout, kernel, grad_view, sink,
+                       UpdateOutputs(on_leaf, on_layer, outputs or {}, trace, handover)).run()
         self._broken = None
         seconds = time.perf_counter() - start
-        after = self.store.stats()
-        self.last_step = StepStats(
-            bytes_read=after["bytes_read"] - before["bytes_read"],
-            bytes_written=after["bytes_written"] - before["bytes_written"], seconds=seconds,
-            read_busy_seconds=after["read_seconds"] - before["read_seconds"],
-            write_busy_seconds=after["write_seconds"] - before["write_seconds"], chunks=len(self._chunks),
-            flush_seconds=flushed)
+        self.last_step = StepStats.between(before, self.store.stats(), seconds, len(self._plan.chunks), flushed)
         self.updates_applied += 1
         return self.last_step
-
-    def _rounding_key(self, ref: ChunkRef) -> tuple[int, int]:
-        """(chunk seed, index of its first element in the whole layer) of a chunk's stochastic
-        rounding in this update; (0, 0) when v is rounded to nearest."""
-        if not self.layout.state.stochastic:
-            return 0, 0
-        seed = state_codes.chunk_seed(self.rounding_seed, self.updates_applied, ref.leaf.index, ref.layer)
-        return seed, self.partition_index * ref.leaf.layer_elements + ref.start
 
     def _forget_gradients(self) -> None:
         self._grads_written = False
@@ -604,19 +414,7 @@ class OffloadedAdamState:
         if self._sink is None or self._sink.closed:
             raise ValueError("offloaded AdamW: no gradients since the last step; call write_grads(grads) or run "
                              "the backward pass with offload_on_backward(sink=state.gradient_sink().handle, ...)")
-        problems = []
-        for leaf in self.layout.leaves:
-            counts = self._sink.received(leaf.index)
-            want = self._arrivals.get(leaf.index, 1)
-            missing = [layer for layer, c in enumerate(counts) if c < want]
-            repeated = [layer for layer, c in enumerate(counts) if c > want]
-            if missing:
-                problems.append(f"{leaf.path!r} (tensor {leaf.index}) never arrived for layers {missing}" if want == 1
-                                else f"{leaf.path!r} (tensor {leaf.index}) arrived fewer than {want} times (one per "
-                                     f"use) for layers {missing}")
-            if repeated:
-                problems.append(f"{leaf.path!r} (tensor {leaf.index}) arrived more than {want}x for layers "
-                                f"{repeated} (the sink overwrites; it does not accumulate)")
+        problems = arrival_problems(self._sink, self.layout.leaves, self._arrivals)
         if problems:
             raise ValueError("offloaded AdamW: the gradient sink did not receive exactly one gradient per "
                              "tensor and layer since the last step: " + "; ".join(problems[:6]) +
@@ -640,7 +438,7 @@ class OffloadedAdamState:
         first = 0 if layer is None else layer * leaf.layer_elements
         out = np.empty(leaf.size if layer is None else leaf.layer_elements, np.float32)
         fmt = self.layout.state
-        for ref in self._chunks:
+        for ref in self._plan.chunks:
             if ref.leaf.index != leaf.index or (layer is not None and ref.layer != layer):
                 continue
             n = ref.count

@@ -22,7 +22,8 @@ import jax
 from jaxascend.offload.compute_weights import ComputeWeights
 from jaxascend.offload.overlap import BackgroundUpdate
 from jaxascend.offload.ssd_adamw import ssd_adamw_state, ssd_adamw_step
-from jaxascend.offload.state import OffloadedAdamState, StepStats, to_default_device
+from jaxascend.offload.state import OffloadedAdamState, to_default_device
+from jaxascend.offload.streamed_update import StepStats
 from jaxascend.offload.timeline import StepTimeline
 from jaxascend.optim import AdamWSettings
 

@@ -7,6 +7,7 @@
   fused AdamW kernel (scalar, AVX2 and AVX-512 variants, chosen at run time);
 * :class:`StateFormat` / :data:`STATE_DTYPES` -- how the moments are stored (``optimizer.state_dtype``:
   float32, bfloat16, block-wise int8 codes; :mod:`~jaxascend.optim.state_codes` has their numpy reference);
+  :class:`StateRecord` -- where master, m, v (and int8's scales) sit in one chunk's record;
 * :func:`grad_stats` / :func:`tree_grad_stats` -- fused overflow check + sum of squares;
 * :class:`LossScaleState` / :func:`update_loss_scale` -- dynamic loss scaling for fp16.
 
@@ -19,10 +20,10 @@ from jaxascend.optim.fused_adam import (AdamHyperParams, adamw_reference, defaul
 from jaxascend.optim.grad_stats import grad_stats, grad_stats_reference, tree_grad_stats
 from jaxascend.optim.loss_scale import LossScaleState, update_loss_scale, uses_loss_scaling
 from jaxascend.optim.schedules import learning_rate_schedule
-from jaxascend.optim.state_codes import STATE_DTYPES, StateFormat
+from jaxascend.optim.state_codes import STATE_DTYPES, StateFormat, StateRecord
 
 __all__ = [
-    "AdamHyperParams", "AdamWSettings", "STATE_DTYPES", "StateFormat", "LossScaleState", "adamw_in_memory", "adamw_reference", "default_isa",
+    "AdamHyperParams", "AdamWSettings", "STATE_DTYPES", "StateFormat", "StateRecord", "LossScaleState", "adamw_in_memory", "adamw_reference", "default_isa",
     "fused_adamw_update", "fused_adamw_update_numpy", "grad_stats", "grad_stats_reference",
     "learning_rate_schedule", "supported_isas", "tree_grad_stats", "update_loss_scale", "uses_loss_scaling",
 ]

@@ -22,7 +22,7 @@ import pytest
 
 from jaxascend.checkpoint import (ArraySpec, CheckpointError, CheckpointNotFoundError, Checkpointer,
                                   CorruptCheckpointError, IncompatibleCheckpointError, Span, SsdArrays,
-                                  check_compatible, checkpoint_arena_requests, specs_for_offload_layout)
+                                  check_compatible, checkpoint_arena_requests)
 from jaxascend.checkpoint.zarr_layout import chunk_grid, zarr_chunk_shape
 from jaxascend.config import CheckpointConfig, Config, ModelConfig, OffloadConfig, TrainConfig
 from jaxascend.ssd import ArenaPlan, HostArena, SsdStore
@@ -45,7 +45,8 @@ def run_config(**model):
 
 
 class Layout:
-    """A stand-in for offload_layout.OffloadLayout: stacked leaves, chunk-interleaved master|m|v."""
+    """Stacked leaves whose master|m|v are interleaved by chunk, as the offloaded state's are, but
+    with records of 12 * chunk bytes, at offsets that are not whole SSD blocks."""
 
     def __init__(self, leaves, chunk_elements):
         self.leaves, self.chunk_elements = leaves, chunk_elements
@@ -74,6 +75,20 @@ def write_interleaved(store, layout, values):
             store.write(region, buf)
 
 
+def interleaved_specs(layout) -> list[ArraySpec]:
+    """The arrays master, m and v of every leaf, gathered from the records write_interleaved wrote."""
+    specs, c = [], layout.chunk_elements
+    for leaf in layout.leaves:
+        spans = {t: [] for t in ("master", "m", "v")}
+        for region in leaf.state_regions:
+            for start in range(0, leaf.layer_elements, c):
+                n = min(c, leaf.layer_elements - start)
+                for k, t in enumerate(spans):
+                    spans[t].append(Span(region, 12 * start + 4 * k * n, 4 * n))
+        specs += [ArraySpec(f"{t}/{leaf.path}", leaf.shape, np.float32, tuple(spans[t])) for t in spans]
+    return specs
+
+
 @pytest.fixture
 def ssd(tmp_path):
     """A store holding an interleaved layout (2 stacked leaves) and contiguous arrays (bf16, a
@@ -90,7 +105,7 @@ def ssd(tmp_path):
         for region in leaf.state_regions:
             store.add_region(region, 12 * leaf.layer_elements)
     write_interleaved(store, layout, values)
-    specs = specs_for_offload_layout(layout)
+    specs = interleaved_specs(layout)
     flat = {s.name: values[s.keys[0]]["/".join(s.keys[1:])] for s in specs}
     extra = {"scale/h": rng.standard_normal((300, 77)).astype(ml_dtypes.bfloat16),
              "packed/a": rng.standard_normal(1001).astype(np.float32),
@@ -418,7 +433,7 @@ SAVE_LOOP = textwrap.dedent("""
     from jaxascend.ssd.arena import ArenaPlan, HostArena
     from jaxascend.checkpoint.manager import Checkpointer
     from jaxascend.config import CheckpointConfig, OffloadConfig
-    from jaxascend.checkpoint.ssd_arrays import SsdArrays, checkpoint_arena_requests
+    from jaxascend.checkpoint import SsdArrays, checkpoint_arena_requests
     from jaxascend.ssd.store import SsdStore
     root = sys.argv[1]
     cfg = OffloadConfig(dir=root + "/offload", block_bytes=65536, chunk_bytes=1 << 20, staging_bytes=1 << 20,
@@ -483,7 +498,7 @@ MEMORY_PROBE = textwrap.dedent("""
     from jaxascend.ssd.arena import ArenaPlan, HostArena
     from jaxascend.checkpoint.manager import Checkpointer
     from jaxascend.config import CheckpointConfig, OffloadConfig
-    from jaxascend.checkpoint.ssd_arrays import SsdArrays, checkpoint_arena_requests
+    from jaxascend.checkpoint import SsdArrays, checkpoint_arena_requests
     from jaxascend.ssd.store import SsdStore
     from jaxascend.ssd.store import Segment
     root = sys.argv[1]
@@ -527,7 +542,7 @@ def test_peak_rss_increase_during_an_ssd_save_stays_within_the_arena(tmp_path):
 
 # ----------------------------------------------------------------------------- with the AdamW owner
 def test_offloaded_adam_state_resumes_bit_exactly_from_a_checkpoint(tmp_path):
-    from jaxascend.offload import STATE_SLOT_CLASS, OffloadedAdamState
+    from jaxascend.offload import STATE_SLOT_CLASS, OffloadedAdamState, specs_for_offload_layout
     from jaxascend.optim import AdamHyperParams
 
     shapes = {"emb": (37, 13), "layers": {"w": (3, 129, 31)}, "norm": (5,)}

@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 
 from jaxascend.checkpoint import ArraySpec, IncompatibleCheckpointError, Piece, SsdArrays, checkpoint_arena_requests
-from jaxascend.checkpoint.ssd_arrays import restore_arrays, save_item, saved_processes, saved_tensors
+from jaxascend.checkpoint.array_restore import restore_arrays
+from jaxascend.checkpoint.array_save import save_item
+from jaxascend.checkpoint.offloaded_item import saved_processes
+from jaxascend.checkpoint.repartition import saved_tensors
 from jaxascend.config import OffloadConfig
 from jaxascend.ssd import ArenaPlan, HostArena, SsdStore
 
@@ -126,7 +129,7 @@ def test_int8_state_of_another_process_count_is_refused_before_the_run(tmp_path)
     import json
 
     from jaxascend.checkpoint import IncompatibleCheckpointError, check_resume_partition
-    from jaxascend.checkpoint.ssd_arrays import FORMAT, PROCESSES_FILE
+    from jaxascend.checkpoint.offloaded_item import FORMAT, PROCESSES_FILE
     from jaxascend.config import CheckpointConfig
 
     item = tmp_path / "ckpt" / "4" / "offloaded"

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from jaxascend.checkpoint import IncompatibleCheckpointError, SsdArrays, specs_for_offload_layout
-from jaxascend.checkpoint.ssd_arrays import restore_arrays, save_item
-from jaxascend.offload import OffloadLayout, OffloadedAdamState
+from jaxascend.checkpoint import IncompatibleCheckpointError, SsdArrays
+from jaxascend.checkpoint.array_restore import restore_arrays
+from jaxascend.checkpoint.array_save import save_item
+from jaxascend.offload import OffloadLayout, OffloadedAdamState, specs_for_offload_layout
 from jaxascend.offload.layout import STATE_SLOT_CLASS
 from jaxascend.optim import AdamHyperParams, StateFormat
 from jaxascend.optim import state_codes as sc

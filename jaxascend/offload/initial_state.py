@@ -1,0 +1,83 @@
+"""Writing the initial SSD-resident state: fp32 master weights and zero moments, chunk by chunk.
+
+:meth:`~jaxascend.offload.state.OffloadedAdamState.init` (from arrays) and
+:meth:`~jaxascend.offload.state.OffloadedAdamState.init_from` (from a reader of one layer at a
+time) check their input here and run :func:`write_initial_state`: one write-only pass over every
+chunk's record through the arena, a streamed leaf's compute weights written beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+
+from jaxascend.offload.layout import STATE_SLOT_CLASS, ChunkRef, LeafLayout, OffloadLayout
+from jaxascend.ssd import Segment, SsdStore
+
+Reader = Callable[[LeafLayout, Optional[int]], np.ndarray]
+
+
+def initial_segments(chunks: list[ChunkRef], regions: dict) -> list[list[Segment]]:
+    """The init pass's segments: every chunk's state record, written only."""
+    return [[Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes, read=False, write=True)]
+            for c in chunks]
+
+
+def check_init_params(layout: OffloadLayout, leaves: list) -> None:
+    """Refuses init params of a dtype other than float32 or the leaf's compute dtype."""
+    for leaf, x in zip(layout.leaves, leaves):
+        dtype = np.dtype(x.dtype)
+        if dtype != np.float32 and dtype != leaf.dtype:
+            raise ValueError(f"offloaded AdamW: init params leaf {leaf.path!r} has dtype {dtype}; "
+                             f"expected float32 or the compute dtype {leaf.dtype}")
+
+
+def checked_reader(read: Reader) -> Reader:
+    """``read`` whose every layer is checked for its shape and dtype (float32 or the compute dtype)."""
+    def checked(leaf: LeafLayout, layer: Optional[int]) -> np.ndarray:
+        x = np.asarray(read(leaf, layer if leaf.layers > 1 else None))
+        where = f"{leaf.path!r}" + (f" layer {layer}" if leaf.layers > 1 else "")
+        if tuple(x.shape) != tuple(leaf.layer_shape):
+            raise ValueError(f"offloaded AdamW: init reader returned shape {list(x.shape)} for {where}; "
+                             f"expected {list(leaf.layer_shape)}")
+        if x.dtype != np.float32 and x.dtype != leaf.dtype:
+            raise ValueError(f"offloaded AdamW: init reader returned dtype {x.dtype} for {where}; "
+                             f"expected float32 or the compute dtype {leaf.dtype}")
+        return x
+
+    return checked
+
+
+def write_initial_state(store: SsdStore, chunks: list[ChunkRef], segments: list[list[Segment]], source: Callable,
+                        whole_leaves: bool, compute: Callable) -> None:
+    """The init pass: every chunk's master weights from ``source(leaf, layer)`` (the whole leaf
+    when ``whole_leaves``, else one layer), zero m and v; a streamed leaf's compute weights from
+    ``compute(leaf, values)``, layer by layer. Returns once every write is on disk."""
+    values = None
+    with store.stream(segments, STATE_SLOT_CLASS) as stream:
+        for chunk in stream:
+            ref = chunks[chunk.index]
+            if ref.first_of_leaf if whole_leaves else ref.start == 0:
+                values = np.asarray(source(ref.leaf, ref.layer)).reshape(-1)
+                if ref.leaf.streamed:
+                    _write_compute_params(store, ref.leaf, values, compute, whole_leaves, ref.layer)
+            start = ref.flat_start if whole_leaves else ref.start
+            n = ref.count
+            raw = chunk.arrays[0]
+            raw[:4 * n].view(np.float32)[:] = values[start:start + n]
+            raw[4 * n:ref.state_bytes] = 0  # zero moments in every format (int8: code 0, scale 0)
+            if ref.last_of_leaf:
+                values = None
+    store.flush()  # the compute weights' writes are on disk (or their error raises here)
+
+
+def _write_compute_params(store: SsdStore, leaf: LeafLayout, values: np.ndarray, compute: Callable,
+                          whole_leaf: bool, layer: int) -> None:
+    """Writes a streamed leaf's compute weights: every layer of ``values`` (the whole leaf) or
+    layer ``layer`` (one layer's values)."""
+    layers = range(leaf.layers) if whole_leaf else (layer,)
+    for i in layers:
+        part = values[i * leaf.layer_elements:(i + 1) * leaf.layer_elements] if whole_leaf else values
+        weights = np.ascontiguousarray(compute(leaf, part.reshape(leaf.layer_shape)), dtype=leaf.dtype)
+        store.write(leaf.param_regions[i], weights.reshape(-1), wait=False)
