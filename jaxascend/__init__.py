@@ -14,7 +14,6 @@ platform. The subpackages, from the bottom up (``docs/architecture.md`` states t
 * :func:`load_config` / :func:`run` -- the trainer behind ``python -m jaxascend.train``.
 """
 
-from jaxascend import native as _native_registration  # noqa: F401  (registers FFI targets)
 from jaxascend.config import Config, ConfigError, load_config
 from jaxascend.offload import offload_on_backward
 from jaxascend.optim import (AdamHyperParams, fused_adamw_update, fused_adamw_update_numpy, grad_stats,

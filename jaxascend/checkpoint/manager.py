@@ -62,7 +62,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.checkpoint.checksums import (ORBAX_ITEMS, leaf_name, raise_if_a_file_is_corrupt, tree_checksums,
                                             verify_checksums, write_file_checksums)
 from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,

@@ -57,7 +57,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from jaxascend.checkpoint.zarr_layout import (chunk_grid, numpy_dtype, orbax_tree_metadata, zarr_chunk_shape,
                                               zarr_dtype, zarr_spec)

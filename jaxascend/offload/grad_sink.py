@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from jaxascend import _native
-from jaxascend import native  # noqa: F401  (registers the FFI targets)
+from jaxascend.native import extension as _native
+from jaxascend.native import ffi_call
 
 PROBE_SIZE = 2  # [sum of squares of finite elements, count of non-finite elements]
 
@@ -96,7 +96,7 @@ def sink_gradient(g: jax.Array, layer: jax.Array, *, sink: int, tensor: int) -> 
     if _use_host_callback():
         return _sink_gradient_via_host(g, layer, sink=sink, tensor=tensor)
     out_types = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
-    sumsq, nonfinite = jax.ffi.ffi_call("jaxascend_grad_sink", out_types, has_side_effect=True)(
+    sumsq, nonfinite = ffi_call("jaxascend_grad_sink", out_types, has_side_effect=True)(
         g, jnp.asarray(layer, jnp.int32), sink=np.int64(sink), tensor=np.int64(tensor))
     return jnp.stack([sumsq, nonfinite.astype(jnp.float32)])
 

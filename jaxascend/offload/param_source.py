@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxascend import _native
-from jaxascend import native  # noqa: F401  (registers the FFI targets)
+from jaxascend.native import extension as _native
+from jaxascend.native import ffi_call
 from jaxascend.offload.layout import SOURCE_SLOT_CLASS, LeafLayout
 
 _PREFIX = "param_source:"  # how ffi/offload_param_source.cc starts every error it returns
@@ -166,7 +166,7 @@ def fetch_layer(handle: int, layer: jax.Array, specs: Sequence[jax.ShapeDtypeStr
     layer = jnp.asarray(layer, jnp.int32)
     if jax.default_backend() != "cpu":
         return list(jax.pure_callback(_host_fetcher(handle, specs), tuple(specs), layer))
-    return list(jax.ffi.ffi_call("jaxascend_param_source", tuple(specs), has_side_effect=False)(
+    return list(ffi_call("jaxascend_param_source", tuple(specs), has_side_effect=False)(
         layer, source=np.int64(handle)))
 
 
