@@ -10,13 +10,20 @@ on first access, not at ``import jaxascend`` (which then needs no JAX)::
 :func:`ffi_call` is :func:`jax.ffi.ffi_call` once the targets are registered: every FFI call
 goes through it, so no call can precede the registration.
 
-The extension is compiled by the package build (``pip install -e .``), never at first use.
+:func:`host_callbacks` says which way jitted code reaches the native side: the FFI targets on
+the CPU backend; host callbacks (``io_callback``, ``pure_callback``) everywhere else, where the
+targets, registered for the CPU platform, cannot run. ``JAXASCEND_HOST_CALLBACKS=1`` forces the
+host callbacks on the CPU, so that a CPU-only machine runs the path a GPU runs. The extension is
+compiled by the package build (``pip install -e .``), never at first use.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from types import ModuleType
+
+HOST_CALLBACKS_ENV = "JAXASCEND_HOST_CALLBACKS"
 
 _lock = threading.Lock()
 
@@ -55,3 +62,15 @@ def ffi_call(target: str, result_shape_dtypes, **kwargs):
     _load()
     return jax.ffi.ffi_call(target, result_shape_dtypes, **kwargs)
 
+
+def host_callbacks() -> bool:
+    """True when jitted code must reach the native side through host callbacks instead of the
+    FFI targets: on every backend but the CPU, or when ``JAXASCEND_HOST_CALLBACKS=1``.
+
+    Read when a step is traced: set the variable before the first step of a run."""
+    import jax
+
+    forced = os.environ.get(HOST_CALLBACKS_ENV, "0")
+    if forced not in ("0", "1"):
+        raise ValueError(f"{HOST_CALLBACKS_ENV}={forced!r}: expected 0 or 1")
+    return forced == "1" or jax.default_backend() != "cpu"
