@@ -36,7 +36,7 @@ import numpy as np
 import optax
 import psutil
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.optim import AdamHyperParams, adamw_reference, default_isa, fused_adamw_update_numpy
 
 HPARAMS = AdamHyperParams(lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01,

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.checkpoint import CHECKPOINT_SHAPE_CLASS, Checkpointer, SsdArrays, checkpoint_arena_requests
 from jaxascend.config import CheckpointConfig, OffloadConfig, parse_bytes
 from jaxascend.metrics import rss_bytes

@@ -122,10 +122,22 @@ def test_no_import_cycle_inside_a_subpackage(subpackage):
     assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
+def test_only_native_imports_the_extension():
+    # The extension is reached one way: jaxascend.native loads it and registers its FFI targets
+    # on first use; a module importing jaxascend._native itself could call a target before that.
+    repo = PACKAGE.parent
+    found = [f"{path.relative_to(repo)}:{line}" for folder in ("jaxascend", "scripts", "tests")
+             for path in sorted((repo / folder).rglob("*.py")) if path != PACKAGE / "native.py"
+             for line, target in imported_modules(path) if target == "jaxascend._native"]
+    assert not found, "import the extension as `from jaxascend.native import extension`: " + ", ".join(found)
+
+
 def test_the_checker_sees_a_violation(tmp_path):
     # The walk itself must notice an upward import, a lazy one included.
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from jaxascend.trainer import run\n")
     assert imported_modules(bad) == [(2, "jaxascend.trainer")]
+    bad.write_text("import jaxascend._native\nfrom jaxascend import _native\n")
+    assert imported_modules(bad) == [(1, "jaxascend._native"), (2, "jaxascend._native")]
     assert RANK[unit_of("jaxascend.trainer")] > RANK[unit_of("jaxascend.ssd.store")]
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import tensorstore as ts
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.checkpoint.array_specs import ArraySpec, SsdArrays, pass_geometry, regions_of, whole_blocks
 from jaxascend.checkpoint.offloaded_item import FORMAT, MANIFEST_FILE, PROCESSES_FILE, part_directory, ts_context
 from jaxascend.checkpoint.zarr_layout import chunk_grid, orbax_tree_metadata, zarr_chunk_shape, zarr_dtype, zarr_spec

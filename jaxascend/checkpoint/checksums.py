@@ -12,7 +12,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.checkpoint.errors import CorruptCheckpointError
 
 FILE_CHECKSUMS = "jaxascend_files.json"  # crc32c of every file of the Orbax items, written once complete

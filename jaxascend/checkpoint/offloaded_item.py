@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import tensorstore as ts
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.checkpoint.errors import CorruptCheckpointError
 from jaxascend.checkpoint.zarr_layout import chunk_grid, numpy_dtype, zarr_spec
 

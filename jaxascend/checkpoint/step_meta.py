@@ -15,7 +15,7 @@ from typing import Any, Union
 import jax
 import numpy as np
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.checkpoint.checksums import ORBAX_ITEMS
 from jaxascend.checkpoint.errors import CorruptCheckpointError
 from jaxascend.config import Config

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from jaxascend import _native
-from jaxascend import native  # noqa: F401  (registers the FFI targets)
+from jaxascend.native import extension as _native
+from jaxascend.native import ffi_call, host_callbacks
 
 PROBE_SIZE = 2  # [sum of squares of finite elements, count of non-finite elements]
 
@@ -90,20 +90,15 @@ def sink_gradient(g: jax.Array, layer: jax.Array, *, sink: int, tensor: int) -> 
     """Sends ``g`` to sink ``sink`` as layer ``layer`` of tensor ``tensor``; returns f32[2] stats.
 
     On the CPU backend this is the FFI target, reading the gradient where XLA computed it. On
-    other backends (GPU) the gradient is copied to host memory by an ``io_callback`` whose host
-    side calls the same sink.
+    other backends (GPU), or forced by ``JAXASCEND_HOST_CALLBACKS=1`` (:func:`jaxascend.native.host_callbacks`),
+    the gradient is copied to host memory by an ``io_callback`` whose host side calls the same sink.
     """
-    if _use_host_callback():
+    if host_callbacks():
         return _sink_gradient_via_host(g, layer, sink=sink, tensor=tensor)
     out_types = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
-    sumsq, nonfinite = jax.ffi.ffi_call("jaxascend_grad_sink", out_types, has_side_effect=True)(
+    sumsq, nonfinite = ffi_call("jaxascend_grad_sink", out_types, has_side_effect=True)(
         g, jnp.asarray(layer, jnp.int32), sink=np.int64(sink), tensor=np.int64(tensor))
     return jnp.stack([sumsq, nonfinite.astype(jnp.float32)])
-
-
-def _use_host_callback() -> bool:
-    """FFI targets are registered for the CPU platform; elsewhere the sink is reached from host."""
-    return jax.default_backend() != "cpu"
 
 
 def _sink_gradient_via_host(g, layer, *, sink, tensor):

@@ -24,7 +24,8 @@ serves them from host buffers (``host=``) the optimizer writes in place, with th
 
 On a GPU backend the FFI target (registered for the CPU platform) cannot run in device code:
 :func:`fetch_layer` then goes through a ``pure_callback`` whose host side copies the layer out
-of the (pinned) arena slot, and the runtime copies it to the device.
+of the (pinned) arena slot, and the runtime copies it to the device (on the CPU too with
+``JAXASCEND_HOST_CALLBACKS=1``, see :func:`jaxascend.native.host_callbacks`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxascend import _native
-from jaxascend import native  # noqa: F401  (registers the FFI targets)
+from jaxascend.native import extension as _native
+from jaxascend.native import ffi_call, host_callbacks
 from jaxascend.offload.layout import SOURCE_SLOT_CLASS, LeafLayout
 
 _PREFIX = "param_source:"  # how ffi/offload_param_source.cc starts every error it returns
@@ -164,9 +165,9 @@ def fetch_layer(handle: int, layer: jax.Array, specs: Sequence[jax.ShapeDtypeStr
     """Layer ``layer`` (an int32 scalar, may be traced) of every streamed leaf, from source
     ``handle``; ``specs`` are the leaves' layer shapes and dtypes (:attr:`ParamSource.specs`)."""
     layer = jnp.asarray(layer, jnp.int32)
-    if jax.default_backend() != "cpu":
+    if host_callbacks():
         return list(jax.pure_callback(_host_fetcher(handle, specs), tuple(specs), layer))
-    return list(jax.ffi.ffi_call("jaxascend_param_source", tuple(specs), has_side_effect=False)(
+    return list(ffi_call("jaxascend_param_source", tuple(specs), has_side_effect=False)(
         layer, source=np.int64(handle)))
 
 

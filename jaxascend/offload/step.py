@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxascend.models import loss_sum_and_count
+from jaxascend.native import host_callbacks
 from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward, sink_share
 from jaxascend.offload.param_source import fetch_layer
 
@@ -216,7 +217,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
 
     if data_parallel is None:
         jitted = partial(jax.jit, static_argnames="bit_dtypes")(local_step)
-        return _OffloadStep(jitted, routing, use_bits=jax.default_backend() == "cpu")
+        return _OffloadStep(jitted, routing, use_bits=not host_callbacks())
     sharded = data_parallel.batch_step(local_step, scalars=1)
     return _OffloadStep(lambda params, tokens, scale, bit_dtypes=(): sharded(params, tokens, scale), routing,
                         use_bits=False)
@@ -302,7 +303,7 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
 
     if data_parallel is None:
         return _OffloadStep(partial(jax.jit, static_argnames="bit_dtypes")(local), routing,
-                            use_bits=jax.default_backend() == "cpu")
+                            use_bits=not host_callbacks())
     axis = data_parallel.scatter.axis
 
     def summed(params, batch):

@@ -25,8 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxascend import _native
-from jaxascend import native  # noqa: F401  (registers the FFI targets)
+from jaxascend.native import extension as _native
 from jaxascend.offload.grad_sink import unregister_sink
 from jaxascend.ssd import SsdStore
 

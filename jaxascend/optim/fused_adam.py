@@ -43,7 +43,8 @@ import ml_dtypes
 import numpy as np
 import optax
 
-from jaxascend import native
+from jaxascend.native import extension as _native
+from jaxascend.native import ffi_call
 from jaxascend.optim.state_codes import StateFormat
 
 FLOAT32_STATE = StateFormat()
@@ -140,8 +141,8 @@ def fused_adamw_update(master: jax.Array, m: jax.Array, v: jax.Array, grad: jax.
     state_type = jax.ShapeDtypeStruct(master.shape, jnp.float32)
     out_types = (state_type, state_type, state_type,
                  jax.ShapeDtypeStruct(master.shape, param_dtype))
-    call = jax.ffi.ffi_call("jaxascend_adamw", out_types, vmap_method="sequential",
-                            input_output_aliases={0: 0, 1: 1, 2: 2})
+    call = ffi_call("jaxascend_adamw", out_types, vmap_method="sequential",
+                    input_output_aliases={0: 0, 1: 1, 2: 2})
     return call(master, m.reshape(master.shape), v.reshape(master.shape), grad, scalars,
                 threads=np.int64(threads))
 
@@ -202,12 +203,12 @@ def fused_adamw_update_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, g
     scalars = np.ascontiguousarray(np.asarray(_scalars_of(hparams)), dtype=np.float32)
     # 16-bit floats travel as uint16 views (nanobind has no bfloat16 numpy dtype).
     as_raw = lambda a: a.view(np.uint16) if a.dtype.itemsize == 2 else a  # noqa: E731
-    native._native.adamw_update(master, as_raw(m), as_raw(v), as_raw(grad), as_raw(params_out), scalars,
-                                grad_dtype=grad_dtype, param_dtype=param_dtype, threads=threads, isa=isa,
-                                state_dtype=state.dtype, m_scale=m_scale if state.dtype == "int8" else None,
-                                v_scale=v_scale if state.dtype == "int8" else None, block=state.block,
-                                rounding=state.rounding, rounding_seed=int(seed) & 0xFFFFFFFF,
-                                rounding_index=int(index))
+    _native.adamw_update(master, as_raw(m), as_raw(v), as_raw(grad), as_raw(params_out), scalars,
+                         grad_dtype=grad_dtype, param_dtype=param_dtype, threads=threads, isa=isa,
+                         state_dtype=state.dtype, m_scale=m_scale if state.dtype == "int8" else None,
+                         v_scale=v_scale if state.dtype == "int8" else None, block=state.block,
+                         rounding=state.rounding, rounding_seed=int(seed) & 0xFFFFFFFF,
+                         rounding_index=int(index))
 
 
 def adamw_reference(master: jax.Array, m: jax.Array, v: jax.Array, grad: jax.Array,
@@ -228,9 +229,9 @@ def adamw_reference(master: jax.Array, m: jax.Array, v: jax.Array, grad: jax.Arr
 
 def supported_isas() -> list[str]:
     """Kernel variants this CPU can run (``'scalar'`` always; ``'avx2'``, ``'avx512'``)."""
-    return list(native._native.adamw_supported_isas())
+    return list(_native.adamw_supported_isas())
 
 
 def default_isa() -> str:
     """The variant ``isa='auto'`` and the FFI path run (``JAXASCEND_ADAM_ISA`` if set)."""
-    return native._native.adamw_default_isa()
+    return _native.adamw_default_isa()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxascend import native  # noqa: F401  (registers the FFI targets)
+from jaxascend.native import ffi_call
 
 SUPPORTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
@@ -31,7 +31,7 @@ def grad_stats(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         jax.ShapeDtypeStruct((), jnp.float32),
         jax.ShapeDtypeStruct((), jnp.int32),
     )
-    return jax.ffi.ffi_call("jaxascend_grad_stats", out_types, vmap_method="sequential")(x)
+    return ffi_call("jaxascend_grad_stats", out_types, vmap_method="sequential")(x)
 
 
 def grad_stats_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:

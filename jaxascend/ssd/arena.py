@@ -38,7 +38,7 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.config import OffloadConfig
 
 log = logging.getLogger(__name__)

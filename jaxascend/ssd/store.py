@@ -33,7 +33,7 @@ from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.config import OffloadConfig
 from jaxascend.ssd.arena import HostArena, Slot, SlotRequest
 from jaxascend.ssd.stream import SsdStream

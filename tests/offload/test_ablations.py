@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.config import OffloadConfig, load_config
 from jaxascend.models import build_model, next_token_loss
 from jaxascend.offload import (GRAD_SLOT_CLASS, STATE_SLOT_CLASS, OffloadLayout, OffloadedAdamState,

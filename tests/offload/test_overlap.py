@@ -16,7 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.config import load_config
 from jaxascend.offload.grad_sink import sink_gradient
 from jaxascend.offload.param_source import ParamSource

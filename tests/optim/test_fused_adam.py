@@ -13,7 +13,8 @@ import pytest
 
 import jax
 import jax.numpy as jnp
-from jaxascend import _native
+from jaxascend.native import extension as _native
+from jaxascend.native import ffi_call
 from jaxascend.optim import (AdamHyperParams, adamw_reference, default_isa, fused_adamw_update,
                              fused_adamw_update_numpy, supported_isas)
 
@@ -355,8 +356,8 @@ def test_ffi_wrapper_errors():
 def _raw_ffi(master, m, v, grad, scalars, param_dtype, threads=1):
     out = (jax.ShapeDtypeStruct(master.shape, master.dtype),) * 3 + (
         jax.ShapeDtypeStruct(master.shape, param_dtype),)
-    return jax.ffi.ffi_call("jaxascend_adamw", out)(master, m, v, grad, scalars,
-                                                    threads=np.int64(threads))
+    return ffi_call("jaxascend_adamw", out)(master, m, v, grad, scalars,
+                                           threads=np.int64(threads))
 
 
 def test_ffi_handler_errors():

@@ -5,7 +5,7 @@ import logging
 import numpy as np
 import pytest
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.config import OffloadConfig
 from jaxascend.ssd import (ArenaError, ArenaPlan, HostArena, SlotRequest, injected_faults,
                            physical_memory_bytes)

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.config import ConfigError, OffloadConfig
 from jaxascend.ssd import (ArenaPlan, ChecksumError, HostArena, Segment, SsdStore, StoreError, clear_faults,
                            inject_fault, injected_faults)

@@ -11,7 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from jaxascend import _native
+from jaxascend.native import extension as _native
 from jaxascend.config import OffloadConfig
 from jaxascend.ssd import (ArenaError, ArenaPlan, ChecksumError, HostArena, SsdStore, StoreError,
                            StoreLockedError, injected_faults)
