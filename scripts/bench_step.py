@@ -322,7 +322,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(report, indent=1))
     plot(report, out.with_suffix(".png"))
     if timeline is not None:
-        from jaxascend.offload.timeline import write_timeline_png
+        from jaxascend.offload import write_timeline_png
         (out.parent / "step_timeline.json").write_text(json.dumps(timeline, indent=1))
         write_timeline_png(timeline, out.parent / "step_timeline.png",
                            title=f"one overlapped step, {args.shape} Llama ({report['cpu']})")

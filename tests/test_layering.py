@@ -1,5 +1,8 @@
 """The package's dependency order (docs/architecture.md, "Layout") holds: no module imports from a
-layer above its own, and the modules of one subpackage import each other without a cycle.
+layer above its own, and the modules of one subpackage import each other without a cycle. Its
+faces are narrow: a subpackage is imported only through its ``__init__`` by everything outside it
+(the package, the scripts, the other subpackages' tests), no private name crosses a module
+boundary, and a face exports only what something outside the subpackage uses.
 
 Every import counts, including those inside functions and under ``TYPE_CHECKING``: a lazy import
 is still a dependency, it only moves the failure to run time.
@@ -8,6 +11,7 @@ is still a dependency, it only moves the failure to run time.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -141,3 +145,103 @@ def test_the_checker_sees_a_violation(tmp_path):
     assert imported_modules(bad) == [(1, "jaxascend._native"), (2, "jaxascend._native")]
     assert RANK[unit_of("jaxascend.trainer")] > RANK[unit_of("jaxascend.ssd.store")]
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+REPO = PACKAGE.parent
+SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+
+
+def _own_subpackage(where: Path):
+    """The subpackage a file (``where``: its path in the repository) belongs to: its own
+    (``jaxascend/<sub>/``) or the one it tests (``tests/<sub>/``); None for the rest."""
+    parts = where.parts
+    return parts[1] if parts[0] in ("jaxascend", "tests") and len(parts) > 2 and parts[1] in SUBPACKAGES else None
+
+
+def _from_imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                and node.module.split(".")[0] == "jaxascend":
+            yield node
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "jaxascend":
+                    yield ast.ImportFrom(module=a.name, names=[], level=0, lineno=node.lineno)
+
+
+def past_the_face(path: Path, where: Path = None) -> list[str]:
+    """``path``'s imports that reach past another subpackage's ``__init__``: a module of it
+    (``jaxascend.offload.state``), or, in the package and the scripts, a module as a name that
+    the face does not export (``from jaxascend.offload import state``). ``where``: the file's
+    place in the repository (default: ``path``'s)."""
+    where = where or path.relative_to(REPO)
+    own, found = _own_subpackage(where), []
+    in_code = where.parts[0] != "tests"
+    for node in _from_imports(path):
+        parts = node.module.split(".")
+        if len(parts) < 2 or parts[1] not in SUBPACKAGES or parts[1] == own:
+            continue
+        if len(parts) > 2:
+            found.append(f"{where}:{node.lineno}: {node.module}")
+        elif in_code:
+            found += [f"{where}:{node.lineno}: {node.module}.{a.name}" for a in node.names
+                      if (PACKAGE / parts[1] / f"{a.name}.py").exists() and a.name not in face_names(parts[1])]
+    return found
+
+
+def private_imports(path: Path, own: str = None) -> list[str]:
+    """``path``'s imports of a private name (``_x``) from another module than its own (``own``:
+    its module name; the extension aside)."""
+    own = own or module_name(path)
+    return [f"{path.name}:{node.lineno}: {node.module}.{a.name}" for node in _from_imports(path)
+            if node.module != own for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__") and a.name != "_native"]
+
+
+def test_a_subpackage_is_imported_only_through_its_face():
+    found = [line for folder in ("jaxascend", "scripts", "tests") for path in sorted((REPO / folder).rglob("*.py"))
+             for line in past_the_face(path)]
+    assert not found, "import these through the subpackage's __init__:\n" + "\n".join(found)
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    found = [line for path in SOURCES for line in private_imports(path)]
+    assert not found, "\n".join(found)
+
+
+def face_names(subpackage: str) -> list[str]:
+    tree = ast.parse((PACKAGE / subpackage / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            return [ast.literal_eval(e) for e in node.value.elts]
+    return []
+
+
+def test_each_face_exports_only_what_others_use():
+    # Users: the package outside the subpackage, the scripts, the other subpackages' tests and
+    # the README. What only the subpackage and its own tests use stays in its modules.
+    used: dict[str, set[str]] = {sub: set() for sub in SUBPACKAGES}
+    for folder in ("jaxascend", "scripts", "tests"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in _from_imports(path):
+                parts = node.module.split(".")
+                if len(parts) == 2 and parts[1] in SUBPACKAGES and parts[1] != _own_subpackage(path.relative_to(REPO)):
+                    used[parts[1]].update(a.name for a in node.names)
+    readme = set(re.findall(r"\w+", (REPO / "README.md").read_text()))
+    unused = [f"jaxascend.{sub}.{name}" for sub in SUBPACKAGES for name in face_names(sub)
+              if name not in used[sub] and name not in readme]
+    assert not unused, "exported but used by nothing outside the subpackage: " + ", ".join(unused)
+
+
+def test_the_face_checks_see_violations(tmp_path):
+    bad = tmp_path / "probe.py"
+    bad.write_text("from jaxascend.offload.state import OffloadedAdamState\n"
+                   "from jaxascend.offload import state\nfrom jaxascend.offload import JobShape\n"
+                   "from jaxascend.optim import state_codes\n")
+    assert past_the_face(bad, Path("scripts/probe.py")) == ["scripts/probe.py:1: jaxascend.offload.state",
+                                                            "scripts/probe.py:2: jaxascend.offload.state"]
+    assert past_the_face(bad, Path("jaxascend/offload/probe.py")) == []  # a subpackage's own modules
+    assert past_the_face(bad, Path("tests/test_x.py")) == ["tests/test_x.py:1: jaxascend.offload.state"]
+    bad.write_text("from jaxascend.offload.step import _first_key\nfrom jaxascend.native import extension as _native\n")
+    assert private_imports(bad, "jaxascend.offload.engine") == ["probe.py:1: jaxascend.offload.step._first_key"]
+    assert private_imports(bad, "jaxascend.offload.step") == []

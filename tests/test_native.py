@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from jaxascend import native
-from jaxascend.offload.grad_sink import sink_gradient
-from jaxascend.offload.param_source import fetch_layer
+from jaxascend.offload import fetch_layer, sink_gradient
 
 ON_CPU = jax.default_backend() == "cpu"
 

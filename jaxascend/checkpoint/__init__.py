@@ -16,20 +16,20 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.ssd`, :mod:`jaxascend.data` (to
 moments); knows nothing of the engines or their layouts.
 """
 
-from jaxascend.checkpoint.errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError,
-                                         IncompatibleCheckpointError)
-from jaxascend.checkpoint.array_specs import (CHECKPOINT_SHAPE_CLASS, SCALE_ARRAYS, ArraySpec, Piece, Span, SsdArrays,
+from jaxascend.checkpoint.errors import CheckpointError, IncompatibleCheckpointError
+from jaxascend.checkpoint.array_specs import (ArraySpec, CHECKPOINT_SHAPE_CLASS, Piece, SCALE_ARRAYS, Span, SsdArrays,
                                               checkpoint_arena_requests)
-from jaxascend.checkpoint.manager import Checkpointer, Restored
-from jaxascend.checkpoint.resume import (check_compatible, check_resume_partition, complete_steps, default_directory,
-                                         resume_target)
+from jaxascend.checkpoint.manager import Checkpointer
+from jaxascend.checkpoint.resume import check_resume_partition, resume_target
 from jaxascend.checkpoint.step_meta import read_meta
 from jaxascend.checkpoint.run_weights import RunWeights, open_weights
 from jaxascend.checkpoint.weights import CheckpointWeights
+from jaxascend.checkpoint.array_restore import restore_arrays
+from jaxascend.checkpoint.array_save import save_item
 
 __all__ = [
-    "CHECKPOINT_SHAPE_CLASS", "SCALE_ARRAYS", "ArraySpec", "CheckpointError", "CheckpointNotFoundError", "CheckpointWeights",
-    "Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError", "Piece", "Restored", "RunWeights", "Span", "SsdArrays",
-    "check_compatible", "check_resume_partition", "checkpoint_arena_requests", "complete_steps", "default_directory", "open_weights",
-    "read_meta", "resume_target",
+    "ArraySpec", "CHECKPOINT_SHAPE_CLASS", "CheckpointError", "CheckpointWeights", "Checkpointer",
+    "IncompatibleCheckpointError", "Piece", "RunWeights", "SCALE_ARRAYS", "Span", "SsdArrays",
+    "check_resume_partition", "checkpoint_arena_requests", "open_weights", "read_meta", "restore_arrays",
+    "resume_target", "save_item",
 ]

@@ -227,7 +227,7 @@ class Checkpointer:
         except Exception as err:
             step, self._saving = self._saving, None
             raise CheckpointError(f"saving checkpoint step {step} in {self.directory} failed (the earlier "
-                                  f"checkpoints are intact): {_root_cause(err)}") from err
+                                  f"checkpoints are intact): {root_cause(err)}") from err
 
     # ------------------------------------------------------------------ restore
     def read_meta(self, step: int) -> dict:
@@ -275,7 +275,7 @@ class Checkpointer:
             raise
         except Exception as err:  # Orbax/tensorstore: the innermost error names the file
             raise_if_a_file_is_corrupt(step_dir)
-            raise CorruptCheckpointError(f"checkpoint {step_dir} cannot be read: {_root_cause(err)}") from err
+            raise CorruptCheckpointError(f"checkpoint {step_dir} cannot be read: {root_cause(err)}") from err
         for item in ORBAX_ITEMS:
             if item in items:
                 try:
@@ -310,7 +310,7 @@ class Checkpointer:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _root_cause(err: BaseException) -> str:
+def root_cause(err: BaseException) -> str:
     """The innermost error of a chain (tensorstore's, which names the file), on one line."""
     while err.__cause__ is not None or err.__context__ is not None:
         err = err.__cause__ or err.__context__
@@ -333,7 +333,7 @@ def _check_tree_matches(item_dir: Path, like: Any, what: str) -> None:
         saved_tree = ocp.StandardCheckpointHandler().metadata(item_dir).tree
     except Exception as err:  # a garbled/truncated _METADATA or OCDBT manifest: the cause names it
         raise_if_a_file_is_corrupt(item_dir.parent)
-        raise CorruptCheckpointError(f"checkpoint item {item_dir} cannot be read: {_root_cause(err)}") from err
+        raise CorruptCheckpointError(f"checkpoint item {item_dir} cannot be read: {root_cause(err)}") from err
     saved = {leaf_name(p): (tuple(m.shape), np.dtype(m.dtype))
              for p, m in jax.tree_util.tree_flatten_with_path(saved_tree)[0]}
     current = {leaf_name(p): (tuple(np.shape(x)), np.dtype(x.dtype))

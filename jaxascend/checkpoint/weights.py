@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from jaxascend.checkpoint.checksums import leaf_name, raise_if_a_file_is_corrupt, verify_checksums
 from jaxascend.checkpoint.errors import CorruptCheckpointError
-from jaxascend.checkpoint.manager import _root_cause
+from jaxascend.checkpoint.manager import root_cause
 from jaxascend.checkpoint.repartition import saved_tensors
 from jaxascend.checkpoint.step_meta import OFFLOADED, PARAMS, read_meta
 from jaxascend.config import ModelConfig
@@ -100,7 +100,7 @@ class CheckpointWeights:
                 raise_if_a_file_is_corrupt(self.directory)
                 if isinstance(err, CorruptCheckpointError):
                     raise
-                raise CorruptCheckpointError(f"checkpoint item {item} cannot be read: {_root_cause(err)}") from None
+                raise CorruptCheckpointError(f"checkpoint item {item} cannot be read: {root_cause(err)}") from None
             self._params = {_dotted(leaf_name(path)): np.asarray(v)
                             for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
         return self._params

@@ -11,16 +11,14 @@ Every problem (unknown key, wrong type, out-of-range value, missing file) raises
 * :mod:`~jaxascend.config.loading` -- YAML, ``--set`` overrides, coercion, cross-section checks.
 """
 
-from jaxascend.config.loading import apply_overrides, check_param_placement, config_from_dict, load_config
-from jaxascend.config.model import GEMMA3_FIELDS, LAYER_TYPES, ROPE_TYPES, ModelConfig, validate_rope_scaling
-from jaxascend.config.sections import (CheckpointConfig, Config, DataConfig, DistributedConfig, EvalConfig, ExportConfig,
-                                       OffloadConfig,
-                                       OptimizerConfig, TrainConfig, validate_resume)
-from jaxascend.config.values import ConfigError, DType, HiddenAct, RematPolicy, parse_bytes
+from jaxascend.config.loading import check_param_placement, load_config
+from jaxascend.config.model import LAYER_TYPES, ModelConfig, ROPE_TYPES, validate_rope_scaling
+from jaxascend.config.sections import (CheckpointConfig, Config, DataConfig, DistributedConfig, OffloadConfig,
+                                       OptimizerConfig, TrainConfig)
+from jaxascend.config.values import ConfigError, parse_bytes
 
 __all__ = [
-    "GEMMA3_FIELDS", "LAYER_TYPES", "ROPE_TYPES", "CheckpointConfig", "Config", "ConfigError", "DType", "DataConfig",
-    "DistributedConfig", "EvalConfig", "ExportConfig", "HiddenAct", "ModelConfig", "OffloadConfig", "OptimizerConfig", "RematPolicy", "TrainConfig",
-    "apply_overrides", "check_param_placement", "config_from_dict", "load_config", "parse_bytes", "validate_resume",
-    "validate_rope_scaling",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "LAYER_TYPES", "ModelConfig",
+    "OffloadConfig", "OptimizerConfig", "ROPE_TYPES", "TrainConfig", "check_param_placement", "load_config",
+    "parse_bytes", "validate_rope_scaling",
 ]

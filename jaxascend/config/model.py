@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from jaxascend.config.values import ConfigError, DType, HiddenAct, RematPolicy, _check_range
+from jaxascend.config.values import ConfigError, DType, HiddenAct, RematPolicy, check_range
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's layer_types entries
 GEMMA3_FIELDS = ("layer_types", "rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping")
@@ -67,17 +67,17 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "max_position_embeddings"):
-            _check_range(f"model.{name}", getattr(self, name), lo=1)
-        _check_range("model.vocab_size", self.vocab_size, lo=0)
-        _check_range("model.head_dim", self.head_dim, lo=1)
-        _check_range("model.rms_norm_eps", self.rms_norm_eps, lo=0, lo_open=True)
-        _check_range("model.rope_theta", self.rope_theta, lo=0, lo_open=True)
-        _check_range("model.layer_norm_epsilon", self.layer_norm_epsilon, lo=0, lo_open=True)
-        _check_range("model.sliding_window", self.sliding_window, lo=1)
+            check_range(f"model.{name}", getattr(self, name), lo=1)
+        check_range("model.vocab_size", self.vocab_size, lo=0)
+        check_range("model.head_dim", self.head_dim, lo=1)
+        check_range("model.rms_norm_eps", self.rms_norm_eps, lo=0, lo_open=True)
+        check_range("model.rope_theta", self.rope_theta, lo=0, lo_open=True)
+        check_range("model.layer_norm_epsilon", self.layer_norm_epsilon, lo=0, lo_open=True)
+        check_range("model.sliding_window", self.sliding_window, lo=1)
         self._check_gemma3_fields()
         self.rope_scaling = validate_rope_scaling(self.rope_scaling)
         self._check_rotary_fields()
-        _check_range("model.init_std", self.init_std, lo=0, lo_open=True)
+        check_range("model.init_std", self.init_std, lo=0, lo_open=True)
         if self.path is None:
             if self.head_dim is None and self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
@@ -91,7 +91,7 @@ class ModelConfig:
     def _check_rotary_fields(self) -> None:
         """partial_rotary_factor, and longrope's factor lists against the rotary width they
         scale (half of it: one factor per frequency), as transformers' Phi3Config checks."""
-        _check_range("model.partial_rotary_factor", self.partial_rotary_factor, lo=0, hi=1, lo_open=True)
+        check_range("model.partial_rotary_factor", self.partial_rotary_factor, lo=0, hi=1, lo_open=True)
         longrope = self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope"
         # gpt2 has learned position embeddings (its model refuses rope_scaling); a plain head_dim
         # is checked by the model when it is built (a base config's shape may be overridden).
@@ -116,7 +116,7 @@ class ModelConfig:
                 raise ConfigError(f"model.{name}: only arch 'gemma3' uses it; must be null for "
                                   f"arch {self.arch!r}")
         for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
-            _check_range(f"model.{name}", getattr(self, name), lo=0, lo_open=True)
+            check_range(f"model.{name}", getattr(self, name), lo=0, lo_open=True)
         if self.layer_types is None:
             return
         if len(self.layer_types) != self.num_hidden_layers:

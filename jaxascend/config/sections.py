@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from jaxascend.config.model import ModelConfig
-from jaxascend.config.values import ConfigError, DType, _check_range, parse_bytes
+from jaxascend.config.values import ConfigError, DType, check_range, parse_bytes
 
 
 @dataclass
@@ -45,9 +45,9 @@ class DataConfig:
     overlong: Literal["truncate", "drop"] = "truncate"
 
     def __post_init__(self):
-        _check_range("data.seq_len", self.seq_len, lo=2)
-        _check_range("data.batch_size", self.batch_size, lo=1)
-        _check_range("data.max_documents", self.max_documents, lo=1)
+        check_range("data.seq_len", self.seq_len, lo=2)
+        check_range("data.batch_size", self.batch_size, lo=1)
+        check_range("data.max_documents", self.max_documents, lo=1)
         for name in ("text_field", "prompt_field", "completion_field", "messages_field"):
             if not getattr(self, name):
                 raise ConfigError(f"data.{name}: must be a non-empty field name")
@@ -79,12 +79,12 @@ class EvalConfig:
     sample_top_p: float = 1.0
 
     def __post_init__(self):
-        _check_range("eval.every_steps", self.every_steps, lo=0)
-        _check_range("eval.batches", self.batches, lo=1)
-        _check_range("eval.batch_size", self.batch_size, lo=1)
-        _check_range("eval.sample_max_tokens", self.sample_max_tokens, lo=1)
-        _check_range("eval.sample_temperature", self.sample_temperature, lo=0)
-        _check_range("eval.sample_top_p", self.sample_top_p, lo=0, hi=1, lo_open=True)
+        check_range("eval.every_steps", self.every_steps, lo=0)
+        check_range("eval.batches", self.batches, lo=1)
+        check_range("eval.batch_size", self.batch_size, lo=1)
+        check_range("eval.sample_max_tokens", self.sample_max_tokens, lo=1)
+        check_range("eval.sample_temperature", self.sample_temperature, lo=0)
+        check_range("eval.sample_top_p", self.sample_top_p, lo=0, hi=1, lo_open=True)
 
 
 @dataclass
@@ -123,19 +123,19 @@ class OptimizerConfig:
     def __post_init__(self):
         if not (256 <= self.state_block <= 2048 and self.state_block & (self.state_block - 1) == 0):
             raise ConfigError(f"optimizer.state_block: {self.state_block} must be a power of two in [256, 2048]")
-        _check_range("optimizer.learning_rate", self.learning_rate, lo=0)
-        _check_range("optimizer.warmup_steps", self.warmup_steps, lo=0)
-        _check_range("optimizer.min_lr_ratio", self.min_lr_ratio, lo=0, hi=1)
-        _check_range("optimizer.b1", self.b1, lo=0, hi=1, hi_open=True)
-        _check_range("optimizer.b2", self.b2, lo=0, hi=1, hi_open=True)
-        _check_range("optimizer.eps", self.eps, lo=0, lo_open=True)
-        _check_range("optimizer.weight_decay", self.weight_decay, lo=0)
-        _check_range("optimizer.grad_clip_norm", self.grad_clip_norm, lo=0, lo_open=True)
-        _check_range("optimizer.loss_scale_init", self.loss_scale_init, lo=0, lo_open=True)
-        _check_range("optimizer.loss_scale_growth", self.loss_scale_growth, lo=1)
-        _check_range("optimizer.loss_scale_backoff", self.loss_scale_backoff, lo=0, hi=1, lo_open=True, hi_open=True)
-        _check_range("optimizer.loss_scale_growth_interval", self.loss_scale_growth_interval, lo=1)
-        _check_range("optimizer.loss_scale_min", self.loss_scale_min, lo=0, lo_open=True)
+        check_range("optimizer.learning_rate", self.learning_rate, lo=0)
+        check_range("optimizer.warmup_steps", self.warmup_steps, lo=0)
+        check_range("optimizer.min_lr_ratio", self.min_lr_ratio, lo=0, hi=1)
+        check_range("optimizer.b1", self.b1, lo=0, hi=1, hi_open=True)
+        check_range("optimizer.b2", self.b2, lo=0, hi=1, hi_open=True)
+        check_range("optimizer.eps", self.eps, lo=0, lo_open=True)
+        check_range("optimizer.weight_decay", self.weight_decay, lo=0)
+        check_range("optimizer.grad_clip_norm", self.grad_clip_norm, lo=0, lo_open=True)
+        check_range("optimizer.loss_scale_init", self.loss_scale_init, lo=0, lo_open=True)
+        check_range("optimizer.loss_scale_growth", self.loss_scale_growth, lo=1)
+        check_range("optimizer.loss_scale_backoff", self.loss_scale_backoff, lo=0, hi=1, lo_open=True, hi_open=True)
+        check_range("optimizer.loss_scale_growth_interval", self.loss_scale_growth_interval, lo=1)
+        check_range("optimizer.loss_scale_min", self.loss_scale_min, lo=0, lo_open=True)
         if self.loss_scale_max < self.loss_scale_min:
             raise ConfigError(f"optimizer.loss_scale_max: {self.loss_scale_max} is below "
                               f"optimizer.loss_scale_min={self.loss_scale_min}")
@@ -208,27 +208,27 @@ class OffloadConfig:
     def __post_init__(self):
         if self.arena_bytes is not None:
             self.arena_bytes = parse_bytes(self.arena_bytes, "offload.arena_bytes")
-            _check_range("offload.arena_bytes", self.arena_bytes, lo=4096)
+            check_range("offload.arena_bytes", self.arena_bytes, lo=4096)
         if self.host_memory_budget is not None:
             self.host_memory_budget = parse_bytes(self.host_memory_budget, "offload.host_memory_budget")
-            _check_range("offload.host_memory_budget", self.host_memory_budget, lo=4096)
+            check_range("offload.host_memory_budget", self.host_memory_budget, lo=4096)
         if self.io_engine not in IO_ENGINES:
             raise ConfigError(f"offload.io_engine: {self.io_engine!r} is not one of {', '.join(IO_ENGINES)}")
-        _check_range("offload.queue_depth", self.queue_depth, lo=1, hi=256)
-        _check_range("offload.io_threads", self.io_threads, lo=1, hi=64)
-        _check_range("offload.staging_slots", self.staging_slots, lo=1, hi=64)
-        _check_range("offload.stream_depth", self.stream_depth, lo=2, hi=64)
-        _check_range("offload.kernel_threads", self.kernel_threads, lo=1, hi=256)
+        check_range("offload.queue_depth", self.queue_depth, lo=1, hi=256)
+        check_range("offload.io_threads", self.io_threads, lo=1, hi=64)
+        check_range("offload.staging_slots", self.staging_slots, lo=1, hi=64)
+        check_range("offload.stream_depth", self.stream_depth, lo=2, hi=64)
+        check_range("offload.kernel_threads", self.kernel_threads, lo=1, hi=256)
         if self.params not in PARAM_PLACEMENTS:
             raise ConfigError(f"offload.params: {self.params!r} is not one of {', '.join(PARAM_PLACEMENTS)}")
-        _check_range("offload.param_prefetch", self.param_prefetch, lo=1, hi=64)
+        check_range("offload.param_prefetch", self.param_prefetch, lo=1, hi=64)
         self.block_bytes = parse_bytes(self.block_bytes, "offload.block_bytes")
-        _check_range("offload.block_bytes", self.block_bytes, lo=4096, hi=1 << 30)
+        check_range("offload.block_bytes", self.block_bytes, lo=4096, hi=1 << 30)
         if self.block_bytes % 4096:
             raise ConfigError(f"offload.block_bytes: must be a multiple of 4096, got {self.block_bytes}")
         for name in ("chunk_bytes", "shard_bytes", "staging_bytes"):
             value = parse_bytes(getattr(self, name), f"offload.{name}")
-            _check_range(f"offload.{name}", value, lo=self.block_bytes)
+            check_range(f"offload.{name}", value, lo=self.block_bytes)
             if value % self.block_bytes:
                 raise ConfigError(f"offload.{name}: must be a multiple of offload.block_bytes="
                                   f"{self.block_bytes}, got {value}")
@@ -247,8 +247,8 @@ class CheckpointConfig:
     cleanup_partial: bool = True  # remove half-written saves (Orbax tmp dirs) when opening dir
 
     def __post_init__(self):
-        _check_range("checkpoint.every_steps", self.every_steps, lo=0)
-        _check_range("checkpoint.keep_last", self.keep_last, lo=1)
+        check_range("checkpoint.every_steps", self.every_steps, lo=0)
+        check_range("checkpoint.keep_last", self.keep_last, lo=1)
         if self.compression not in ("none", "zstd"):
             raise ConfigError(f"checkpoint.compression: expected one of 'none', 'zstd', got {self.compression!r}")
 
@@ -267,7 +267,7 @@ class ExportConfig:
 
     def __post_init__(self):
         self.shard_bytes = parse_bytes(self.shard_bytes, "export.shard_bytes")
-        _check_range("export.shard_bytes", self.shard_bytes, lo=1)
+        check_range("export.shard_bytes", self.shard_bytes, lo=1)
 
 
 @dataclass
@@ -288,10 +288,10 @@ class DistributedConfig:
     shutdown_timeout_seconds: int = 300
 
     def __post_init__(self):
-        _check_range("train.distributed.num_processes", self.num_processes, lo=1)
-        _check_range("train.distributed.process_id", self.process_id, lo=0)
+        check_range("train.distributed.num_processes", self.num_processes, lo=1)
+        check_range("train.distributed.process_id", self.process_id, lo=0)
         for name in ("initialization_timeout_seconds", "heartbeat_timeout_seconds", "shutdown_timeout_seconds"):
-            _check_range(f"train.distributed.{name}", getattr(self, name), lo=1)
+            check_range(f"train.distributed.{name}", getattr(self, name), lo=1)
         given = [self.coordinator is not None, self.num_processes is not None, self.process_id is not None]
         if any(given) and not all(given):
             raise ConfigError("train.distributed: give coordinator, num_processes and process_id together, "
@@ -326,10 +326,10 @@ class TrainConfig:
 
     def __post_init__(self):
         self.resume = validate_resume(self.resume)
-        _check_range("train.steps", self.steps, lo=1)
-        _check_range("train.stop_at_step", self.stop_at_step, lo=1, hi=self.steps)
-        _check_range("train.grad_accum", self.grad_accum, lo=1)
-        _check_range("train.log_every", self.log_every, lo=1)
+        check_range("train.steps", self.steps, lo=1)
+        check_range("train.stop_at_step", self.stop_at_step, lo=1, hi=self.steps)
+        check_range("train.grad_accum", self.grad_accum, lo=1)
+        check_range("train.log_every", self.log_every, lo=1)
 
 
 def validate_resume(value: Any, name: str = "train.resume") -> Union[str, int]:

@@ -29,7 +29,7 @@ def parse_bytes(value: Any, name: str) -> int:
     raise ConfigError(f"{name}: expected a byte size like 4096 or '512MiB', got {value!r}")
 
 
-def _check_range(name: str, value, *, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
+def check_range(name: str, value, *, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
     if value is None:
         return
     bad = (lo is not None and (value <= lo if lo_open else value < lo)) or (

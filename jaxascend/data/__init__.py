@@ -3,38 +3,32 @@
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     stream = make_batch_stream(cfg.data, tokenizer)   # per next(): int32 [B, T+1] (text) or a PackedBatch
 
-* :func:`discover_files` / :func:`build_document_index` -- documents of ``.txt`` / ``.jsonl``
+* :func:`~jaxascend.data.documents.discover_files` / :func:`build_document_index` -- documents of ``.txt`` / ``.jsonl``
   files and directories (``@stdlib``: Python's standard library), indexed, read lazily;
 * :class:`ByteTokenizer` / :class:`HFTokenizer` / :func:`load_tokenizer` -- byte-level or a
   local Hugging Face tokenizer;
 * :class:`BatchStream` -- documents (``data.format: text``) packed into fixed-length rows in a
   seeded order, with a small JSON position to resume from;
-* :class:`ExampleSource` -- JSONL records (``prompt_completion`` or ``chat``), every one checked,
-  encoded to ids and a trained mask; :class:`ChatTemplate` / :func:`load_chat_template` render chats;
-* :class:`ExampleStream` -- examples packed into rows (:class:`PackedBatch`: tokens, loss_mask,
+* :class:`~jaxascend.data.examples.ExampleSource` -- JSONL records (``prompt_completion`` or ``chat``), every one checked,
+  encoded to ids and a trained mask; :class:`~jaxascend.data.chat_templates.ChatTemplate` / :func:`load_chat_template` render chats;
+* :class:`~jaxascend.data.example_packing.ExampleStream` -- examples packed into rows (:class:`~jaxascend.data.example_packing.PackedBatch`: tokens, loss_mask,
   segment_ids, positions), seeded and resumable; :func:`make_batch_stream` picks the stream;
 * :func:`eval_batches` -- one pass over held-out data in file order, for every format;
-* :func:`chat_prompt_ids` / :func:`chat_stop_ids` -- a conversation's prompt for generation, and
+* :func:`~jaxascend.data.chat_templates.chat_prompt_ids` / :func:`~jaxascend.data.chat_templates.chat_stop_ids` -- a conversation's prompt for generation, and
   the ids that end the assistant's turn.
 
 Imports only :mod:`jaxascend.config`.
 """
 
-from jaxascend.data.chat_templates import (CHAT_ROLES, ChatTemplate, chat_prompt_ids, chat_stop_ids,
-                                           check_messages, load_chat_template)
-from jaxascend.data.documents import STDLIB, DocumentIndex, build_document_index, discover_files
+from jaxascend.data.chat_templates import load_chat_template
+from jaxascend.data.documents import build_document_index
 from jaxascend.data.eval_data import eval_batches
-from jaxascend.data.example_packing import (ExampleStream, ExampleStreamState, PackedBatch,
-                                            make_batch_stream)
-from jaxascend.data.examples import Example, ExampleSource
-from jaxascend.data.packing import BatchStream, StreamState
-from jaxascend.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer,
-                                       resolve_tokenizer_spec, tokenizer_folder, write_hf_tokenizer)
+from jaxascend.data.example_packing import make_batch_stream
+from jaxascend.data.packing import BatchStream
+from jaxascend.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, tokenizer_folder,
+                                       write_hf_tokenizer)
 
 __all__ = [
-    "CHAT_ROLES", "STDLIB", "BatchStream", "ByteTokenizer", "ChatTemplate", "DocumentIndex", "Example",
-    "ExampleSource", "ExampleStream", "ExampleStreamState", "HFTokenizer", "PackedBatch", "StreamState",
-    "Tokenizer", "build_document_index", "chat_prompt_ids", "chat_stop_ids", "check_messages",
-    "discover_files", "eval_batches", "load_chat_template", "load_tokenizer", "make_batch_stream",
-    "resolve_tokenizer_spec", "tokenizer_folder", "write_hf_tokenizer",
+    "BatchStream", "ByteTokenizer", "HFTokenizer", "Tokenizer", "build_document_index", "eval_batches",
+    "load_chat_template", "load_tokenizer", "make_batch_stream", "tokenizer_folder", "write_hf_tokenizer",
 ]

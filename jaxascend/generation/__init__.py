@@ -16,15 +16,15 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.data`,
 :mod:`jaxascend.hf` and :mod:`jaxascend.checkpoint`; the generate CLI uses it.
 """
 
-from jaxascend.generation.chat import NO_TEMPLATE, ChatFormat, check_template_file, template_chat_format
-from jaxascend.generation.generator import MAX_LENGTH, MAX_NEW_TOKENS, STOP_ID, Generation, Generator, check_prompt
-from jaxascend.generation.sampling import SamplingConfig, bucket_length, sample_logits, top_p_filter
+from jaxascend.generation.chat import ChatFormat, check_template_file, template_chat_format
+from jaxascend.generation.generator import Generator, MAX_LENGTH, MAX_NEW_TOKENS, STOP_ID, check_prompt
+from jaxascend.generation.sampling import SamplingConfig, bucket_length, sample_logits
 from jaxascend.generation.run_samples import SamplePrompts
 from jaxascend.generation.text import TextStream, generation_stop_ids
-from jaxascend.generation.weights import LayerStream, open_for_sampling, read_params, streams_layers
+from jaxascend.generation.weights import LayerStream, open_for_sampling, streams_layers
 
 __all__ = [
-    "MAX_LENGTH", "MAX_NEW_TOKENS", "NO_TEMPLATE", "STOP_ID", "SamplePrompts", "ChatFormat", "Generation", "Generator", "LayerStream",
-    "SamplingConfig", "TextStream", "bucket_length", "check_prompt", "generation_stop_ids", "open_for_sampling", "read_params",
-    "check_template_file", "sample_logits", "streams_layers", "template_chat_format", "top_p_filter",
+    "ChatFormat", "Generator", "LayerStream", "MAX_LENGTH", "MAX_NEW_TOKENS", "STOP_ID", "SamplePrompts",
+    "SamplingConfig", "TextStream", "bucket_length", "check_prompt", "check_template_file", "generation_stop_ids",
+    "open_for_sampling", "sample_logits", "streams_layers", "template_chat_format",
 ]

@@ -36,7 +36,7 @@ from jaxascend.generation.sampling import SamplingConfig, StepInputs, bucket_len
 from jaxascend.generation.weights import LayerStream, merged, read_params
 from jaxascend.hf import abstract_params, param_plan
 from jaxascend.models import DTYPES
-from jaxascend.models.decoding import KVCache, cache_positions, layer_decode
+from jaxascend.models import KVCache, cache_positions, layer_decode
 
 STOP_ID, MAX_NEW_TOKENS, MAX_LENGTH = "stop id", "max_new_tokens", "max_position_embeddings"
 

@@ -19,14 +19,15 @@ import jax
 from flax import nnx
 
 from jaxascend.config import ModelConfig
-from jaxascend.models.decoding import KVCache, LayerKV, cache_positions, cached_attention, decode_layers, layer_decode
+from jaxascend.models.decoding import KVCache, cache_positions, layer_decode
 from jaxascend.models.gemma3 import GEMMA3_ARCHS, Gemma3ForCausalLM
 from jaxascend.models.gpt2 import GPT2LMHeadModel
 from jaxascend.models.vocab import is_large_table, table_blocks
-from jaxascend.models.layers import DTYPES, OFFLOADED_ACTIVATIONS, REMAT_POLICIES, layer_forward, scan_layers
+from jaxascend.models.layers import DTYPES, REMAT_POLICIES
 from jaxascend.models.llama import LLAMA_ARCHS, LlamaForCausalLM
 from jaxascend.models.losses import (TokenBatch, as_token_batch, batch_loss, forward, loss_sum_and_count, micro_batch,
-                                      next_token_loss, token_batch, token_losses)
+                                     next_token_loss, token_batch, token_losses)
+from jaxascend.models.rope import Rotary
 
 ARCHS = LLAMA_ARCHS + ("gpt2",) + GEMMA3_ARCHS
 
@@ -71,10 +72,8 @@ def count_params(model: nnx.Module) -> int:
 
 
 __all__ = [
-    "ARCHS", "DTYPES", "GPT2LMHeadModel", "Gemma3ForCausalLM", "KVCache", "LayerKV", "LlamaForCausalLM",
-    "OFFLOADED_ACTIVATIONS", "REMAT_POLICIES", "TokenBatch",
-    "as_token_batch", "batch_loss", "build_model", "cache_positions", "cached_attention", "count_params",
-    "decode_layers", "is_large_table", "layer_decode", "layer_forward", "layer_stack_key", "loss_sum_and_count",
-    "micro_batch", "model_class", "token_table_path",
-    "next_token_loss", "norm_scale_init", "scan_layers", "table_blocks", "token_batch", "token_losses", "forward",
+    "DTYPES", "KVCache", "REMAT_POLICIES", "Rotary", "TokenBatch", "as_token_batch", "batch_loss", "build_model",
+    "cache_positions", "count_params", "forward", "is_large_table", "layer_decode", "layer_stack_key",
+    "loss_sum_and_count", "micro_batch", "next_token_loss", "norm_scale_init", "table_blocks", "token_batch",
+    "token_losses", "token_table_path",
 ]

@@ -23,6 +23,7 @@ import jax
 
 from jaxascend.config import Config, ConfigError, ModelConfig
 from jaxascend.models import DTYPES, is_large_table
+from jaxascend.native import host_callbacks
 from jaxascend.offload.partition import Partition
 
 Gradients = Literal["instant", "accumulate", "post_backward"]
@@ -50,6 +51,7 @@ class StepPlan:
     overlap_refused: Optional[str] = None  # why an asked-for overlap is off
     partition: Optional[Partition] = None  # None: one device; (0, 1): this process's devices; (i, P): a job
     notes: tuple[str, ...] = ()  # the choices the user did not ask for, one line each
+    host_callbacks: bool = False  # the native side through host callbacks (native.host_callbacks), not FFI targets
 
     @classmethod
     def resolve(cls, cfg: Config, model_cfg: ModelConfig, job: JobShape = JobShape(),
@@ -69,7 +71,8 @@ class StepPlan:
                 notes.append(f"offload.overlap is off, the optimizer step runs after the forward/backward: {refused}")
         return cls(engine="offload" if cfg.offload.enabled else "in-memory", weights=weights, gradients=gradients,
                    grad_accum=cfg.train.grad_accum, overlap=cfg.offload.enabled and cfg.offload.overlap and not refused,
-                   overlap_refused=refused, partition=partition, notes=tuple(notes))
+                   overlap_refused=refused, partition=partition, notes=tuple(notes),
+                   host_callbacks=host_callbacks())
 
     @property
     def partitioned(self) -> bool:

@@ -20,8 +20,7 @@ import numpy as np
 from jaxascend.kill_points import kill_point
 from jaxascend.offload.layout import PARAM_SLOT_CLASS, ChunkRef, LeafLayout, OffloadLayout
 from jaxascend.offload.param_source import ParamSource
-from jaxascend.optim import AdamHyperParams, StateFormat, fused_adamw_update_numpy
-from jaxascend.optim import state_codes
+from jaxascend.optim import AdamHyperParams, StateFormat, chunk_seed, fused_adamw_update_numpy
 from jaxascend.ssd import ArenaError, Segment, SsdStore, format_bytes, round_to_alignment
 
 
@@ -140,7 +139,7 @@ class ChunkKernel:
         rounding in this update; (0, 0) when v is rounded to nearest."""
         if not self.state.stochastic:
             return 0, 0
-        seed = state_codes.chunk_seed(self.rounding_seed, self.updates_applied, ref.leaf.index, ref.layer)
+        seed = chunk_seed(self.rounding_seed, self.updates_applied, ref.leaf.index, ref.layer)
         return seed, self.partition_index * ref.leaf.layer_elements + ref.start
 
 

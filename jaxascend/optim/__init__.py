@@ -5,7 +5,7 @@
 * :class:`AdamWSettings` / :class:`AdamHyperParams` -- AdamW's hyperparameters for the fused kernel;
 * :func:`fused_adamw_update` (FFI target) / :func:`fused_adamw_update_numpy` (in place) -- the
   fused AdamW kernel (scalar, AVX2 and AVX-512 variants, chosen at run time);
-* :class:`StateFormat` / :data:`STATE_DTYPES` -- how the moments are stored (``optimizer.state_dtype``:
+* :class:`StateFormat` / :data:`~jaxascend.optim.state_codes.STATE_DTYPES` -- how the moments are stored (``optimizer.state_dtype``:
   float32, bfloat16, block-wise int8 codes; :mod:`~jaxascend.optim.state_codes` has their numpy reference);
   :class:`StateRecord` -- where master, m, v (and int8's scales) sit in one chunk's record;
 * :func:`grad_stats` / :func:`tree_grad_stats` -- fused overflow check + sum of squares;
@@ -16,14 +16,15 @@ No disk, no arena: the SSD-resident AdamW that runs these kernels is :mod:`jaxas
 
 from jaxascend.optim.adamw import AdamWSettings, adamw_in_memory
 from jaxascend.optim.fused_adam import (AdamHyperParams, adamw_reference, default_isa, fused_adamw_update,
-                                        fused_adamw_update_numpy, supported_isas)
-from jaxascend.optim.grad_stats import grad_stats, grad_stats_reference, tree_grad_stats
-from jaxascend.optim.loss_scale import LossScaleState, update_loss_scale, uses_loss_scaling
+                                        fused_adamw_update_numpy)
+from jaxascend.optim.grad_stats import grad_stats, tree_grad_stats
+from jaxascend.optim.loss_scale import LossScaleState, update_loss_scale
 from jaxascend.optim.schedules import learning_rate_schedule
-from jaxascend.optim.state_codes import STATE_DTYPES, StateFormat, StateRecord
+from jaxascend.optim import state_codes  # the numpy reference of the moments' formats, as a namespace
+from jaxascend.optim.state_codes import StateFormat, StateRecord, chunk_seed
 
 __all__ = [
-    "AdamHyperParams", "AdamWSettings", "STATE_DTYPES", "StateFormat", "StateRecord", "LossScaleState", "adamw_in_memory", "adamw_reference", "default_isa",
-    "fused_adamw_update", "fused_adamw_update_numpy", "grad_stats", "grad_stats_reference",
-    "learning_rate_schedule", "supported_isas", "tree_grad_stats", "update_loss_scale", "uses_loss_scaling",
+    "AdamHyperParams", "AdamWSettings", "LossScaleState", "StateFormat", "StateRecord", "adamw_in_memory",
+    "adamw_reference", "chunk_seed", "default_isa", "fused_adamw_update", "fused_adamw_update_numpy", "grad_stats",
+    "learning_rate_schedule", "state_codes", "tree_grad_stats", "update_loss_scale",
 ]

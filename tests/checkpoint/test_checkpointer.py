@@ -20,9 +20,10 @@ import numpy as np
 import optax
 import pytest
 
-from jaxascend.checkpoint import (ArraySpec, CheckpointError, CheckpointNotFoundError, Checkpointer,
-                                  CorruptCheckpointError, IncompatibleCheckpointError, Span, SsdArrays,
-                                  check_compatible, checkpoint_arena_requests)
+from jaxascend.checkpoint import (ArraySpec, CheckpointError, Checkpointer, IncompatibleCheckpointError, Span,
+                                  SsdArrays, checkpoint_arena_requests)
+from jaxascend.checkpoint.errors import CheckpointNotFoundError, CorruptCheckpointError
+from jaxascend.checkpoint.resume import check_compatible
 from jaxascend.checkpoint.zarr_layout import chunk_grid, zarr_chunk_shape
 from jaxascend.config import CheckpointConfig, Config, ModelConfig, OffloadConfig, TrainConfig
 from jaxascend.ssd import ArenaPlan, HostArena, SsdStore

@@ -4,8 +4,9 @@ apply_chat_template, the byte tokenizer's renderer, generation prompts and stop 
 import numpy as np
 import pytest
 
-from jaxascend.data import (ByteTokenizer, ChatTemplate, ExampleSource, chat_prompt_ids, chat_stop_ids,
-                            load_chat_template)
+from jaxascend.data import ByteTokenizer, load_chat_template
+from jaxascend.data.chat_templates import ChatTemplate, chat_prompt_ids, chat_stop_ids
+from jaxascend.data.examples import ExampleSource
 from tests.data.conftest import BYTE_TEMPLATE, CHATML_TEMPLATE, CONVERSATION, chat_cfg, write_jsonl
 
 BYTE = ByteTokenizer()

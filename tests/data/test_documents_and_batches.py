@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from jaxascend.config import DataConfig
-from jaxascend.data import (BatchStream, ByteTokenizer, build_document_index, discover_files,
-                            documents as data_mod, load_tokenizer, write_hf_tokenizer)
+from jaxascend.data import (BatchStream, ByteTokenizer, build_document_index, documents as data_mod, load_tokenizer,
+                            write_hf_tokenizer)
+from jaxascend.data.documents import discover_files
 
 TOK = ByteTokenizer()
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxascend.config import DataConfig
-from jaxascend.data import ByteTokenizer, HFTokenizer, PackedBatch, eval_batches, write_hf_tokenizer
+from jaxascend.data import ByteTokenizer, HFTokenizer, eval_batches, write_hf_tokenizer
+from jaxascend.data.example_packing import PackedBatch
 from tests.data.conftest import BPE_TEXTS, chat_cfg, write_jsonl
 
 BYTE = ByteTokenizer()

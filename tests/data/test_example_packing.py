@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from jaxascend.config import DataConfig
-from jaxascend.data import (BatchStream, ByteTokenizer, Example, ExampleStream, PackedBatch, make_batch_stream)
+from jaxascend.data import BatchStream, ByteTokenizer, make_batch_stream
+from jaxascend.data.example_packing import ExampleStream, PackedBatch
+from jaxascend.data.examples import Example
 from jaxascend.data.example_packing import BatchBuilder
 from tests.data.conftest import CONVERSATION, chat_cfg, write_jsonl
 

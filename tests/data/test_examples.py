@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from jaxascend.config import DataConfig
-from jaxascend.data import ByteTokenizer, ExampleSource, ExampleStream
+from jaxascend.data import ByteTokenizer
+from jaxascend.data.example_packing import ExampleStream
+from jaxascend.data.examples import ExampleSource
 from tests.data.conftest import CONVERSATION, chat_cfg, write_jsonl
 
 BYTE = ByteTokenizer()

@@ -7,7 +7,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxascend.config import DataConfig
-from jaxascend.data import ByteTokenizer, ExampleStream, chat_prompt_ids, chat_stop_ids, eval_batches
+from jaxascend.data import ByteTokenizer, eval_batches
+from jaxascend.data.chat_templates import chat_prompt_ids, chat_stop_ids
+from jaxascend.data.example_packing import ExampleStream
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data" / "sft_tiny"

@@ -11,9 +11,10 @@ import dataclasses
 
 import pytest
 
-from jaxascend.hf import (PRESETS, UnsupportedModelError, hf_config_dict, model_config_from_hf_dict,
-                          param_plan)
-from jaxascend.models.rope import Rotary
+from jaxascend.hf import PRESETS, model_config_from_hf_dict, param_plan
+from jaxascend.hf.config_map import hf_config_dict
+from jaxascend.hf.errors import UnsupportedModelError
+from jaxascend.models import Rotary
 
 SHAPE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from jaxascend.config import ModelConfig, load_config
-from jaxascend.hf import (PRESETS, detect_arch, hf_config_dict, make_hf_checkpoint, model_config_from_hf,
-                          model_config_from_hf_dict)
+from jaxascend.hf import PRESETS, make_hf_checkpoint, model_config_from_hf, model_config_from_hf_dict
+from jaxascend.hf.config_map import detect_arch, hf_config_dict
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 READY = {"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "llama3.2-1b", "llama3.2-3b",

@@ -13,10 +13,10 @@ import pytest
 
 from jaxascend.config import ModelConfig
 from jaxascend.export import main as export_main
-from jaxascend.hf import (INDEX_FILE, SINGLE_FILE, CheckpointFiles, CorruptFileError, DTypeMismatchError,
-                          HFCheckpointError, MissingTensorError, ShapeMismatchError, TensorSpec,
-                          UnexpectedTensorError, UnsupportedModelError, export_hf, load_hf_params,
-                          make_hf_checkpoint, model_config_from_hf, write_safetensors)
+from jaxascend.hf import CheckpointFiles, export_hf, load_hf_params, make_hf_checkpoint, model_config_from_hf
+from jaxascend.hf.errors import (CorruptFileError, DTypeMismatchError, HFCheckpointError, MissingTensorError,
+                                 ShapeMismatchError, UnexpectedTensorError, UnsupportedModelError)
+from jaxascend.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, TensorSpec, write_safetensors
 
 FP32 = ModelConfig(dtype="float32", param_dtype="float32")
 

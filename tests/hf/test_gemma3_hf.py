@@ -15,9 +15,11 @@ import pytest
 from flax import nnx
 
 from jaxascend.config import ModelConfig
-from jaxascend.hf import (PRESETS, SINGLE_FILE, CheckpointFiles, HFCheckpointError, TensorSpec, UnsupportedModelError,
-                          build_model_lean, hf_config_dict, load_hf_params, make_hf_checkpoint, model_config_from_hf,
-                          model_config_from_hf_dict, write_safetensors)
+from jaxascend.hf import (CheckpointFiles, PRESETS, build_model_lean, load_hf_params, make_hf_checkpoint,
+                          model_config_from_hf, model_config_from_hf_dict)
+from jaxascend.hf.config_map import hf_config_dict
+from jaxascend.hf.errors import HFCheckpointError, UnsupportedModelError
+from jaxascend.hf.safetensors_io import SINGLE_FILE, TensorSpec, write_safetensors
 
 FP32 = ModelConfig(dtype="float32", param_dtype="float32")
 FULL, SLIDING = "full_attention", "sliding_attention"

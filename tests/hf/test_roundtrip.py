@@ -23,10 +23,11 @@ from flax import nnx
 
 from jaxascend.config import ModelConfig
 from jaxascend.export import main as export_main
-from jaxascend.hf import (INDEX_FILE, PRESETS, PUBLISHED_PARAMS, SINGLE_FILE, CheckpointFiles, ParamsFile,
-                          TensorSpec, export_hf, iter_hf_params, load_hf_model, load_hf_params,
-                          make_hf_checkpoint, model_config_from_hf, model_config_from_hf_dict, param_plan,
-                          save_params, write_safetensors)
+from jaxascend.hf import (CheckpointFiles, PRESETS, ParamsFile, export_hf, load_hf_model, load_hf_params,
+                          make_hf_checkpoint, model_config_from_hf, model_config_from_hf_dict, param_plan, save_params)
+from jaxascend.hf.load import iter_hf_params
+from jaxascend.hf.presets import PUBLISHED_PARAMS
+from jaxascend.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, TensorSpec, write_safetensors
 
 ARCHS = ("llama", "qwen2", "mistral", "gpt2", "gemma3", "qwen3", "phi3")
 FP32 = ModelConfig(dtype="float32", param_dtype="float32")

@@ -10,8 +10,7 @@ import pytest
 import tensorstore as ts
 
 from jaxascend.checkpoint import IncompatibleCheckpointError, SsdArrays
-from jaxascend.checkpoint.array_restore import restore_arrays
-from jaxascend.checkpoint.array_save import save_item
+from jaxascend.checkpoint import restore_arrays, save_item
 from jaxascend.offload import OffloadLayout, OffloadedAdamState, specs_for_offload_layout
 from jaxascend.offload.layout import STATE_SLOT_CLASS
 from jaxascend.optim import AdamHyperParams, StateFormat

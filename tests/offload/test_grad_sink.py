@@ -16,7 +16,8 @@ def forget_failed_effects():
     dispatch.runtime_tokens.clear()
 
 from jaxascend.native import HOST_CALLBACKS_ENV
-from jaxascend.offload import MemorySink, offload_on_backward, register_memory_sink, unregister_sink
+from jaxascend.offload import offload_on_backward
+from jaxascend.offload.grad_sink import MemorySink, register_memory_sink, unregister_sink
 
 L, D = 3, 16
 

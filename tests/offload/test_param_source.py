@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from jaxascend.config import OffloadConfig
-from jaxascend.offload import (PARAM_SLOT_CLASS, MemorySink, OffloadLayout, ParamSource, ParamSourceError,
-                               fetch_layer, fetch_step_outputs, register_memory_sink, sink_gradient,
-                               unregister_sink)
+from jaxascend.offload import OffloadLayout, fetch_layer, sink_gradient
+from jaxascend.offload.grad_sink import MemorySink, fetch_step_outputs, register_memory_sink, unregister_sink
+from jaxascend.offload.layout import PARAM_SLOT_CLASS
+from jaxascend.offload.param_source import ParamSource, ParamSourceError
 from jaxascend.offload.grad_sink import step_errors
 from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
 from jaxascend.ssd import ArenaPlan, HostArena, SsdStore, clear_faults, inject_fault

@@ -9,7 +9,8 @@ import optax
 import pytest
 
 from jaxascend.config import OffloadConfig
-from jaxascend.offload import OffloadedAdamState, SsdAdamWState, ssd_adamw, ssd_adamw_state, ssd_adamw_step
+from jaxascend.offload import OffloadedAdamState, ssd_adamw
+from jaxascend.offload.ssd_adamw import SsdAdamWState, ssd_adamw_state, ssd_adamw_step
 from jaxascend.optim import AdamWSettings
 
 STEPS = 100

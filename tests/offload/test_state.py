@@ -245,7 +245,7 @@ def test_sink_errors_name_the_tensor(tmp_path, forget_failed_effects):
             smaller = {"emb": params["emb"][:4], "w": params["w"]}  # 4 input features instead of 8
             jax.block_until_ready(step(probes, smaller, x[:, :4]))
         with pytest.raises(ValueError, match="region 'adam/1/w/L0/grad' holds 512 bytes, but one layer of the gradient is 100"):
-            from jaxascend.offload import SinkTarget, register_store_sink
+            from jaxascend.offload.store_sink import SinkTarget, register_store_sink
             register_store_sink(state.store, [SinkTarget(0, state.leaf("w").grad_regions, 100, jnp.bfloat16)])
 
 

@@ -10,8 +10,8 @@ from flax import nnx
 from jaxascend.config import ModelConfig
 from jaxascend.models import build_model, next_token_loss
 from jaxascend.native import HOST_CALLBACKS_ENV
-from jaxascend.offload import (MemorySink, SinkRouting, make_offload_step, register_memory_sink, total_stats,
-                               unregister_sink)
+from jaxascend.offload.grad_sink import MemorySink, register_memory_sink, unregister_sink
+from jaxascend.offload.step import SinkRouting, make_offload_step, total_stats
 
 VOCAB = 50
 

@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxascend.config import load_config
 from jaxascend.models import build_model, next_token_loss
-from jaxascend.offload import SinkRouting, make_offload_step, stacked_as_bits
+from jaxascend.offload.step import SinkRouting, make_offload_step, stacked_as_bits
 
 LAYERS, HIDDEN, MLP = 3, 64, 192
 

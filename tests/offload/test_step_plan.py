@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from jaxascend.config import ConfigError, load_config
-from jaxascend.offload import JobShape, Partition, StepPlan
+from jaxascend.offload import JobShape, StepPlan
+from jaxascend.offload.partition import Partition
 
 SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "data.seq_len=32", "data.batch_size=4"]
@@ -88,3 +89,10 @@ def test_choices_made_before_are_notes_too():
     plan = StepPlan.resolve(cfg, dataclasses.replace(cfg.model, vocab_size=259), choices=("offload.params: auto "
                                                                                           "chose resident",))
     assert plan.notes == ("offload.params: auto chose resident",) and plan.overlap
+
+
+def test_the_plan_records_the_platform_path(monkeypatch):
+    monkeypatch.delenv("JAXASCEND_HOST_CALLBACKS", raising=False)
+    assert _plan().host_callbacks is False  # the FFI targets on the CPU
+    monkeypatch.setenv("JAXASCEND_HOST_CALLBACKS", "1")
+    assert _plan().host_callbacks is True and _plan().describe()["host_callbacks"] is True

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxascend.native import extension as _native
 from jaxascend.native import ffi_call
-from jaxascend.optim import (AdamHyperParams, adamw_reference, default_isa, fused_adamw_update,
-                             fused_adamw_update_numpy, supported_isas)
+from jaxascend.optim import AdamHyperParams, adamw_reference, default_isa, fused_adamw_update, fused_adamw_update_numpy
+from jaxascend.optim.fused_adam import supported_isas
 
 SIZES = [1, 7, 1000, 4099, 65536 + 13]
 GRAD_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxascend.optim import grad_stats, grad_stats_reference, tree_grad_stats
+from jaxascend.optim import grad_stats, tree_grad_stats
+from jaxascend.optim.grad_stats import grad_stats_reference
 
 DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
 SIZES = [1, 7, 8, 1000, 4099]

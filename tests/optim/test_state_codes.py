@@ -7,7 +7,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxascend.optim import AdamHyperParams, StateFormat, fused_adamw_update_numpy, supported_isas
+from jaxascend.optim import AdamHyperParams, StateFormat, fused_adamw_update_numpy
+from jaxascend.optim.fused_adam import supported_isas
 from jaxascend.optim import state_codes as sc
 
 ISAS = supported_isas()

@@ -7,8 +7,9 @@ import pytest
 
 from jaxascend.native import extension as _native
 from jaxascend.config import OffloadConfig
-from jaxascend.ssd import (ArenaError, ArenaPlan, HostArena, SlotRequest, injected_faults,
-                           physical_memory_bytes)
+from jaxascend.ssd import ArenaError, ArenaPlan, HostArena, SlotRequest
+from jaxascend.ssd.arena import physical_memory_bytes
+from jaxascend.ssd.store import injected_faults
 
 
 def _cfg(**kw):
@@ -161,3 +162,9 @@ def test_pinning_registers_with_cuda():
     arena = HostArena(ArenaPlan().add("mlp", 1 << 20), _cfg(pin_memory=True))
     assert arena.pinned, arena.pin_status
     assert "cudaHostRegister" in arena.pin_status
+
+
+def test_next_power_of_two():
+    from jaxascend.ssd.arena import next_power_of_two
+
+    assert [next_power_of_two(n) for n in (1, 2, 3, 4096, 4097)] == [1, 2, 4, 4096, 8192]

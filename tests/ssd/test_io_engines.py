@@ -11,8 +11,8 @@ import pytest
 
 from jaxascend.native import extension as _native
 from jaxascend.config import ConfigError, OffloadConfig
-from jaxascend.ssd import (ArenaPlan, ChecksumError, HostArena, Segment, SsdStore, StoreError, clear_faults,
-                           inject_fault, injected_faults)
+from jaxascend.ssd import ArenaPlan, ChecksumError, HostArena, Segment, SsdStore, StoreError, clear_faults, inject_fault
+from jaxascend.ssd.store import injected_faults
 
 BLOCK = 16384
 

@@ -4,7 +4,8 @@ import os
 
 import numpy as np
 
-from jaxascend.ssd import MemorySampler, file_page_cache_bytes, page_cache_bytes
+from jaxascend.ssd import MemorySampler, page_cache_bytes
+from jaxascend.ssd.memory_probe import file_page_cache_bytes
 
 
 def test_written_file_is_in_page_cache_until_dropped(tmp_path):

@@ -13,8 +13,8 @@ import pytest
 
 from jaxascend.native import extension as _native
 from jaxascend.config import OffloadConfig
-from jaxascend.ssd import (ArenaError, ArenaPlan, ChecksumError, HostArena, SsdStore, StoreError,
-                           StoreLockedError, injected_faults)
+from jaxascend.ssd import ArenaError, ArenaPlan, ChecksumError, HostArena, SsdStore, StoreError, StoreLockedError
+from jaxascend.ssd.store import injected_faults
 
 BLOCK = 16384
 ENGINE = "auto"  # set per test by the `engine` fixture

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jaxascend.config import OffloadConfig
-from jaxascend.ssd import (ArenaError, ArenaPlan, HostArena, Segment, SsdStore, StoreError, chunk_segments,
-                           injected_faults)
+from jaxascend.ssd import ArenaError, ArenaPlan, HostArena, Segment, SsdStore, StoreError
+from jaxascend.ssd.store import chunk_segments, injected_faults
 
 BLOCK = 16384
 CHUNK_ELEMS = 8192  # 32 KiB of fp32 (2 blocks), 16 KiB of fp16 (1 block)
