@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = load_config(args.config, args.overrides)
             gbps = measure_disk_gbps(cfg.offload) if args.measure_disk else args.disk_gbps
-            job = JobShape(processes=cfg.train.distributed.num_processes or 1,
+            distributed = cfg.train.distributed
+            job = JobShape(processes=(distributed.num_processes if distributed else None) or 1,
                            local_devices=jax.local_device_count())
             # The trainer's first phase: inputs read and checked, the plan made where the run
             # will hold its tokenizer and data index (the runtime part).

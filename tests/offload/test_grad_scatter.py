@@ -16,7 +16,8 @@ CHILD = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from jaxascend.distributed import initialize
-    from jaxascend.offload import GradientScatter, MemorySink, offload_on_backward, register_memory_sink
+    from jaxascend.offload import offload_on_backward
+    from jaxascend.offload.grad_sink import GradientScatter, MemorySink, register_memory_sink
 
     group = initialize(None)
     L, D, ROWS = 3, 15, 4            # 225 elements per layer: an odd size, padded to 2 x 113

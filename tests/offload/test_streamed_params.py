@@ -116,7 +116,7 @@ def test_planner_refuses_an_impossible_budget_before_writing(tmp_path, corpus):
 
 def test_auto_streams_when_resident_does_not_fit(tmp_path, corpus):
     from jaxascend.offload.planner import plan_run
-    from jaxascend.trainer import resolve_model_config
+    from jaxascend.preparation import resolve_model_config
 
     cfg = load_config("configs/tiny.yaml", TINY + [f"data.paths=[{corpus}]", "data.include=['*.txt']", f"train.out_dir={tmp_path}"])
     model_cfg = resolve_model_config(cfg)
