@@ -64,7 +64,7 @@ class InMemoryEngine:
 
     def __init__(self, cfg: Config, model: nnx.Module):
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.tx = adamw_in_memory(cfg.optimizer, cfg.train.steps)
+        self.tx = adamw_in_memory(cfg.optimizer, cfg.schedule_length())
         self.opt_state = self.tx.init(self.params)
         self._step = make_train_step(self.graphdef, self.rest, self.tx, cfg.train.grad_accum)
         graphdef, rest = self.graphdef, self.rest

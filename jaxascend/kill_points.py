@@ -7,6 +7,13 @@ that name. Points: ``backward`` (a step's forward/backward has been dispatched a
 others not), ``checkpoint_chunk`` (inside a checkpoint save, between streamed chunks). Unset, a
 point costs one dictionary lookup. In a job, ``JAXASCEND_KILL_PROCESS=1`` arms the point in
 process 1 alone (the ``JAX_PROCESS_ID`` the launcher gives it).
+
+``JAXASCEND_SIGNAL_AT="backward:3:SIGTERM"`` sends this process SIGTERM instead (a user's Ctrl-C,
+a scheduler's preemption, at a known point), and may list several, comma-separated, each counted
+from the start or, written ``+n``, from the one before it firing: ``"backward:3:SIGINT,
+optimizer_chunk:+1:SIGINT"`` is a second SIGINT during the update of the step the first
+interrupted. ``step_end`` is the trainer's step boundary. ``JAXASCEND_SIGNAL_PROCESS`` arms them
+in one process of a job, like ``JAXASCEND_KILL_PROCESS``.
 """
 
 from __future__ import annotations
@@ -24,8 +31,30 @@ if _spec and (_process is None or _process == os.environ.get("JAX_PROCESS_ID")):
     _target = (_name, int(_nth or 1))
 
 
+
+def _signal_specs() -> list[tuple[str, str, str]]:
+    spec = os.environ.get("JAXASCEND_SIGNAL_AT")
+    process = os.environ.get("JAXASCEND_SIGNAL_PROCESS")
+    if not spec or (process is not None and process != os.environ.get("JAX_PROCESS_ID")):
+        return []
+    return [tuple(part.strip().split(":")) for part in spec.split(",")]
+
+
+_signals = _signal_specs()  # (point, "n" or "+n", signal name), fired in order
+_signal_counts: Counter = Counter()
+
+
 def kill_point(name: str) -> None:
-    """SIGKILLs the process if ``JAXASCEND_KILL_AT`` names this point and occurrence."""
+    """SIGKILLs the process if ``JAXASCEND_KILL_AT`` names this point and occurrence, or sends it
+    the signal ``JAXASCEND_SIGNAL_AT`` names there."""
+    if _signals and _signals[0][0] == name:
+        _signal_counts[name] += 1
+        point, nth, signame = _signals[0]
+        if _signal_counts[name] == int(nth.lstrip("+")):
+            _signals.pop(0)
+            if _signals and _signals[0][1].startswith("+"):
+                _signal_counts.clear()  # the next one counts from here
+            os.kill(os.getpid(), signal.Signals[signame])
     if _target is None or name != _target[0]:
         return
     _counts[name] += 1

@@ -16,9 +16,12 @@ too, so progress bars move); with N > 1, lines of process ``i > 0`` start with `
 (process 0 is the one that logs). When a child exits non-zero or is killed by a signal, the
 others get SIGTERM, then SIGKILL after ``--grace-seconds``, and the launcher exits with that
 child's status (128 + signal when killed) after one line on stderr,
-``error: process 1 exited with status 3: <its last stderr line>``. SIGINT, SIGTERM or SIGHUP to
-the launcher stop every child the same way (a second one kills them at once) and it exits with
-128 + that signal. Each child runs in its own session, so the signals reach the processes it
+``error: process 1 exited with status 3: <its last stderr line>``. SIGINT, SIGTERM, SIGUSR1 or
+SIGHUP to the launcher is forwarded to every child, which (``jaxascend.train``) agree on a step,
+checkpoint it and exit with 128 + that signal; no deadline is set, since a checkpoint may take
+minutes. A second signal is forwarded too (a second SIGINT abandons the step in flight) and the
+children are killed ``--grace-seconds`` later. The launcher then says in one line how the job
+ended and exits with 128 + the first signal. Each child runs in its own session, so the signals reach the processes it
 started too. Bad usage is one ``error: ...`` line and exit status 2. :func:`launch` is the same
 as a library call.
 
@@ -47,7 +50,7 @@ MAX_NPROC = 64
 _POLL_SECONDS = 0.05  # how often child exits and the grace deadline are checked
 _MAX_PENDING = 1 << 16  # a longer line without an end is forwarded in pieces
 _LINE_END = re.compile(rb"\r\n|\n|\r")
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 class LaunchError(Exception):
@@ -215,7 +218,8 @@ class _Launch:
         self.selector = selectors.DefaultSelector()
         self.out, self.err = _Sink(sys.stdout), _Sink(sys.stderr)
         self.signals: list[int] = []  # the stop signals received, in order
-        self.stop_at: float | None = None  # when the children were sent SIGTERM
+        self.forwarded = 0  # how many of them went to the children
+        self.stop_at: float | None = None  # when the children were told to stop for good (the kill deadline's start)
         self.killed = False
 
     def start(self) -> None:
@@ -235,12 +239,16 @@ class _Launch:
     def on_signal(self, signum: int, frame) -> None:
         self.signals.append(signum)
 
-    def stop(self) -> None:
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Sends ``signum`` to every running child and starts the kill deadline."""
+        self.forward(signum)
         if self.stop_at is None:
             self.stop_at = time.monotonic()
-            for child in self.children:
-                if child.proc.poll() is None:
-                    child.signal(signal.SIGTERM)
+
+    def forward(self, signum: int) -> None:
+        for child in self.children:
+            if child.proc.poll() is None:
+                child.signal(signum)
 
     def kill(self) -> None:
         if not self.killed:
@@ -270,12 +278,14 @@ class _Launch:
         failed: _Child | None = None
         while True:
             self._forward_ready()
-            if len(self.signals) > 1:
-                self.kill()
-            elif self.signals:
-                self.stop()
+            while self.forwarded < len(self.signals):  # the first checkpoints, the second ends it
+                if self.forwarded == 0:
+                    self.forward(self.signals[0])
+                else:
+                    self.stop(self.signals[self.forwarded])
+                self.forwarded += 1
             exited = [c for c in self.children if c.proc.poll() is not None]
-            if failed is None and self.stop_at is None:
+            if failed is None and self.stop_at is None and not self.signals:
                 # The first to fail (the lowest index among those found together) is the one reported.
                 failed = next((c for c in exited if c.proc.returncode != 0), None)
                 if failed is not None:
@@ -294,9 +304,22 @@ class _Launch:
             self._error(failed.failure())
             return _exit_status(failed.proc.returncode)
         if self.signals:
-            self._error(f"stopped by {_signal_name(self.signals[0])}")
-            return 128 + self.signals[0]
+            return self._stopped(self.signals[0])
         return 0
+
+    def _stopped(self, signum: int) -> int:
+        """The one line of a job stopped by ``signum``: every child stopped on it (a
+        ``jaxascend.train`` child after the checkpoint of the step it stopped at, exiting with
+        128 + ``signum``), or how one of them ended instead."""
+        self.err.flush()
+        name, stopped = _signal_name(signum), (128 + signum, -signum)
+        if all(c.proc.returncode in stopped for c in self.children):
+            print(f"job stopped by {name}: its {len(self.children)} process(es) stopped on it; the same command "
+                  "resumes from the newest complete checkpoint", file=sys.stderr, flush=True)
+        else:
+            other = next(c for c in self.children if c.proc.returncode not in stopped)
+            self._error(f"stopped by {name}; " + (other.failure() or f"process {other.index} exited with status 0"))
+        return 128 + signum
 
     def _error(self, message: str) -> None:
         self.err.flush()

@@ -27,7 +27,17 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process since it started (Linux reports KiB)."""
+    """Peak resident set size of this process: ``VmHWM`` of ``/proc/self/status``, the process's
+    own. (``getrusage``'s ``ru_maxrss`` carries over across ``exec`` from the process that started
+    the run, so a run started by a Python holding 3 GiB would report 3 GiB.) Elsewhere than
+    Linux, ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxascend.checkpoint import CheckpointError
     from jaxascend.config import load_config
     from jaxascend.distributed import JobLostError
+    from jaxascend.stopping import RunStopped
     from jaxascend.trainer import run
 
     lost = []
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         except JobLostError:
             lost.append(True)
             raise
+        except RunStopped as stop:  # a stop signal: the step's checkpoint is saved; one line says so
+            if stop.speaks:
+                print(stop, file=console.terminal(), flush=True)
+            return stop.exit_status
         return 0
 
     with console.one_line_output():  # ConfigError is a ValueError

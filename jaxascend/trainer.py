@@ -11,33 +11,34 @@ import dataclasses
 import json
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
-import optax
 import yaml
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jaxascend import console
-from jaxascend.checkpoint import Checkpointer, check_resume_partition, resume_target
+from jaxascend.checkpoint import Checkpointer, complete_steps
 from jaxascend.config import Config, ModelConfig
 from jaxascend.distributed import initialize as initialize_distributed
 from jaxascend.distributed import job_errors, process_dir
 from jaxascend.data import make_batch_stream, tokenizer_folder
-from jaxascend.engine_contract import Engine, EngineReport, StepResult
+from jaxascend.engine_contract import Engine, EngineReport
 from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, export_hf, lean_init_reader,
                           load_hf_model, save_params)
 from jaxascend.generation import SamplePrompts
 from jaxascend.in_memory_engine import InMemoryEngine
-from jaxascend.metrics import MetricsLog, Progress, Throughput, format_bytes, peak_rss_bytes, summary_table
-from jaxascend.models import TokenBatch, count_params, token_batch
+from jaxascend.metrics import MetricsLog, format_bytes, peak_rss_bytes, summary_table
+from jaxascend.models import count_params
 from jaxascend.offload import JobShape, OffloadEngine, StepPlan, write_timeline_png
-from jaxascend.optim import learning_rate_schedule
 from jaxascend.preparation import PreparedRun, prepare_run
-from jaxascend.ssd import MemorySampler
+from jaxascend.resuming import resume_point, with_schedule
+from jaxascend.stopping import StopSignals
+from jaxascend.training_loop import LoopSettings, TrainingLoop, tokens_per_step
+from jaxascend.ssd import LOCK_FILE, MemorySampler
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class TrainResult:
     ssd_bytes_written_run: int = 0
     steps_this_run: int = 0  # steps this invocation ran (skipped ones included)
     state_dtype: str = "float32"  # how the optimizer's moments were stored (optimizer.state_dtype)
+    offload_files: str = "none"  # removed at the end (the final checkpoint holds the state), or kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,25 +106,6 @@ def save_outputs(cfg: Config, out_dir: Path, params, origin: Provenance, step: i
             console.note(NO_TOKENIZER_NOTE)
 
 
-def step_batch(micro_batches: list) -> TokenBatch:
-    """One optimizer step's :class:`TokenBatch` ``[A, ...]`` from its ``A`` micro-batches: plain
-    token rows (``data.format: text``, every target counts) or packed examples (loss mask,
-    segment ids, positions). The weights are the step's per-token mean (models.losses)."""
-    if isinstance(micro_batches[0], np.ndarray):
-        return token_batch(np.stack(micro_batches))
-    return token_batch(*(np.stack(parts) for parts in zip(*micro_batches)))
-
-
-def evaluate(engine: Engine, batches: list[TokenBatch]) -> dict[str, float]:
-    """The held-out loss (per-token mean over the counted targets, as in training), its
-    perplexity and the tokens it counted, on the engine's compute params."""
-    started = time.perf_counter()
-    loss_sum, count = engine.evaluate(batches)
-    loss = loss_sum / max(count, 1)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": count,
-            "eval_seconds": time.perf_counter() - started}
-
-
 def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, plan: StepPlan,
                  master: Optional[MasterReader] = None) -> Engine:
     """The offloaded engine (state on SSD) or the in-memory baseline, per ``plan.engine``;
@@ -141,6 +124,7 @@ class _Run:
     out_dir: Path
     main: bool  # process 0: it writes the run's outputs
     start: int  # the step resumed from (0: a fresh run)
+    group: Any = None  # this process's place in the job (jaxascend.distributed.ProcessGroup)
     origin: Optional[Provenance] = None
     num_params: int = 0
 
@@ -169,34 +153,45 @@ def _run(cfg: Config, group) -> TrainResult:
         logging.getLogger("jaxascend").setLevel(logging.ERROR)  # process 0 speaks for the job
     cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, dir=process_dir(cfg.offload.dir, group)))
     # Check: everything the run reads (config.json, tokenizer, data, the weights' names and
-    # shapes, the checkpoint to resume from), and plan: host memory, disk, the step's modes.
-    # A run that cannot fit or run stops here, naming the part; nothing is written before.
+    # shapes), and plan: host memory, disk, the step's modes (offload.params resolved). Where the
+    # run starts: the checkpoint to resume from (checked), or nothing left to do. A run that
+    # cannot fit or run stops here, naming the part; nothing is written before.
     prepared = prepare_run(cfg, JobShape(group.count, group.index, jax.local_device_count()))
+    point = resume_point(prepared.cfg, group.count)
+    last = cfg.train.stop_at_step or cfg.train.steps
+    if point.step >= last:
+        if group.is_main:
+            print(point.finished_line(last, cfg.train.steps), file=console.terminal(), flush=True)
+        return _finished_result(cfg, point)
     prepared.plan.check()
-    cfg = prepared.cfg
+    cfg, schedule_note = with_schedule(prepared.cfg, point)  # a resumed run keeps its recorded schedule
     samples = SamplePrompts.from_config(cfg, prepared.tokenizer, prepared.sized)
-    start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
-    if start:
-        check_resume_partition(cfg.checkpoint, cfg, start, group.count)
-    r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, start)
-    if r.main:
-        for line in prepared.step.notes:  # every choice the user did not ask for
+    r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, point.step, group=group)
+    if r.main:  # every choice the user did not ask for, and where the run starts
+        for line in prepared.step.notes + ((schedule_note,) if schedule_note else ()):
             console.note(line)
-    engine = _build(r)
-    with engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
-            MetricsLog(r.out_dir, resumed_from=start, enabled=r.main) as log, \
-            MemorySampler(engine.shard_files, interval=0.2) as memory:
-        if r.main:
-            (r.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        stream, losses = _restore(r, engine, ckpt)
-        skipped_before = engine.report().skipped_steps
-        throughput, final_eval = _train(r, engine, ckpt, log, memory, stream, losses)
-        ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
-        _save_and_sample(r, engine, samples)
-        report = engine.report()
-        if r.main:
-            _write_timeline(engine.timeline(), r.out_dir)
-    tokens = (r.last - start) * _tokens_per_step(cfg)
+        if point.step:
+            console.note(point.resume_line())
+    with StopSignals(cfg.train.stop_signals, newest=lambda: _newest_checkpoint(point.directory)) as signals:
+        engine = _build(r)
+        with engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
+                MetricsLog(r.out_dir, resumed_from=point.step, enabled=r.main) as log, \
+                MemorySampler(engine.shard_files, interval=0.2) as memory:
+            if r.main:
+                (r.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            stream, losses = _restore(r, engine, ckpt)
+            skipped_before = engine.report().skipped_steps
+            loop = TrainingLoop(_loop_settings(r, ckpt), engine, ckpt, log, memory, signals)
+            throughput, final_eval = loop.train(stream, losses)
+            ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
+            _save_and_sample(r, engine, samples)
+            report = engine.report()
+            shard_files = engine.shard_files()
+            if r.main:
+                _write_timeline(engine.timeline(), r.out_dir)
+    offload_files = _remove_offload_files(cfg, shard_files) if prepared.step.engine == "offload" else "none"
+    start = point.step
+    tokens = (r.last - start) * tokens_per_step(cfg)
     result = TrainResult(steps=len(losses), losses=losses, num_params=r.num_params,
                          peak_rss_bytes=peak_rss_bytes(), peak_page_cache_bytes=memory.peak_page_cache,
                          tokens_per_s=tokens / max(throughput.elapsed(), 1e-9), engine=engine.name,
@@ -208,15 +203,12 @@ def _run(cfg: Config, group) -> TrainResult:
                          out_dir=str(r.out_dir), eval_loss=final_eval["eval_loss"] if final_eval else None,
                          data=stream.stats(), updates_this_run=r.last - start - (report.skipped_steps - skipped_before),
                          ssd_bytes_written_run=report.ssd_written_bytes_run or 0,
-                         state_dtype=report.state_dtype or "float32", steps_this_run=r.last - start)
+                         state_dtype=report.state_dtype or "float32", steps_this_run=r.last - start,
+                         offload_files=offload_files)
     if r.main:
         (r.out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
         print(_summary(result, report))
     return result
-
-
-def _tokens_per_step(cfg: Config) -> int:
-    return cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
 
 
 def _build(r: _Run) -> Engine:
@@ -258,40 +250,45 @@ def _restore(r: _Run, engine: Engine, ckpt: Checkpointer) -> tuple[Any, list[flo
     return stream, list(meta["losses"])
 
 
-def _train(r: _Run, engine: Engine, ckpt: Checkpointer, log: MetricsLog, memory: MemorySampler, stream,
-           losses: list[float]) -> tuple[Throughput, Optional[dict]]:
-    """The loop: a step per batch; every ``log_every`` steps (and at an evaluation or a
-    checkpoint) the steps' figures come to the host and are written. Extends ``losses``."""
-    cfg, held_out = r.cfg, r.prepared.held_out
-    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
-    pending: list[StepResult] = []
-    throughput = Throughput()
-    progress = Progress(cfg.train.steps, initial=r.start, enabled=cfg.train.progress and r.main)
-    final_eval = None
-    for step in range(r.start + 1, r.last + 1):
-        batch = step_batch([next(stream) for _ in range(cfg.train.grad_accum)])
-        pending.append(engine.step(batch))
-        throughput.add(_tokens_per_step(cfg))
-        evaluating = bool(held_out) and (step == r.last or (cfg.eval.every_steps > 0
-                                                            and step % cfg.eval.every_steps == 0))
-        saving = ckpt.should_save(step, r.last)
-        if step % cfg.train.log_every and step != r.last and not saving and not evaluating:
-            progress.update(1)
-            continue
-        fetched = [result.fetched() for result in pending]  # SYNC: waits for the steps dispatched since the last log
-        pending.clear()
-        losses.extend(result.loss for result in fetched)
-        record = _log_record(step, fetched[-1], schedule, throughput, stream, engine, memory)
-        if evaluating:  # SYNC: the held-out loss on the weights after this step's update
-            final_eval = evaluate(engine, held_out)
-            record.update(final_eval)
-        log.write(record)
-        progress.update(1, record)
-        if saving:
-            engine.save_checkpoint(ckpt, step, {"data_state": stream.state(), "losses": losses,
-                                                "origin": r.origin.to_dict()})
-    progress.close()
-    return throughput, final_eval
+def _loop_settings(r: _Run, ckpt: Checkpointer) -> LoopSettings:
+    return LoopSettings(r.cfg, r.start, r.last, r.main, r.prepared.held_out, r.origin.to_dict(),
+                        agree=lambda values: _agree(values, r.group), checkpoint_dir=str(ckpt.directory))
+
+
+def _agree(values: list[int], group) -> list[int]:
+    """The element-wise max of ``values`` over the job's processes (a few bytes; one process: itself)."""
+    if group.count == 1:
+        return values
+    gathered = multihost_utils.process_allgather(np.asarray(values, np.int32))  # SYNC: every process
+    return [int(v) for v in np.max(np.asarray(gathered).reshape(group.count, -1), axis=0)]
+
+
+def _newest_checkpoint(directory: Path) -> str:
+    steps = complete_steps(directory) if directory.exists() else []
+    return f"checkpoint {steps[-1]} in {directory}" if steps else f"no checkpoint in {directory} (a fresh start)"
+
+
+def _finished_result(cfg: Config, point) -> TrainResult:
+    """What a run that had nothing left to do reports (it wrote nothing)."""
+    losses = list(point.meta.get("losses", []))
+    return TrainResult(steps=len(losses), losses=losses, num_params=0, peak_rss_bytes=peak_rss_bytes(),
+                       peak_page_cache_bytes=0, tokens_per_s=0.0, engine="offload" if cfg.offload.enabled else "in-memory",
+                       skipped_steps=0, arena_capacity_bytes=0, arena_high_water_bytes=0, ssd_bytes_read=0,
+                       ssd_bytes_written=0, out_dir=cfg.train.out_dir, offload_files="untouched")
+
+
+def _remove_offload_files(cfg: Config, shard_files: list[str]) -> str:
+    """Removes a finished run's offload files, whose final checkpoint is complete (a resume
+    rebuilds them from it), unless ``offload.keep_files``; what became of them, for the summary."""
+    if cfg.offload.keep_files:
+        return f"kept in {cfg.offload.dir} (offload.keep_files)"
+    for path in shard_files:
+        Path(path).unlink(missing_ok=True)
+    directory = Path(cfg.offload.dir)
+    (directory / LOCK_FILE).unlink(missing_ok=True)  # the store is closed: nothing holds it
+    with contextlib.suppress(OSError):
+        directory.rmdir()  # only when nothing else is in it
+    return f"removed from {cfg.offload.dir} (the final checkpoint holds the state; offload.keep_files keeps them)"
 
 
 def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts]) -> None:
@@ -324,30 +321,6 @@ def _write_samples(results: list[dict], out_dir: Path) -> None:
         print(f"> {r['prompt']}\n{r['completion']}")
 
 
-def _log_record(step: int, result: StepResult, schedule: optax.Schedule, throughput: Throughput,
-                stream, engine: Engine, memory: MemorySampler) -> dict[str, Any]:
-    sample = memory.sample()
-    report = engine.report()
-    updates = step - 1 - report.skipped_steps
-    return {
-        "step": step,
-        "loss": result.loss,
-        "grad_norm": result.grad_norm,
-        # The schedule is evaluated at the count used for this step's update (0-based).
-        "learning_rate": float(schedule(updates)),
-        "tokens_per_s": throughput.rate(),
-        "elapsed_s": throughput.elapsed(),
-        "rss_bytes": sample.rss,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "page_cache_bytes": sample.page_cache,
-        "peak_page_cache_bytes": memory.peak_page_cache,
-        "data_state": stream.state(),
-        **{f"data_{k}": v for k, v in stream.stats().items()},
-        **report.record(),
-        **{k: v for k, v in result.record().items() if k not in ("loss", "grad_norm")},
-    }
-
-
 def _summary(r: TrainResult, report: EngineReport) -> str:
     processes, devices = report.data_parallel_processes, report.data_parallel_devices
     rows = [
@@ -371,6 +344,7 @@ def _summary(r: TrainResult, report: EngineReport) -> str:
                                             f"({(r.ssd_bytes_read + r.ssd_bytes_written) / max(r.steps_this_run, 1) / r.num_params:.1f} "
                                             f"B/param, {r.state_dtype} moments)"),
             ("SSD written this run (endurance)", format_bytes(r.ssd_bytes_written_run)),
+            ("offload files", r.offload_files),
         ]
     rows.append(("outputs", r.out_dir))
     return summary_table(rows)

@@ -18,7 +18,8 @@ from tests.test_resume import _assert_bitwise_equal, _final_state, _overrides, c
 
 def _cfg(out, corpus, state_dtype, *extra):
     return load_config("configs/tiny.yaml", _overrides(out, corpus, "offload") +
-                       [f"optimizer.state_dtype={state_dtype}", "optimizer.state_block=256", *extra])
+                       [f"optimizer.state_dtype={state_dtype}", "optimizer.state_block=256", "optimizer.warmup_steps=1",
+                        *extra])
 
 
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])

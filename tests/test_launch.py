@@ -244,9 +244,11 @@ def test_a_signal_to_the_launcher_stops_every_child_and_what_they_started(tmp_pa
     # Each child also starts a process of its own: the stop signals reach it too.
     child = script(tmp_path, WRITE_PID, f"""
         import signal, subprocess
+        signal.signal(signal.SIGINT, lambda *_: sys.exit(130))  # a stop on SIGINT, as jaxascend.train's
         if {ignore_term}:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        sub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        sub = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                                "signal.signal(signal.SIGINT, lambda *_: sys.exit(130)); time.sleep(60)"])
         write_pid(os.path.join({str(tmp_path)!r}, f"sub{{RANK}}"), sub.pid)
         write_pid(os.path.join({str(tmp_path)!r}, f"pid{{RANK}}"))
         time.sleep(60)
@@ -257,16 +259,25 @@ def test_a_signal_to_the_launcher_stops_every_child_and_what_they_started(tmp_pa
     try:
         pids = wait_for([tmp_path / f"{kind}{i}" for kind in ("pid", "sub") for i in (0, 1)])
         start = time.monotonic()
-        proc.send_signal(signum)
+        proc.send_signal(signum)  # forwarded; a child that ignores it runs on: no deadline yet
+        if ignore_term:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.communicate(timeout=grace + 1)
+            start = time.monotonic()
+            proc.send_signal(signum)  # the second is forwarded too, and the kill follows the grace period
         _, err = proc.communicate(timeout=grace + 10)
     finally:
         proc.kill()
     elapsed = time.monotonic() - start
     assert elapsed < grace + 3
+    name = signal.Signals(signum).name
     if ignore_term:
         assert elapsed >= grace
+        assert err.splitlines() == [f"error: stopped by {name}; process 0 was killed by SIGKILL"]
+    else:
+        assert err.splitlines() == [f"job stopped by {name}: its 2 process(es) stopped on it; the same command resumes "
+                                    "from the newest complete checkpoint"]
     assert proc.returncode == 128 + signum
-    assert err.splitlines() == [f"error: stopped by {signal.Signals(signum).name}"]
     assert not [pid for pid in pids if alive(pid)]
 
 

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxascend"
 # modules are named as modules, subpackages by their name.
 LAYERS = [
     ("jaxascend._native", "jaxascend.native", "jaxascend.config", "jaxascend.kill_points", "jaxascend.console",
-     "jaxascend.distributed"),
+     "jaxascend.distributed", "jaxascend.stopping"),
     ("jaxascend.ssd",),
     ("jaxascend.models",),
     ("jaxascend.data",),
@@ -31,7 +31,8 @@ LAYERS = [
     ("jaxascend.checkpoint",),
     ("jaxascend.engine_contract",),
     ("jaxascend.offload",),
-    ("jaxascend.metrics", "jaxascend.in_memory_engine", "jaxascend.generation", "jaxascend.preparation"),
+    ("jaxascend.metrics", "jaxascend.in_memory_engine", "jaxascend.generation", "jaxascend.preparation",
+     "jaxascend.resuming", "jaxascend.training_loop"),
     ("jaxascend.trainer",),
     ("jaxascend.train", "jaxascend.export", "jaxascend.plan", "jaxascend.plot", "jaxascend.generate",
      "jaxascend.launch"),

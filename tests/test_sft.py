@@ -19,6 +19,7 @@ SMALL = [
     "model.num_attention_heads=4", "model.num_key_value_heads=2", "data.seq_len=128", "data.batch_size=2",
     "train.progress=false", "train.log_every=1", "eval.batch_size=4", "eval.batches=3", "eval.sample_prompts=[]",
     "offload.chunk_bytes=1MiB", "offload.staging_bytes=1MiB", "export.save_params=false",
+    "optimizer.warmup_steps=1",
 ]
 
 

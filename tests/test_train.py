@@ -15,7 +15,7 @@ from tests._corpus import write_word_corpus
 SMALL = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
     "model.num_attention_heads=4", "model.num_key_value_heads=2", "data.seq_len=32", "data.batch_size=4",
-    "train.progress=false",
+    "train.progress=false", "optimizer.warmup_steps=1",
 ]
 
 

@@ -24,11 +24,12 @@ SMALL = [
     "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
     "model.num_attention_heads=4", "model.num_key_value_heads=2", "data.seq_len=32", "data.batch_size=2",
     "train.progress=false", "train.log_every=1", "offload.chunk_bytes=1MiB", "offload.staging_bytes=1MiB",
-    "checkpoint.async_save=false",
+    "checkpoint.async_save=false", "optimizer.warmup_steps=0",
 ]
 FINE_TUNE = [  # a tiny Hugging Face model: shape from its config.json
     "data.seq_len=32", "data.batch_size=2", "train.progress=false", "train.log_every=1",
     "offload.chunk_bytes=1MiB", "offload.staging_bytes=1MiB", "checkpoint.async_save=false",
+    "optimizer.warmup_steps=0",
 ]
 
 

@@ -20,7 +20,7 @@ from jaxascend.checkpoint.errors import CheckpointError, IncompatibleCheckpointE
 from jaxascend.checkpoint.array_specs import (ArraySpec, CHECKPOINT_SHAPE_CLASS, Piece, SCALE_ARRAYS, Span, SsdArrays,
                                               checkpoint_arena_requests)
 from jaxascend.checkpoint.manager import Checkpointer
-from jaxascend.checkpoint.resume import check_resume_partition, resume_target
+from jaxascend.checkpoint.resume import check_resume_partition, complete_steps, default_directory, resume_target
 from jaxascend.checkpoint.step_meta import read_meta
 from jaxascend.checkpoint.run_weights import RunWeights, open_weights
 from jaxascend.checkpoint.weights import CheckpointWeights
@@ -30,6 +30,6 @@ from jaxascend.checkpoint.array_save import save_item
 __all__ = [
     "ArraySpec", "CHECKPOINT_SHAPE_CLASS", "CheckpointError", "CheckpointWeights", "Checkpointer",
     "IncompatibleCheckpointError", "Piece", "RunWeights", "SCALE_ARRAYS", "Span", "SsdArrays",
-    "check_resume_partition", "checkpoint_arena_requests", "open_weights", "read_meta", "restore_arrays",
+    "check_resume_partition", "checkpoint_arena_requests", "complete_steps", "default_directory", "open_weights", "read_meta", "restore_arrays",
     "resume_target", "save_item",
 ]

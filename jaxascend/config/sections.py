@@ -94,6 +94,9 @@ class OptimizerConfig:
     learning_rate: float = 3e-4
     schedule: Literal["constant", "cosine", "linear"] = "cosine"
     warmup_steps: int = 0
+    # The schedule's length in steps (warmup included). None: train.steps of the run's first
+    # start, recorded in its checkpoints, so a resumed run with a larger train.steps keeps it.
+    decay_steps: Optional[int] = None
     min_lr_ratio: float = 0.1  # final lr = learning_rate * min_lr_ratio for cosine/linear
     b1: float = 0.9
     b2: float = 0.95
@@ -125,6 +128,7 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.state_block: {self.state_block} must be a power of two in [256, 2048]")
         check_range("optimizer.learning_rate", self.learning_rate, lo=0)
         check_range("optimizer.warmup_steps", self.warmup_steps, lo=0)
+        check_range("optimizer.decay_steps", self.decay_steps, lo=1)
         check_range("optimizer.min_lr_ratio", self.min_lr_ratio, lo=0, hi=1)
         check_range("optimizer.b1", self.b1, lo=0, hi=1, hi_open=True)
         check_range("optimizer.b2", self.b2, lo=0, hi=1, hi_open=True)
@@ -204,6 +208,9 @@ class OffloadConfig:
     single_pool: bool = False  # one pool of step buffers, each sized for the largest tensor
     fp32_grad_buffer: bool = False  # gradients land in a full fp32 host buffer (4 B/param)
     post_backward_overflow_check: bool = False  # full gradient tree, then a scan with temporaries
+    # Keep the offload files after a finished run. False: they are removed once the final
+    # checkpoint is complete (a resume rebuilds them from it); they hold the whole optimizer state.
+    keep_files: bool = False
 
     def __post_init__(self):
         if self.arena_bytes is not None:
@@ -241,6 +248,7 @@ class CheckpointConfig:
 
     dir: Optional[str] = None  # None: <train.out_dir>/checkpoints
     every_steps: int = 0  # 0: only at the end
+    every_minutes: float = 0.0  # also once this many minutes of training passed since the last save; 0: off
     keep_last: int = 2
     async_save: bool = True  # small items (params, meta) are written in the background
     compression: Literal["none", "zstd"] = "none"  # of the streamed optimizer-state arrays
@@ -248,6 +256,7 @@ class CheckpointConfig:
 
     def __post_init__(self):
         check_range("checkpoint.every_steps", self.every_steps, lo=0)
+        check_range("checkpoint.every_minutes", self.every_minutes, lo=0)
         check_range("checkpoint.keep_last", self.keep_last, lo=1)
         if self.compression not in ("none", "zstd"):
             raise ConfigError(f"checkpoint.compression: expected one of 'none', 'zstd', got {self.compression!r}")
@@ -304,6 +313,9 @@ class DistributedConfig:
                               f"num_processes={self.num_processes}")
 
 
+# The signals a run can be told to stop on (train.stop_signals); all of them by default.
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP")
+
 @dataclass
 class TrainConfig:
     """The loop: how long, how often to log, where outputs go."""
@@ -323,9 +335,16 @@ class TrainConfig:
     # A multi-process job (see DistributedConfig); None: one process, unless the environment
     # says otherwise (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES set, as jaxascend.launch does).
     distributed: Optional[DistributedConfig] = None
+    # Signals that stop the run at the end of the step in flight, with a checkpoint of that step
+    # (exit status 128 + the signal); a second SIGINT abandons the step in flight.
+    stop_signals: list[str] = field(default_factory=lambda: list(STOP_SIGNALS))
 
     def __post_init__(self):
         self.resume = validate_resume(self.resume)
+        unknown = [s for s in self.stop_signals if s not in STOP_SIGNALS]
+        if unknown or len(set(self.stop_signals)) != len(self.stop_signals):
+            raise ConfigError(f"train.stop_signals: expected some of {', '.join(STOP_SIGNALS)} (each once), got "
+                              f"{self.stop_signals!r}")
         check_range("train.steps", self.steps, lo=1)
         check_range("train.stop_at_step", self.stop_at_step, lo=1, hi=self.steps)
         check_range("train.grad_accum", self.grad_accum, lo=1)
@@ -353,6 +372,11 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def schedule_length(self) -> int:
+        """The learning-rate schedule's length: ``optimizer.decay_steps`` (a resumed run's
+        recorded one, once the trainer resolved it), else ``train.steps``."""
+        return self.optimizer.decay_steps or self.train.steps
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -107,7 +107,7 @@ class OffloadEngine:
             del leaves
             self.routing = GradientRouting.build(plan, self.graphdef, self.rest, routing, self.state, self.weights,
                                                  self.data_parallel)
-            self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.train.steps)
+            self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.schedule_length())
             runner = OverlappedUpdates if plan.overlap else SequentialUpdates
             self.updates: UpdateRunner = runner(self.state, self.weights, self.settings)
             self.readers = WeightReaders(self.state, self.weights, paths, self.data_parallel, plan.partitioned,

@@ -14,11 +14,11 @@ Imports only :mod:`jaxascend.config`, :mod:`jaxascend.native` and the extension.
 from jaxascend.ssd.arena import ArenaError, ArenaPlan, HostArena, SlotRequest, format_bytes, round_to_alignment
 from jaxascend.ssd.disk_speed import measure_disk_gbps
 from jaxascend.ssd.memory_probe import MemorySampler, page_cache_bytes
-from jaxascend.ssd.store import (ChecksumError, Segment, SsdStore, StoreError, StoreLockedError, clear_faults,
-                                 inject_fault)
+from jaxascend.ssd.store import (LOCK_FILE, ChecksumError, Segment, SsdStore, StoreError, StoreLockedError,
+                                 clear_faults, inject_fault)
 
 __all__ = [
-    "ArenaError", "ArenaPlan", "ChecksumError", "HostArena", "MemorySampler", "Segment", "SlotRequest", "SsdStore",
+    "LOCK_FILE", "ArenaError", "ArenaPlan", "ChecksumError", "HostArena", "MemorySampler", "Segment", "SlotRequest", "SsdStore",
     "StoreError", "StoreLockedError", "clear_faults", "format_bytes", "inject_fault", "measure_disk_gbps",
     "page_cache_bytes", "round_to_alignment",
 ]

@@ -45,6 +45,7 @@ ChecksumError = _native.ChecksumError  # StoreError: crc32c mismatch on read
 StoreLockedError = _native.StoreLockedError  # StoreError: the offload directory is in use
 
 STAGING_SHAPE_CLASS = "ssd_staging"
+LOCK_FILE = "jaxascend.lock"  # in the store's directory, held while a store is open (ffi/ssd_shard_store_layout.cc)
 
 
 @dataclass(frozen=True)

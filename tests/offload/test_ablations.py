@@ -36,7 +36,7 @@ TINY = [
     # 4 KiB blocks keep the tiny model's arena slots several blocks long (checkpoints stream
     # through them) and the arena small enough that one switch's growth is plain to see.
     "offload.block_bytes=4096", "offload.chunk_bytes=16KiB", "offload.staging_bytes=64KiB",
-    "offload.pin_memory=false",
+    "offload.pin_memory=false", "optimizer.warmup_steps=1",
 ]
 BUFFERED_CACHED = ["offload.direct_io=false", "offload.drop_page_cache=false"]
 SWITCHES = {

@@ -22,7 +22,7 @@ TINY = [
     "model.num_attention_heads=4", "model.num_key_value_heads=2", "data.seq_len=32", "data.batch_size=2",
     "train.progress=false", "train.steps=3", "train.log_every=1", "offload.enabled=true", "model.remat=full",
     "offload.block_bytes=4096", "offload.chunk_bytes=16KiB", "offload.staging_bytes=64KiB",
-    "offload.pin_memory=false",
+    "offload.pin_memory=false", "optimizer.warmup_steps=1",
 ]
 DTYPES = {
     "bfloat16": ["model.dtype=bfloat16"],

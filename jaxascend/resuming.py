@@ -1,0 +1,106 @@
+"""Where a run starts, said before anything is written: the checkpoint it resumes (and one line
+that names it, when it was saved and the data position), whether it has anything left to do, and
+the learning-rate schedule's length, which a resumed run keeps.
+
+    point = resume_point(cfg, processes)        # step 0: a fresh start
+    if point.step >= last_step: print(point.finished_line(last_step)); return
+    cfg, note = with_schedule(cfg, point)       # optimizer.decay_steps resolved (and recorded)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from jaxascend.checkpoint import check_resume_partition, default_directory, read_meta, resume_target
+from jaxascend.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The step a run starts after (0: a fresh start) and that checkpoint's record."""
+
+    step: int
+    directory: Path  # the checkpoint directory
+    record: Optional[dict] = None  # the step's meta record (read_meta): config, meta
+
+    @property
+    def meta(self) -> dict:
+        return self.record["meta"] if self.record else {}
+
+    def recorded_schedule(self) -> Optional[int]:
+        """The schedule length the checkpointed run used: its ``optimizer.decay_steps``, or (a
+        checkpoint from before the field) its ``train.steps``."""
+        if not self.record:
+            return None
+        saved = self.record.get("config", {})
+        return saved.get("optimizer", {}).get("decay_steps") or saved.get("train", {}).get("steps")
+
+    def resume_line(self) -> str:
+        """``resuming from checkpoint step 7 in runs/x/checkpoints (saved 2026-12-02 17:03:11, 12 min
+        ago); data position: epoch 0, document 41, token 1024``."""
+        saved_at = self.meta.get("saved_at")
+        if saved_at is None:  # a checkpoint from before the field: the step directory's time
+            step_dir = self.directory / str(self.step)
+            saved_at = step_dir.stat().st_mtime if step_dir.exists() else None
+        when = ""
+        if saved_at is not None:
+            ago = max(0.0, time.time() - float(saved_at))
+            when = (f" (saved {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(float(saved_at)))}, "
+                    f"{_duration(ago)} ago)")
+        state = self.meta.get("data_state", {})
+        position = ", ".join(f"{key} {state[key]}" for key in ("epoch", "document", "token", "example")
+                             if key in state)
+        return f"resuming from checkpoint step {self.step} in {self.directory}{when}; data position: {position or 'start'}"
+
+    def finished_line(self, last: int, steps: int) -> str:
+        return (f"{self.directory}: the run is already at step {self.step}, at or past train.steps {steps}; "
+                "nothing to do (raise train.steps to train further)" if last == steps else
+                f"{self.directory}: the run is already at step {self.step}, at or past train.stop_at_step {last}; "
+                "nothing to do")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def resume_point(cfg: Config, processes: int) -> ResumePoint:
+    """The checkpoint ``train.resume`` names, checked (it exists and is complete, its config is
+    compatible, int8 state has the same number of processes), and its record."""
+    directory = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else default_directory(cfg)
+    start = resume_target(cfg.checkpoint, cfg, cfg.train.resume) or 0
+    if not start:
+        return ResumePoint(0, directory)
+    check_resume_partition(cfg.checkpoint, cfg, start, processes)
+    return ResumePoint(start, directory, read_meta(directory / str(start)))
+
+
+def with_schedule(cfg: Config, point: ResumePoint) -> tuple[Config, Optional[str]]:
+    """``cfg`` with ``optimizer.decay_steps`` resolved: as set, else the resumed run's recorded
+    length, else (a fresh start) ``train.steps``; and the note a resumed run's changed length
+    gets. Refuses a warmup that does not end inside the schedule."""
+    asked, recorded = cfg.optimizer.decay_steps, point.recorded_schedule()
+    note = None
+    if asked is not None:
+        length = asked
+        if recorded is not None and asked != recorded:
+            note = f"optimizer.decay_steps: {asked} replaces the learning-rate schedule's recorded length of {recorded}"
+    elif recorded is not None:
+        length = recorded
+        if cfg.train.steps != recorded:
+            note = (f"train.steps is {cfg.train.steps}, but the learning-rate schedule keeps its recorded length of "
+                    f"{recorded} steps (set optimizer.decay_steps to change it)")
+    else:
+        length = cfg.train.steps
+    if cfg.optimizer.warmup_steps and cfg.optimizer.warmup_steps >= length:
+        raise ConfigError(f"optimizer.warmup_steps: {cfg.optimizer.warmup_steps} is not below the schedule's length "
+                          f"(optimizer.decay_steps) {length}; the schedule would never leave its warmup")
+    optimizer = dataclasses.replace(cfg.optimizer, decay_steps=length)
+    return dataclasses.replace(cfg, optimizer=optimizer), note

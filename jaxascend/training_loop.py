@@ -1,0 +1,158 @@
+"""The training loop: a step per batch, the figures written every ``log_every`` steps, checkpoints
+by step count and by the clock, and the stop on a signal at a step boundary.
+
+    loop = TrainingLoop(LoopSettings(...), engine, ckpt, log, memory, signals)
+    throughput, final_eval = loop.train(stream, losses)     # raises RunStopped on a signal
+
+Host<->device synchronisation happens only where marked ``# SYNC``. In a job the processes agree,
+at every step boundary, on whether to stop (a signal may reach one process only) and whether a
+checkpoint is due by the clock (process 0's): a max over a few integers, so every process saves
+the same steps and stops after the same one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from jaxascend.checkpoint import Checkpointer
+from jaxascend.config import Config
+from jaxascend.engine_contract import Engine, StepResult
+from jaxascend.kill_points import kill_point
+from jaxascend.metrics import MetricsLog, Progress, Throughput, peak_rss_bytes
+from jaxascend.models import TokenBatch, token_batch
+from jaxascend.optim import learning_rate_schedule
+from jaxascend.ssd import MemorySampler
+from jaxascend.stopping import RunStopped, StopSignals
+
+
+def step_batch(micro_batches: list) -> TokenBatch:
+    """One optimizer step's :class:`TokenBatch` ``[A, ...]`` from its ``A`` micro-batches: plain
+    token rows (``data.format: text``, every target counts) or packed examples (loss mask,
+    segment ids, positions). The weights are the step's per-token mean (models.losses)."""
+    if isinstance(micro_batches[0], np.ndarray):
+        return token_batch(np.stack(micro_batches))
+    return token_batch(*(np.stack(parts) for parts in zip(*micro_batches)))
+
+
+def evaluate(engine: Engine, batches: list[TokenBatch]) -> dict[str, float]:
+    """The held-out loss (per-token mean over the counted targets, as in training), its
+    perplexity and the tokens it counted, on the engine's compute params."""
+    started = time.perf_counter()
+    loss_sum, count = engine.evaluate(batches)
+    loss = loss_sum / max(count, 1)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": count,
+            "eval_seconds": time.perf_counter() - started}
+
+
+def tokens_per_step(cfg: Config) -> int:
+    return cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop needs of the run: its config, the steps it runs, who writes."""
+
+    cfg: Config
+    start: int  # the step resumed from (0: a fresh run)
+    last: int  # the last step this invocation runs
+    main: bool  # process 0: it logs and shows progress
+    held_out: list  # the evaluation's batches (empty: none)
+    origin: dict  # the run's provenance, saved with every checkpoint
+    agree: Callable[[list[int]], list[int]]  # the max over the job's processes (identity for one)
+    checkpoint_dir: str
+
+
+class TrainingLoop:
+    """Runs the steps of one invocation (see the module doc)."""
+
+    def __init__(self, settings: LoopSettings, engine: Engine, ckpt: Checkpointer, log: MetricsLog,
+                 memory: MemorySampler, signals: StopSignals):
+        self.s, self.engine, self.ckpt, self.log, self.memory, self.signals = (settings, engine, ckpt, log, memory,
+                                                                               signals)
+        cfg = settings.cfg
+        self.schedule = learning_rate_schedule(cfg.optimizer, cfg.schedule_length())
+        self.every_seconds = cfg.checkpoint.every_minutes * 60.0
+        self.last_save = time.monotonic()  # the clock of checkpoint.every_minutes counts training time
+
+    def train(self, stream, losses: list[float]) -> tuple[Throughput, Optional[dict]]:
+        """The steps ``start + 1 .. last``; extends ``losses``. Raises :class:`RunStopped` after
+        the checkpoint of the step a stop signal ended."""
+        cfg, held_out = self.s.cfg, self.s.held_out
+        pending: list[StepResult] = []
+        throughput = Throughput()
+        progress = Progress(cfg.train.steps, initial=self.s.start, enabled=cfg.train.progress and self.s.main)
+        final_eval = None
+        try:
+            for step in range(self.s.start + 1, self.s.last + 1):
+                batch = step_batch([next(stream) for _ in range(cfg.train.grad_accum)])
+                pending.append(self.engine.step(batch))
+                throughput.add(tokens_per_step(cfg))
+                kill_point("step_end")  # tests: a signal at the step boundary
+                stopping, clock_due = self._boundary()
+                evaluating = bool(held_out) and (step == self.s.last or (cfg.eval.every_steps > 0
+                                                                         and step % cfg.eval.every_steps == 0))
+                saving = self.ckpt.should_save(step, self.s.last) or stopping or clock_due
+                if step % cfg.train.log_every and step != self.s.last and not saving and not evaluating:
+                    progress.update(1)
+                    continue
+                fetched = [result.fetched() for result in pending]  # SYNC: the steps dispatched since the last log
+                pending.clear()
+                losses.extend(result.loss for result in fetched)
+                record = self._record(step, fetched[-1], throughput, stream)
+                if evaluating:  # SYNC: the held-out loss on the weights after this step's update
+                    final_eval = evaluate(self.engine, held_out)
+                    record.update(final_eval)
+                self.log.write(record)
+                progress.update(1, record)
+                if saving:
+                    self._save(step, stream, losses)
+                    stopping = stopping or self._boundary(clock=False)[0]  # a signal during the save
+                if stopping and step < self.s.last:  # at the last step the run finishes as it would
+                    raise RunStopped(self.signals.requested, step, self.s.checkpoint_dir, speaks=self.s.main)
+        finally:
+            progress.close()
+        return throughput, final_eval
+
+    def _boundary(self, clock: bool = True) -> tuple[bool, bool]:
+        """(stop, checkpoint due by the clock), the same on every process of a job."""
+        due = clock and self.every_seconds > 0 and self.s.main and time.monotonic() - self.last_save >= self.every_seconds
+        signum, due = self.s.agree([self.signals.requested or 0, int(due)])
+        if signum:
+            self.signals.request(signum)  # a signal that reached another process of the job
+        return bool(signum), bool(due)
+
+    def _save(self, step: int, stream, losses: list[float]) -> None:
+        """A checkpoint of ``step``; a second SIGINT meanwhile waits for it to complete."""
+        with self.signals.protected():
+            self.engine.save_checkpoint(self.ckpt, step, {"data_state": stream.state(), "losses": losses,
+                                                          "origin": self.s.origin, "saved_at": time.time()})
+            if self.signals.requested:
+                self.ckpt.wait()  # SYNC: the run stops after this save; it must be complete
+        self.last_save = time.monotonic()
+
+    def _record(self, step: int, result: StepResult, throughput: Throughput, stream) -> dict[str, Any]:
+        sample = self.memory.sample()
+        report = self.engine.report()
+        updates = step - 1 - report.skipped_steps
+        return {
+            "step": step,
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
+            # The schedule is evaluated at the count used for this step's update (0-based).
+            "learning_rate": float(self.schedule(updates)),
+            "tokens_per_s": throughput.rate(),
+            "elapsed_s": throughput.elapsed(),
+            "rss_bytes": sample.rss,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "page_cache_bytes": sample.page_cache,
+            "peak_page_cache_bytes": self.memory.peak_page_cache,
+            "data_state": stream.state(),
+            **{f"data_{k}": v for k, v in stream.stats().items()},
+            **report.record(),
+            **{k: v for k, v in result.record().items() if k not in ("loss", "grad_norm")},
+        }
