@@ -12,7 +12,8 @@ process 1 alone (the ``JAX_PROCESS_ID`` the launcher gives it).
 a scheduler's preemption, at a known point), and may list several, comma-separated, each counted
 from the start or, written ``+n``, from the one before it firing: ``"backward:3:SIGINT,
 optimizer_chunk:+1:SIGINT"`` is a second SIGINT during the update of the step the first
-interrupted. ``step_end`` is the trainer's step boundary. ``JAXASCEND_SIGNAL_PROCESS`` arms them
+interrupted. ``step_end`` is the trainer's step boundary. ``SIGTERM@parent`` sends it to the
+parent process instead (a job's launcher). ``JAXASCEND_SIGNAL_PROCESS`` arms them
 in one process of a job, like ``JAXASCEND_KILL_PROCESS``.
 """
 
@@ -54,7 +55,8 @@ def kill_point(name: str) -> None:
             _signals.pop(0)
             if _signals and _signals[0][1].startswith("+"):
                 _signal_counts.clear()  # the next one counts from here
-            os.kill(os.getpid(), signal.Signals[signame])
+            signame, _, whom = signame.partition("@")
+            os.kill(os.getppid() if whom == "parent" else os.getpid(), signal.Signals[signame])
     if _target is None or name != _target[0]:
         return
     _counts[name] += 1

@@ -51,6 +51,7 @@ _POLL_SECONDS = 0.05  # how often child exits and the grace deadline are checked
 _MAX_PENDING = 1 << 16  # a longer line without an end is forwarded in pieces
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+_STOPPED = tuple(128 + s for s in _STOP_SIGNALS)  # the exit status of a child that stopped on one
 
 
 class LaunchError(Exception):
@@ -287,7 +288,9 @@ class _Launch:
             exited = [c for c in self.children if c.proc.poll() is not None]
             if failed is None and self.stop_at is None and not self.signals:
                 # The first to fail (the lowest index among those found together) is the one reported.
-                failed = next((c for c in exited if c.proc.returncode != 0), None)
+                # A child that stopped on a signal (128 + a stop signal: it saved a checkpoint) is not a
+                # failure: the others stop at the same step by themselves.
+                failed = next((c for c in exited if c.proc.returncode not in (0, *_STOPPED)), None)
                 if failed is not None:
                     self.stop()
             if self.stop_at is not None and time.monotonic() - self.stop_at >= self.grace:
@@ -300,6 +303,9 @@ class _Launch:
         drain_until = time.monotonic() + max(self.grace, 1.0)
         while self.selector.get_map() and self._forward_ready() and time.monotonic() < drain_until:
             pass
+        codes = {c.proc.returncode for c in self.children}
+        if failed is None and not self.signals and len(codes) == 1 and codes <= set(_STOPPED):
+            return self._stopped(codes.pop() - 128)  # the job stopped on a signal one of its processes got
         if failed is not None:
             self._error(failed.failure())
             return _exit_status(failed.proc.returncode)

@@ -202,3 +202,30 @@ def test_a_checkpoint_resumes_with_another_number_of_processes(runs, first, then
     w, ref = weights(out), weights(reference)
     for name in ref:
         np.testing.assert_allclose(w[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("where", ["launcher", "one-process"])
+def test_a_stop_signal_stops_every_process_of_the_job_at_one_checkpoint(runs, where):
+    root, _, two = runs
+    out = root / f"stopped-{where}"
+    # SIGTERM to the launcher (process 0 sends it to its parent after step 2), which forwards it;
+    # or to process 1 alone: the processes agree on the step at every boundary either way.
+    env = ({"JAXASCEND_SIGNAL_AT": "step_end:2:SIGTERM@parent", "JAXASCEND_SIGNAL_PROCESS": "0"}
+           if where == "launcher" else {"JAXASCEND_SIGNAL_AT": "step_end:2:SIGTERM", "JAXASCEND_SIGNAL_PROCESS": "1"})
+    done = train(out, 2, env=env)
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr + done.stdout
+    lines = done.stderr.strip().splitlines()
+    stop = [line for line in lines if line.startswith("stopped by SIGTERM at step ")]
+    assert len(stop) == 1, done.stderr[-3000:]  # process 0 speaks for the job
+    step = int(stop[0].split(" at step ")[1].split(":")[0])
+    assert lines[-1] == ("job stopped by SIGTERM: its 2 process(es) stopped on it; the same command resumes from the "
+                         "newest complete checkpoint")
+    saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] == step < STEPS
+    assert {p.name for p in (out / "checkpoints" / str(step) / "offloaded").iterdir()} >= {"process0", "process1"}
+    trained(out, 2)  # the same command resumes
+    assert losses(out) == losses(two)
+    w, ref = weights(out), weights(two)
+    for name in ref:
+        np.testing.assert_array_equal(w[name], ref[name], err_msg=name)
