@@ -62,8 +62,12 @@ def host_levers(cfg: Config, model_cfg: ModelConfig, plan, replan: Replan) -> tu
                          _section(cfg, "offload", arena_bytes=None), model_cfg))
     levers = []
     for setting, variant, variant_model in variants:
-        peak = replan(variant, variant_model).host_peak
-        levers.append(Lever(setting, plan.host_peak - peak, peak))
+        planned = replan(variant, variant_model)
+        levers.append(Lever(setting, plan.host_peak - planned.host_peak, planned.host_peak))
+        if setting == "train.grad_accum: 1" and plan.params == "resident" and planned.streamable:
+            # without accumulation the weights may stream from SSD too
+            peak = replan(_section(variant, "offload", params="ssd"), variant_model).host_peak
+            levers.append(Lever("train.grad_accum: 1 with offload.params: ssd", plan.host_peak - peak, peak))
     return _kept(levers, plan.host_peak - (plan.host_limit or 0))
 
 

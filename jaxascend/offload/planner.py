@@ -84,6 +84,13 @@ class HostLimit:
     source: str  # "offload.host_memory_budget", "MemAvailable", "cgroup memory.max (...)", ...
     held: int = 0  # of the runtime part, what this process already holds (not in the machine's figure)
 
+    def describe(self) -> str:
+        """``"23.00 GiB available (MemAvailable)"``, with what this process already holds."""
+        if not self.held:
+            return f"{format_bytes(self.nbytes)} available ({self.source})"
+        return (f"{format_bytes(self.nbytes)} the run can have ({self.source} {format_bytes(self.nbytes - self.held)} "
+                f"+ {format_bytes(self.held)} this process already holds)")
+
 
 @dataclass(frozen=True)
 class RunPlan:
@@ -144,10 +151,8 @@ class RunPlan:
             head = (f"offload.host_memory_budget: the plan needs {format_bytes(self.host_peak)} of host memory, "
                     f"{format_bytes(self.host_peak - limit.nbytes)} more than the budget of {format_bytes(limit.nbytes)}")
         else:
-            held = f" + {format_bytes(limit.held)} this process holds" if limit.held else ""
             head = (f"host memory: the plan needs {format_bytes(self.host_peak)}, "
-                    f"{format_bytes(self.host_peak - limit.nbytes)} more than the "
-                    f"{format_bytes(limit.nbytes - limit.held)} available ({limit.source}{held})")
+                    f"{format_bytes(self.host_peak - limit.nbytes)} more than the {limit.describe()}")
         return f"{head} (largest part: {worst}, {format_bytes(self.host[worst])})" + _lever_text(self.host_levers)
 
     def check(self) -> None:
@@ -172,7 +177,7 @@ class RunPlan:
             lines.append(f"  {part:<20} {format_bytes(nbytes):>12}  {nbytes / n:6.2f} B/param")
         limit = self.limit
         against = "" if limit is None else (f"  (budget {format_bytes(limit.nbytes)})" if limit.source == BUDGET else
-                                            f"  ({format_bytes(limit.nbytes - limit.held)} available: {limit.source})")
+                                            f"  ({limit.describe()})")
         lines.append(f"  {'total':<20} {format_bytes(self.host_peak):>12}  {self.host_peak / n:6.2f} B/param{against}")
         lines.append("device memory:" + (" (the CPU backend's device memory is host RAM, counted above)"
                                           if jax.default_backend() == "cpu" else ""))
@@ -382,7 +387,7 @@ def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: int
     if not cfg.offload.enabled or limit is None or resident.host_peak <= limit.nbytes:
         params, choice = "resident", "offload.params: auto chose resident"
     else:
-        against = "the budget" if limit.source == BUDGET else f"{format_bytes(limit.nbytes - limit.held)} available"
+        against = "the budget" if limit.source == BUDGET else f"the {limit.describe()}"
         if resident.streamable:
             params = "ssd"
             choice = (f"offload.params: auto chose ssd (resident would need {format_bytes(resident.host_peak)}, "
@@ -397,9 +402,12 @@ def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: int
 
 
 def resolve(cfg: Config, model_cfg: ModelConfig, disk_gbps: Optional[float] = None,
-            runtime_bytes: Optional[int] = None) -> tuple[Config, RunPlan]:
-    """``cfg`` with ``offload.params`` resolved (auto -> resident or ssd) and its plan."""
-    plan = plan_run(cfg, model_cfg, disk_gbps=disk_gbps, runtime_bytes=runtime_bytes)
+            inputs_read: bool = True) -> tuple[Config, RunPlan]:
+    """``cfg`` with ``offload.params`` resolved (auto -> resident or ssd) and its plan, made in
+    this process; ``inputs_read`` False: the tokenizer and data are not in it yet, and
+    :data:`UNREAD_INPUTS_BYTES` stands for them in the runtime part."""
+    runtime = process_rss() + STEP_RUNTIME_BYTES + (0 if inputs_read else UNREAD_INPUTS_BYTES)
+    plan = plan_run(cfg, model_cfg, disk_gbps=disk_gbps, runtime_bytes=runtime)
     placement = "resident" if plan.params == "in-memory" else plan.params
     if placement != cfg.offload.params:
         cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params=placement))
