@@ -41,7 +41,7 @@ def available_host_memory() -> Optional[HostMemory]:
             return HostMemory(parse_bytes(override.strip(), MEM_AVAILABLE_ENV), MEM_AVAILABLE_ENV)
         except ConfigError as err:
             raise ConfigError(f"{err} (environment variable)") from None
-    readings = [r for r in (_meminfo_available(), *_cgroup_headroom()) if r is not None]
+    readings = [r for r in (_meminfo_available(), *cgroup_headroom()) if r is not None]
     return min(readings, key=lambda r: r.available) if readings else None
 
 
@@ -109,16 +109,16 @@ def _cgroup_dirs(proc: str = "/proc/self") -> list[tuple[int, Path]]:
         for mount_version, root, point in mounts:
             if mount_version != version or not group.startswith(root):
                 continue
-            folder = point / os.path.relpath(group, root)
-            while True:
-                out.append((version, Path(os.path.normpath(folder))))
-                if Path(os.path.normpath(folder)) == point:
+            folder = Path(os.path.normpath(point / os.path.relpath(group, root)))
+            while True:  # a limit anywhere above the process applies to it
+                out.append((version, folder))
+                if folder == point or folder == folder.parent:
                     break
                 folder = folder.parent
     return out
 
 
-def _cgroup_headroom(proc: str = "/proc/self") -> list[HostMemory]:
+def cgroup_headroom(proc: str = "/proc/self") -> list[HostMemory]:
     """What each memory cgroup above the process still allows (none: no limit set)."""
     out = []
     for version, folder in _cgroup_dirs(proc):

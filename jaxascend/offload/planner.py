@@ -19,7 +19,8 @@ Host memory is predicted part by part (bytes, for one process):
 * ``activations``: what the backward keeps, per remat policy, by sequence length (step_memory);
 * ``temporaries``: the largest working set of the forward/backward (one layer's attention,
   with its float32 scores and softmax, growing with T squared; one layer's MLP; the logits and
-  head), or the optimizer's one leaf being filled, whichever is larger;
+  head), or twice the largest resident leaf (held again while the run starts and while an
+  update fills its new copy; measured), whichever is larger;
 * ``gradient accumulator``: ``train.grad_accum > 1`` only.
 
 The total is checked against ``offload.host_memory_budget`` when set, else against what the
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -55,12 +56,13 @@ from jaxascend.offload.step_memory import step_memory
 from jaxascend.ssd import ArenaPlan, SsdStore, arena_shortfall
 
 # What JAX's CPU runtime, the compiled step and a step's Python objects add to the process as it
-# is at planning time (measured: see docs/bench_plan.md).
-STEP_RUNTIME_BYTES = 320 * 2**20
+# is at planning time: fitted to the measured peaks of docs/bench_plan.md (3M and 0.5B
+# parameters, seq 128 to 2048).
+STEP_RUNTIME_BYTES = 230 * 2**20
 # What a tokenizer and a data index add to the runtime part when the plan is made without
-# reading them (python -m jaxascend.plan from config.json alone); measured with a Hugging Face
-# tokenizer and the bundled data.
-UNREAD_INPUTS_BYTES = 160 * 2**20
+# reading them (python -m jaxascend.plan from config.json alone): measured 28 MiB with a small
+# BPE tokenizer and the bundled data; a 150k-token tokenizer holds more.
+UNREAD_INPUTS_BYTES = 64 * 2**20
 DEFAULT_DISK_GBPS = 1.5  # O_DIRECT sequential, the development machines' SSD (see docs/bench_io.md)
 
 
@@ -244,7 +246,20 @@ def process_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _host_limit(cfg: Config, runtime: int) -> Optional[HostLimit]:
+class Runtime(NamedTuple):
+    """The runtime part, and how much of it this process already holds (its RSS when measured)."""
+
+    nbytes: int
+    held: int = 0
+
+    @classmethod
+    def measured(cls, unread: int = 0) -> "Runtime":
+        """This process now plus :data:`STEP_RUNTIME_BYTES` (and ``unread`` for inputs not read yet)."""
+        rss = process_rss()
+        return cls(rss + STEP_RUNTIME_BYTES + unread, rss)
+
+
+def _host_limit(cfg: Config, runtime: Runtime) -> Optional[HostLimit]:
     """``offload.host_memory_budget``, or what the machine can give plus what this process
     already holds of the runtime part (it is counted there and not in the machine's figure)."""
     if cfg.offload.host_memory_budget is not None:
@@ -252,8 +267,7 @@ def _host_limit(cfg: Config, runtime: int) -> Optional[HostLimit]:
     memory = available_host_memory()
     if memory is None:
         return None
-    held = min(process_rss(), runtime)
-    return HostLimit(memory.available + held, memory.source, held)
+    return HostLimit(memory.available + runtime.held, memory.source, runtime.held)
 
 
 def _layout(cfg: Config, model_cfg: ModelConfig, stream: bool) -> OffloadLayout:
@@ -286,21 +300,25 @@ def _step_parts(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> t
     """The forward/backward's parts (activations, temporaries, the accumulator) and its peak phase."""
     memory = step_memory(cfg, model_cfg, layout)
     resident = [leaf for leaf in layout.leaves if not leaf.streamed]
-    optimizer_leaf = max((leaf.size * leaf.dtype.itemsize for leaf in resident), default=0)
+    # The largest resident leaf, twice more: while the run starts (the weights loaded, the initial
+    # state written) and while an update fills its new copy (measured: a 0.5B run at seq 128
+    # peaks before its first step, with about two copies of the tied table beside the step's own).
+    optimizer_leaf = 2 * max((leaf.size * leaf.dtype.itemsize for leaf in resident), default=0)
     parts = {"activations": memory.activations, "temporaries": max(memory.working, optimizer_leaf)}
     if memory.accumulator:
         parts["gradient accumulator"] = memory.accumulator
     return parts, memory.phase
 
 
-def _in_memory_plan(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout, runtime: int, gbps: float) -> RunPlan:
+def _in_memory_plan(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout, runtime: Runtime,
+                    gbps: float) -> RunPlan:
     """The in-memory baseline: fp32 (param_dtype) params, gradients, m and v. The jitted optax
     step holds the gradients and, until the old state is freed, the updated moments (8 B/param
     more; measured: 26.7 B/param at 0.5B in float32)."""
     n = layout.num_parameters
     p = np.dtype(DTYPES[model_cfg.param_dtype]).itemsize
     step, phase = _step_parts(cfg, model_cfg, layout)
-    host = {"runtime": runtime, "arena": 0, "resident params": n * p, "optimizer state": 8 * n, "gradients": n * p,
+    host = {"runtime": runtime.nbytes, "arena": 0, "resident params": n * p, "optimizer state": 8 * n, "gradients": n * p,
             "activations": step["activations"], "temporaries": max(step["temporaries"], 8 * n)}
     disk = disk_use(run_disk_parts(cfg, 0, n * (p + 8), 4 * n, _export_itemsize(cfg, model_cfg) * n))
     return RunPlan("in-memory", n, host, {"params + state": n * (2 * p + 8)}, 0, str(cfg.offload.dir), n * (p + 8),
@@ -308,7 +326,7 @@ def _in_memory_plan(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout, 
                    max(leaf.layer_elements for leaf in layout.leaves), _streaming_refusal(cfg), phase=phase)
 
 
-def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: int, gbps: float) -> RunPlan:
+def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: Runtime, gbps: float) -> RunPlan:
     layout = _layout(cfg, model_cfg, stream)
     n = layout.num_parameters
     c = np.dtype(DTYPES[model_cfg.dtype]).itemsize
@@ -317,7 +335,7 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     loaded = resident * p // c if p != c else 0  # the param_dtype model beside its compute copy at start-up
     arena, arena_problem = _arena(cfg, layout)
     step, phase = _step_parts(cfg, model_cfg, layout)
-    host = {"runtime": runtime, "arena": arena, "resident params": resident + loaded, **step}
+    host = {"runtime": runtime.nbytes, "arena": arena, "resident params": resident + loaded, **step}
     device = {"resident params": resident, "activations + temps": sum(step.values())}
     grads = layout.grad_bytes if layout.grads_on_ssd else 0
     streamed = layout.streamed_param_bytes
@@ -341,13 +359,13 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
 
 
 def _with_levers(plan: RunPlan, cfg: Config, model_cfg: ModelConfig, params: str, gbps: float,
-                 runtime: int) -> RunPlan:
+                 runtime: Runtime) -> RunPlan:
     """``plan`` with the levers of each part that does not fit (each lever changes a copy of
     ``cfg`` with ``offload.params`` resolved to ``params``)."""
     cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params=params))
 
     def replan(variant: Config, variant_model: ModelConfig) -> RunPlan:
-        return plan_run(variant, variant_model, variant.offload.params, gbps, runtime, levers=False)
+        return _plan(variant, variant_model, variant.offload.params, gbps, runtime, levers=False)
 
     host = ()
     if plan.limit is not None and plan.host_peak > plan.limit.nbytes:
@@ -360,14 +378,16 @@ def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
              disk_gbps: Optional[float] = None, runtime_bytes: Optional[int] = None, levers: bool = True) -> RunPlan:
     """The plan of ``cfg`` for ``model_cfg`` (whose ``vocab_size`` is the run's), with
     ``offload.params`` as given by ``params`` (default: the config's; "auto" is resolved).
-    ``runtime_bytes``: the runtime part (default: this process's RSS now plus
-    :data:`STEP_RUNTIME_BYTES`; make the plan where the run will run, after its tokenizer).
-    ``levers``: with each part that does not fit, what the settings that would help save."""
+    ``runtime_bytes``: the runtime part (default: measured, :meth:`Runtime.measured`; make the
+    plan where the run will run, after its tokenizer). ``levers``: with each part that does not
+    fit, what the settings that would help save."""
+    runtime = Runtime.measured() if runtime_bytes is None else Runtime(int(runtime_bytes))
+    return _plan(cfg, model_cfg, params or cfg.offload.params, float(disk_gbps or DEFAULT_DISK_GBPS), runtime, levers)
+
+
+def _plan(cfg: Config, model_cfg: ModelConfig, params: str, gbps: float, runtime: Runtime, levers: bool) -> RunPlan:
     if not model_cfg.vocab_size:
         raise ValueError("plan: model_cfg.vocab_size is 0; resolve the run's vocabulary first")
-    params = params or cfg.offload.params
-    gbps = float(disk_gbps or DEFAULT_DISK_GBPS)
-    runtime = process_rss() + STEP_RUNTIME_BYTES if runtime_bytes is None else int(runtime_bytes)
     if params == "auto":
         return _resolve_auto(cfg, model_cfg, gbps, runtime, levers)
     if not cfg.offload.enabled:
@@ -379,10 +399,10 @@ def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
     return plan
 
 
-def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: int, levers: bool) -> RunPlan:
+def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: Runtime, levers: bool) -> RunPlan:
     """``offload.params: auto``: resident if that fits the budget (without one: what the machine
     can give), else ssd where the config allows it."""
-    resident = plan_run(cfg, model_cfg, "resident", gbps, runtime, levers=False)
+    resident = _plan(cfg, model_cfg, "resident", gbps, runtime, levers=False)
     limit = resident.limit
     if not cfg.offload.enabled or limit is None or resident.host_peak <= limit.nbytes:
         params, choice = "resident", "offload.params: auto chose resident"
@@ -395,7 +415,7 @@ def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: int
         else:
             params = "resident"
             choice = f"offload.params: auto stays resident over {against}: {resident.streaming_refused}"
-    plan = resident if params == "resident" else plan_run(cfg, model_cfg, "ssd", gbps, runtime, levers=False)
+    plan = resident if params == "resident" else _plan(cfg, model_cfg, "ssd", gbps, runtime, levers=False)
     if levers and plan.problems():
         plan = _with_levers(plan, cfg, model_cfg, params, gbps, runtime)
     return dataclasses.replace(plan, choices=(choice,))
@@ -406,8 +426,8 @@ def resolve(cfg: Config, model_cfg: ModelConfig, disk_gbps: Optional[float] = No
     """``cfg`` with ``offload.params`` resolved (auto -> resident or ssd) and its plan, made in
     this process; ``inputs_read`` False: the tokenizer and data are not in it yet, and
     :data:`UNREAD_INPUTS_BYTES` stands for them in the runtime part."""
-    runtime = process_rss() + STEP_RUNTIME_BYTES + (0 if inputs_read else UNREAD_INPUTS_BYTES)
-    plan = plan_run(cfg, model_cfg, disk_gbps=disk_gbps, runtime_bytes=runtime)
+    runtime = Runtime.measured(0 if inputs_read else UNREAD_INPUTS_BYTES)
+    plan = _plan(cfg, model_cfg, cfg.offload.params, float(disk_gbps or DEFAULT_DISK_GBPS), runtime, levers=True)
     placement = "resident" if plan.params == "in-memory" else plan.params
     if placement != cfg.offload.params:
         cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params=placement))

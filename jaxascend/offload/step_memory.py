@@ -10,8 +10,9 @@ live together at one point of the backward (``jax.checkpoint`` recomputes a laye
 
 * ``attention``: one layer's attention in the backward. The scores ``[B, K, G, T, S]`` are
   float32 as ``models.layers.causal_attention`` computes them (dense, the causal mask applied
-  with ``where``), and so are their softmax, its gradient and the scores' gradient: about 17 B
-  per score, ``B * num_attention_heads * T**2`` of them, so this phase grows with T squared;
+  with ``where``), and so are their softmax, its gradient and the scores' gradient: about 22 B
+  per score with the copy the executed step adds (:data:`EXECUTED_SCORES`),
+  ``B * num_attention_heads * T**2`` of them, so this phase grows with T squared;
 * ``mlp``: one layer's MLP in the backward, ``[B, T, intermediate]`` arrays;
 * ``head``: the float32 logits ``[B, T, V]`` and their gradient, with the output head's weights
   widened and their gradient when the head is differentiated whole (a large tied table is done
@@ -81,16 +82,21 @@ class RematTerms:
     mlp: Terms
 
 
+# Executing the step holds one more float32 scores array than XLA's buffer assignment counts
+# (measured: the step's RSS high-water mark less its temp size grows by 4.2 B per score, from
+# 2M to 134M scores, remat none and full alike).
+EXECUTED_SCORES = 4.2
 # The float32 logits and their gradient, the final hidden states around them, and a head
 # differentiated whole (its weights widened, their float32 gradient): the same for every policy.
 HEAD = Terms(hidden=29.1, vocab=8.1, weights=7.9)
-_FULL_ATTENTION = Terms(hidden=55.0, scores=17.4, weights=3.5)
+_FULL_ATTENTION = Terms(hidden=55.0, scores=17.4 + EXECUTED_SCORES, weights=3.5)
 _FULL_MLP = Terms(hidden=66.8, mlp=29.5, weights=3.5)
 REMAT = {
     # the layer input (float32 on the CPU backend); the layer is recomputed in the backward
     "full": RematTerms(Terms(hidden=3.9), _FULL_ATTENTION, _FULL_MLP),
     # every intermediate, the scores' softmax among them (float32 and compute dtype)
-    "none": RematTerms(Terms(hidden=24.0, mlp=30.9, scores=8.8), Terms(hidden=55.7, scores=8.0, weights=19.5),
+    "none": RematTerms(Terms(hidden=24.0, mlp=30.9, scores=8.8),
+                       Terms(hidden=55.7, scores=8.0 + EXECUTED_SCORES, weights=19.5),
                        Terms(hidden=6.8, mlp=5.2, weights=19.5)),
     # every matmul's output, the scores among them (a batched matmul)
     "dots": RematTerms(Terms(hidden=43.9, scores=3.3), _FULL_ATTENTION, _FULL_MLP),
