@@ -1,12 +1,16 @@
 """Command-line planner: ``python -m jaxascend.plan --config X [--set a.b=c ...]``.
 
 Prints, before anything is allocated, what the run of that config will need: host memory by part
-(runtime, arena, resident params, activations, temporaries), device memory, the SSD footprint and
-the free space on the offload filesystem, SSD bytes per step and the step-time floor at a given
-(``--disk-gbps``) or measured (``--measure-disk``) disk speed; ``offload.params: auto`` is
-resolved as the trainer resolves it. ``python -m jaxascend.train`` runs the same plan first and
-refuses a run that does not fit. Exit status: 0 when the run fits, 1 when it does not, 2 on bad
-input (one ``error:`` line).
+(runtime, arena, resident params, activations, temporaries) against the budget or what the machine
+can give, device memory, the disk each filesystem must hold (offload files, the checkpoints kept,
+the end-of-run weights) against its free space, SSD bytes per step and the step-time floor at a
+given (``--disk-gbps``) or measured (``--measure-disk``) disk speed; ``offload.params: auto`` is
+resolved as the trainer resolves it, and a part that does not fit names its levers with figures.
+A model folder holding only ``config.json`` is enough: without tokenizer files the vocabulary is
+config.json's, without the data the runtime part is estimated (each said on a ``note:`` line).
+``python -m jaxascend.train`` runs the same plan first, with every input read, and refuses a run
+that does not fit. Exit status: 0 when the run fits, 1 when it does not (``does not fit:``
+lines), 2 on bad input (one ``error:`` line).
 """
 
 from __future__ import annotations
@@ -40,19 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     from jaxascend import console
     from jaxascend.config import load_config
     from jaxascend.offload import JobShape
-    from jaxascend.preparation import prepare_run
+    from jaxascend.preparation import prepare_run, read_available_inputs
     from jaxascend.ssd import measure_disk_gbps
 
     with console.one_line_output():
         try:
-            cfg = load_config(args.config, args.overrides)
+            cfg = load_config(args.config, args.overrides, inputs=False)
             gbps = measure_disk_gbps(cfg.offload) if args.measure_disk else args.disk_gbps
             distributed = cfg.train.distributed
             job = JobShape(processes=(distributed.num_processes if distributed else None) or 1,
                            local_devices=jax.local_device_count())
-            # The trainer's first phase: inputs read and checked, the plan made where the run
-            # will hold its tokenizer and data index (the runtime part).
-            prepared = prepare_run(cfg, job, disk_gbps=gbps)
+            # The trainer's first phase, on the inputs that are there: the plan made where the
+            # run will hold its tokenizer and data index (the runtime part; estimated without them).
+            prepared = prepare_run(cfg, job, disk_gbps=gbps, inputs=read_available_inputs(cfg))
         except (ValueError, OSError) as err:  # ConfigError is a ValueError
             if console.debugging():
                 raise
@@ -60,9 +64,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     plan, step = prepared.plan, prepared.step
     if args.json:
-        print(json.dumps({**plan.to_dict(), "step": step.describe()}, indent=1))
+        print(json.dumps({**plan.to_dict(), "step": step.describe(), "assumed": list(prepared.assumed)}, indent=1))
     else:
         print(plan.format())
+        for line in prepared.assumed:
+            print(f"note: {line}")
         for line in step.notes:
             if line not in plan.choices:
                 print(f"note: {line}")

@@ -3,8 +3,13 @@
 anything is written.
 
     prepared = prepare_run(cfg, JobShape(...))
-    prepared.plan.check()                     # host memory, disk: PlanError naming the part
+    prepared.plan.check()                     # host memory, disk, arena: PlanError naming the part
     for line in prepared.step.notes: console.note(line)
+
+The trainer reads every input (:func:`read_inputs`, the default). The planner CLI plans from what
+is there (:func:`read_available_inputs`): ``config.json`` alone is enough. Without the tokenizer
+the vocabulary is config.json's; without the data the runtime part is estimated; each such
+assumption is one line of ``prepared.assumed``.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from jaxascend.config import Config, ConfigError, ModelConfig
-from jaxascend.data import eval_batches, load_tokenizer, make_batch_stream
+from jaxascend.data import (eval_batches, has_tokenizer_files, load_tokenizer, make_batch_stream, missing_paths,
+                            tokenizer_folder)
 from jaxascend.hf import model_config_from_hf
 from jaxascend.models import TokenBatch, token_batch
 from jaxascend.offload import JobShape, RunPlan, StepPlan
@@ -35,7 +41,13 @@ def resolve_model_config(cfg: Config) -> ModelConfig:
 
 def vocabulary_size(cfg: Config, model_cfg: ModelConfig, tokenizer) -> int:
     """The embedding rows: the model's vocabulary (config.json or model.vocab_size), or the
-    tokenizer's for a model from scratch; refuses a tokenizer whose ids do not fit the model."""
+    tokenizer's for a model from scratch; refuses a tokenizer whose ids do not fit the model.
+    ``tokenizer`` None (not read): the model's own."""
+    if tokenizer is None:
+        if not model_cfg.vocab_size:
+            raise ConfigError(f"data.tokenizer: no tokenizer files in {tokenizer_folder(cfg.data.tokenizer, cfg.model.path)}"
+                              " and no vocabulary in the model's config (model.vocab_size: 0); the plan needs one")
+        return model_cfg.vocab_size
     vocab_size = model_cfg.vocab_size or tokenizer.vocab_size
     if vocab_size < tokenizer.vocab_size:
         where = f"{cfg.model.path}/config.json" if cfg.model.path else "model.vocab_size"
@@ -62,29 +74,75 @@ def held_out_batches(cfg: Config, tokenizer) -> list[TokenBatch]:
 
 
 @dataclass
+class RunInputs:
+    """What a run reads before it plans."""
+
+    model_cfg: ModelConfig  # config.json's architecture (or the config's) with the run's numerics
+    tokenizer: Any  # None: not read (the plan CLI without tokenizer files)
+    stream: Any  # the training batches, from the start; None: not read
+    held_out: list[TokenBatch]
+    assumed: tuple[str, ...] = ()  # what the plan assumed for what was not read, one line each
+
+    @property
+    def complete(self) -> bool:
+        return self.tokenizer is not None and self.stream is not None
+
+
+def read_inputs(cfg: Config) -> RunInputs:
+    """Every input of the run (the trainer's): config.json, the tokenizer, the data index, the
+    held-out data. Raises ``ValueError``/``OSError`` naming what is missing or malformed."""
+    model_cfg = resolve_model_config(cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
+    return RunInputs(model_cfg, tokenizer, make_batch_stream(cfg.data, tokenizer), held_out_batches(cfg, tokenizer))
+
+
+def read_available_inputs(cfg: Config) -> RunInputs:
+    """The inputs that are there (the plan CLI's): config.json (or the config's model) is needed;
+    the tokenizer, the data and the held-out data are read when present, else assumed."""
+    model_cfg = resolve_model_config(cfg)
+    folder = tokenizer_folder(cfg.data.tokenizer, cfg.model.path)
+    if folder is not None and not has_tokenizer_files(folder):
+        return RunInputs(model_cfg, None, None, [], (
+            f"no tokenizer in {folder}: vocabulary from config.json ({model_cfg.vocab_size}); no data read: "
+            "runtime part estimated",))
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
+    missing = missing_paths(list(cfg.data.paths))
+    if missing:
+        return RunInputs(model_cfg, tokenizer, None, [], (
+            f"no data read (data.paths: {', '.join(missing)} not found): runtime part estimated",))
+    stream = make_batch_stream(cfg.data, tokenizer)
+    missing = missing_paths(list(cfg.eval.paths or []))
+    if missing:
+        return RunInputs(model_cfg, tokenizer, stream, [], (f"eval.paths: {', '.join(missing)} not found: not read",))
+    return RunInputs(model_cfg, tokenizer, stream, held_out_batches(cfg, tokenizer))
+
+
+@dataclass
 class PreparedRun:
     """What a run has read and decided before it writes anything."""
 
     cfg: Config  # offload.params resolved (auto -> resident or ssd)
     model_cfg: ModelConfig  # config.json's architecture (or the config's) with the run's numerics
     sized: ModelConfig  # the same with the run's vocabulary
-    tokenizer: Any
-    stream: Any  # the training batches, from the start
+    tokenizer: Any  # None only from read_available_inputs
+    stream: Any  # the training batches, from the start (None only from read_available_inputs)
     held_out: list[TokenBatch]
     plan: RunPlan  # host memory, disk, SSD traffic
     step: StepPlan  # the step's modes, refusals and notes
+    assumed: tuple[str, ...] = ()  # what the plan assumed for inputs it did not read
 
 
-def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None) -> PreparedRun:
-    """Reads and checks the run's inputs and makes its plans (nothing is written). Raises
-    ``ValueError``/``OSError`` (a :class:`ConfigError` for the config) naming the problem."""
-    model_cfg = resolve_model_config(cfg)
-    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
-    stream = make_batch_stream(cfg.data, tokenizer)
-    held_out = held_out_batches(cfg, tokenizer)
-    sized = dataclasses.replace(model_cfg, vocab_size=vocabulary_size(cfg, model_cfg, tokenizer))
+def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
+                inputs: Optional[RunInputs] = None) -> PreparedRun:
+    """Reads and checks the run's inputs (``inputs``: already read; default :func:`read_inputs`)
+    and makes its plans (nothing is written). Raises ``ValueError``/``OSError`` (a
+    :class:`ConfigError` for the config) naming the problem."""
+    inputs = read_inputs(cfg) if inputs is None else inputs
+    model_cfg = inputs.model_cfg
+    sized = dataclasses.replace(model_cfg, vocab_size=vocabulary_size(cfg, model_cfg, inputs.tokenizer))
     # offload.params auto -> resident or ssd; host memory and disk by part (the runtime part
-    # measured here, after the tokenizer and the data index).
-    cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps)
+    # measured here, after the tokenizer and the data index; estimated for those not read).
+    cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete)
     step = StepPlan.resolve(cfg, sized, job, choices=plan.choices)
-    return PreparedRun(cfg, model_cfg, sized, tokenizer, stream, held_out, plan, step)
+    return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, plan, step,
+                       inputs.assumed)

@@ -4,10 +4,12 @@ files, and its metrics records (the benchmarks' shared harness).
     run = run_train_child(cmd, offload_dir, metrics_path, steps=3)
     run.peak_system, run.records, run.samples
 
-System memory = RSS + the page cache held by the run's offload shard files (``mincore``): buffered
-I/O hides its cost in the page cache, outside RSS. The child is stopped once ``steps`` metrics
-records are written (unless ``finish``): the end-of-run checkpoint and export are not part of a
-training step's memory.
+System memory = RSS of the process tree + the page cache held by the run's offload shard files
+(``mincore``): buffered I/O hides its cost in the page cache, outside RSS. Between samples the
+kernel's high-water mark of the child's RSS (``VmHWM``) catches a peak the sampling missed, so
+the peak is the larger of the sampled tree + cache and that mark. The child is stopped once
+``steps`` metrics records are written (unless ``finish``): the end-of-run checkpoint and export
+are not part of a training step's memory.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from jaxascend.ssd import page_cache_bytes
 
 @dataclass
 class ChildRun:
-    samples: list  # (seconds since start, rss, page cache of the offload files)
+    samples: list  # (seconds since start, RSS of the process tree, page cache of the offload files, VmHWM)
     records: list  # metrics.jsonl records
     first_step_at: float
     steps_done_at: float
@@ -38,7 +40,12 @@ class ChildRun:
 
     @property
     def peak_rss(self) -> int:
-        return max(s[1] for s in self.window)
+        return max(max(s[1] for s in self.window), self.high_water)
+
+    @property
+    def high_water(self) -> int:
+        """The child's own RSS high-water mark (VmHWM) at the last sample of the window."""
+        return max(s[3] for s in self.window)
 
     @property
     def peak_page_cache(self) -> int:
@@ -46,7 +53,29 @@ class ChildRun:
 
     @property
     def peak_system(self) -> int:
-        return max(s[1] + s[2] for s in self.window)
+        return max(max(s[1] + s[2] for s in self.window), self.high_water)
+
+
+def _tree_rss(proc: psutil.Process) -> int:
+    """RSS of ``proc`` and every process it started."""
+    total = proc.memory_info().rss
+    for child in proc.children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _high_water(pid: int) -> int:
+    """``VmHWM`` of ``pid`` in bytes (0 where /proc has none)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _lines(path: Path) -> int:
@@ -68,10 +97,11 @@ def run_train_child(cmd: list[str], offload_dir: Path, metrics_path: Path, log_p
         while child.poll() is None:
             t = time.perf_counter() - start
             try:
-                rss = proc.memory_info().rss
+                rss = _tree_rss(proc)
             except psutil.NoSuchProcess:
                 break
-            samples.append((round(t, 3), rss, page_cache_bytes(glob.glob(str(offload_dir / "*.bin")))))
+            samples.append((round(t, 3), rss, page_cache_bytes(glob.glob(str(offload_dir / "*.bin"))),
+                            _high_water(child.pid)))
             lines = _lines(metrics_path)
             if first_step_at is None and lines >= 1:
                 first_step_at = t

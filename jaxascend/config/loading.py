@@ -137,18 +137,18 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def config_from_dict(data: dict) -> Config:
-    """Builds and validates a :class:`Config` from plain nested dicts."""
+def config_from_dict(data: dict, inputs: bool = True) -> Config:
+    """Builds and validates a :class:`Config` from plain nested dicts; ``inputs`` False: the
+    data, held-out data, chat template and tokenizer folders need not exist (the planner)."""
     cfg = _build(Config, data, "")
     _validate_cross_fields(cfg)
+    if inputs:
+        check_inputs_exist(cfg)
     return cfg
 
 
-def _validate_cross_fields(cfg: Config) -> None:
-    if cfg.offload.dir is None:
-        cfg.offload.dir = os.path.join(cfg.train.out_dir, "offload")
-    if not cfg.data.paths:
-        raise ConfigError("data.paths: missing; give at least one .txt/.jsonl file or directory")
+def check_inputs_exist(cfg: Config) -> None:
+    """Refuses data, held-out data, a chat template or a tokenizer folder that is not on disk."""
     for p in cfg.data.paths:
         if p != "@stdlib" and not os.path.exists(os.path.expanduser(p)):
             raise ConfigError(f"data.paths: {p!r} does not exist")
@@ -158,10 +158,17 @@ def _validate_cross_fields(cfg: Config) -> None:
     if cfg.data.chat_template is not None and not os.path.isfile(os.path.expanduser(cfg.data.chat_template)):
         raise ConfigError(f"data.chat_template: {cfg.data.chat_template!r} is not a file")
     tok = cfg.data.tokenizer
-    if tok == "model" and cfg.model.path is None:
-        raise ConfigError("data.tokenizer: 'model' needs model.path to be set")
     if tok not in ("auto", "byte", "model") and not os.path.isdir(os.path.expanduser(tok)):
         raise ConfigError(f"data.tokenizer: expected 'auto', 'byte', 'model' or a tokenizer folder, got {tok!r}")
+
+
+def _validate_cross_fields(cfg: Config) -> None:
+    if cfg.offload.dir is None:
+        cfg.offload.dir = os.path.join(cfg.train.out_dir, "offload")
+    if not cfg.data.paths:
+        raise ConfigError("data.paths: missing; give at least one .txt/.jsonl file or directory")
+    if cfg.data.tokenizer == "model" and cfg.model.path is None:
+        raise ConfigError("data.tokenizer: 'model' needs model.path to be set")
     if cfg.model.path is not None and not os.path.isdir(os.path.expanduser(cfg.model.path)):
         raise ConfigError(f"model.path: {cfg.model.path!r} is not a directory")
     check_param_placement(cfg)
@@ -198,8 +205,9 @@ def check_param_placement(cfg: Config) -> None:
                           "(that ablation materializes the whole gradient tree)")
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
-    """Reads a YAML config (safe loader), applies ``--set`` overrides and validates."""
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None, inputs: bool = True) -> Config:
+    """Reads a YAML config (safe loader), applies ``--set`` overrides and validates; ``inputs``
+    False: without checking that the data and tokenizer are on disk (the planner plans without them)."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -213,4 +221,4 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: expected a mapping of sections at the top level")
     apply_overrides(data, overrides or [])
-    return config_from_dict(data)
+    return config_from_dict(data, inputs)

@@ -6,7 +6,8 @@
 * :func:`~jaxascend.data.documents.discover_files` / :func:`build_document_index` -- documents of ``.txt`` / ``.jsonl``
   files and directories (``@stdlib``: Python's standard library), indexed, read lazily;
 * :class:`ByteTokenizer` / :class:`HFTokenizer` / :func:`load_tokenizer` -- byte-level or a
-  local Hugging Face tokenizer;
+  local Hugging Face tokenizer; :func:`has_tokenizer_files` / :func:`missing_paths` -- whether
+  a tokenizer and the data are there at all (the planner can plan without them);
 * :class:`BatchStream` -- documents (``data.format: text``) packed into fixed-length rows in a
   seeded order, with a small JSON position to resume from;
 * :class:`~jaxascend.data.examples.ExampleSource` -- JSONL records (``prompt_completion`` or ``chat``), every one checked,
@@ -21,14 +22,15 @@ Imports only :mod:`jaxascend.config`.
 """
 
 from jaxascend.data.chat_templates import load_chat_template
-from jaxascend.data.documents import build_document_index
+from jaxascend.data.documents import build_document_index, missing_paths
 from jaxascend.data.eval_data import eval_batches
 from jaxascend.data.example_packing import make_batch_stream
 from jaxascend.data.packing import BatchStream
-from jaxascend.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer, tokenizer_folder,
-                                       write_hf_tokenizer)
+from jaxascend.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, has_tokenizer_files, load_tokenizer,
+                                       tokenizer_folder, write_hf_tokenizer)
 
 __all__ = [
     "BatchStream", "ByteTokenizer", "HFTokenizer", "Tokenizer", "build_document_index", "eval_batches",
-    "load_chat_template", "load_tokenizer", "make_batch_stream", "tokenizer_folder", "write_hf_tokenizer",
+    "has_tokenizer_files", "load_chat_template", "load_tokenizer", "make_batch_stream", "missing_paths",
+    "tokenizer_folder", "write_hf_tokenizer",
 ]

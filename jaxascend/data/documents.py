@@ -56,6 +56,11 @@ def _walk(root: str, include: list[str], skip_dirs: set[str]) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
+def missing_paths(paths: list[str]) -> list[str]:
+    """The entries of ``DataConfig.paths`` that name nothing on disk (``"@stdlib"`` always exists)."""
+    return [spec for spec in paths if spec != STDLIB and not os.path.exists(os.path.expanduser(spec))]
+
+
 def discover_files(paths: list[str], include: list[str]) -> list[str]:
     """Expands ``DataConfig.paths`` into a deterministic list of files (first occurrence wins).
 

@@ -206,6 +206,12 @@ def _check_tokenizer_folder(folder: str) -> None:
                          f"(expected tokenizer_config.json and one of: {expected})")
 
 
+def has_tokenizer_files(folder: str) -> bool:
+    """Whether ``folder`` holds a tokenizer's files (a model folder may hold only config.json)."""
+    folder = os.path.expanduser(folder)
+    return os.path.isdir(folder) and bool(set(os.listdir(folder)).intersection(_TOKENIZER_FILES))
+
+
 def resolve_tokenizer_spec(spec: str, model_path: Optional[str] = None) -> str:
     """``DataConfig.tokenizer`` with ``"auto"`` decided: a pretrained model (``model_path`` set)
     is trained on its own tokenizer (``"model"``), a model from scratch on bytes (``"byte"``)."""

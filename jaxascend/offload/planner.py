@@ -1,40 +1,44 @@
-"""The run planner: what a run will need, computed before anything is allocated.
+"""The run planner: what a run will need, computed before anything is allocated, against what
+this machine can give it.
 
-    plan = plan_run(cfg, model_cfg)         # model_cfg with its vocab_size; pure arithmetic
-    print(plan.format())                    # host memory by part, device memory, SSD, step floor
-    plan.check()                            # PlanError naming the part that does not fit
+    plan = plan_run(cfg, model_cfg)         # model_cfg with its vocab_size; arithmetic + a few stat calls
+    print(plan.format())                    # host memory by part, device memory, disk, SSD traffic
+    plan.check()                            # PlanError: one line naming the part, the figures, the levers
 
 Host memory is predicted part by part (bytes, for one process):
 
 * ``runtime``: this process as it is when the plan is made (Python, the imports, the tokenizer,
   the data index: measured), plus what JAX's runtime and the compiled step add
-  (:data:`STEP_RUNTIME_BYTES`, measured once);
-* ``arena``: exact: the arena plan the engine will carve (staging, step slots, parameter source);
+  (:data:`STEP_RUNTIME_BYTES`, measured); a plan made without the tokenizer and the data (the
+  plan CLI from ``config.json`` alone) adds an estimate of them instead;
+* ``arena``: exact: the arena plan the engine will carve (staging, step slots, parameter source),
+  or ``offload.arena_bytes`` when set (too small for the plan: refused, as the arena would);
 * ``resident params``: exact: the compute-dtype weights that stay in memory (all of them with
   ``offload.params: resident``; the embeddings, final norm and head with ``ssd``), plus the
   ``param_dtype`` copy held while the model is loaded when that dtype differs;
-* ``activations``: what the backward pass keeps: the scan carry of every layer (remat saves the
-  layer inputs) and the float32 logits with their softmax and gradient;
-* ``temporaries``: the larger of XLA's working set in the forward/backward (two logits-sized
-  float32 arrays, plus one layer's weights and gradient, widened, or one block of a large
-  vocabulary table widened twice, see models.vocab; a separate large head is differentiated
-  whole) and the optimizer's one leaf being filled (the largest resident leaf).
+* ``activations``: what the backward keeps, per remat policy, by sequence length (step_memory);
+* ``temporaries``: the largest working set of the forward/backward (one layer's attention,
+  with its float32 scores and softmax, growing with T squared; one layer's MLP; the logits and
+  head), or twice the largest resident leaf (held again while the run starts and while an
+  update fills its new copy; measured), whichever is larger;
+* ``gradient accumulator``: ``train.grad_accum > 1`` only.
 
-``offload.params: auto`` is resolved here: resident if the resident plan fits
-``offload.host_memory_budget`` (resident without a budget), else ssd. The in-memory engine
-(``offload.enabled: false``) is planned too: fp32 params, gradients and both moments in RAM.
+The total is checked against ``offload.host_memory_budget`` when set, else against what the
+machine can give (``MemAvailable`` or the memory cgroup's headroom, see machine_limits, plus
+what this process already holds of the runtime part). Disk: the offload files, the checkpoints
+kept at once and the end-of-run weights, per filesystem (disk_plan). A part that does not fit is
+one line with its levers (plan_levers), e.g. ``optimizer.state_dtype: int8 saves 47.70 GiB``.
 
-The coefficients of the last two parts are not fitted per run: they are the byte counts of the
-arrays named above; ``scripts/bench_scale.py`` prints the prediction beside each measured peak.
+``offload.params: auto`` is resolved here: resident if the resident plan fits the budget (or,
+without one, what the machine can give), else ssd. The in-memory engine (``offload.enabled:
+false``) is planned too: fp32 params, gradients and both moments in RAM.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -43,15 +47,22 @@ import psutil
 from jaxascend.config import Config, ConfigError, ModelConfig, check_param_placement
 from jaxascend.hf import abstract_params
 from jaxascend.models import DTYPES
+from jaxascend.offload.disk_plan import FilesystemUse, disk_use, run_disk_parts
 from jaxascend.offload.layout import OffloadLayout
+from jaxascend.offload.machine_limits import available_host_memory
+from jaxascend.offload.plan_levers import disk_levers, host_levers
 from jaxascend.offload.state_layout import StateLayoutOptions, TableLayout, checkpoint_slot_requests
-from jaxascend.ssd import ArenaPlan, SsdStore
+from jaxascend.offload.step_memory import step_memory
+from jaxascend.ssd import ArenaPlan, SsdStore, arena_shortfall
 
 # What JAX's CPU runtime, the compiled step and a step's Python objects add to the process as it
-# is at planning time (measured: a 0.5B run's steady state less its arena, weights and XLA
-# temporaries, Qwen2.5 shapes, seq 128).
-STEP_RUNTIME_BYTES = 320 * 2**20
-LAYER_WORKSET_BYTES_PER_PARAM = 6  # one layer in the backward, as XLA's CPU buffer assignment has it
+# is at planning time: fitted to the measured peaks of docs/bench_plan.md (3M and 0.5B
+# parameters, seq 128 to 2048).
+STEP_RUNTIME_BYTES = 230 * 2**20
+# What a tokenizer and a data index add to the runtime part when the plan is made without
+# reading them (python -m jaxascend.plan from config.json alone): measured 28 MiB with a small
+# BPE tokenizer and the bundled data; a 150k-token tokenizer holds more.
+UNREAD_INPUTS_BYTES = 64 * 2**20
 DEFAULT_DISK_GBPS = 1.5  # O_DIRECT sequential, the development machines' SSD (see docs/bench_io.md)
 
 
@@ -64,7 +75,23 @@ def format_bytes(n: int) -> str:
 
 
 class PlanError(ConfigError):
-    """The run does not fit: host memory budget or disk space; the message names the part."""
+    """The run does not fit: host memory, disk or the arena; the message names the part."""
+
+
+@dataclass(frozen=True)
+class HostLimit:
+    """What the plan's host memory is checked against: the budget, or what the machine gives."""
+
+    nbytes: int
+    source: str  # "offload.host_memory_budget", "MemAvailable", "cgroup memory.max (...)", ...
+    held: int = 0  # of the runtime part, what this process already holds (not in the machine's figure)
+
+    def describe(self) -> str:
+        """``"23.00 GiB available (MemAvailable)"``, with what this process already holds."""
+        if not self.held:
+            return f"{format_bytes(self.nbytes)} available ({self.source})"
+        return (f"{format_bytes(self.nbytes)} the run can have ({self.source} {format_bytes(self.nbytes - self.held)} "
+                f"+ {format_bytes(self.held)} this process already holds)")
 
 
 @dataclass(frozen=True)
@@ -75,16 +102,20 @@ class RunPlan:
     device: dict  # part -> bytes of the device memory kind (on the CPU backend: host RAM, counted once)
     ssd_bytes: int  # offload shard files
     ssd_dir: str
-    ssd_free: int  # bytes free on the offload filesystem (+ the shard files already there)
     checkpoint_bytes: int  # one checkpoint of the offloaded state (each kept step needs this)
     ssd_read_step: int
     ssd_write_step: int
     disk_gbps: float
-    budget: Optional[int] = None
+    limit: Optional[HostLimit] = None  # None: no figure (no budget, nothing readable)
+    disk: tuple = ()  # FilesystemUse per filesystem the run writes to
+    arena_problem: Optional[str] = None  # offload.arena_bytes too small for the arena plan
     notes: tuple = field(default=())
     largest_layer_params: int = 0  # the largest tensor (one layer of a stacked one)
     streaming_refused: Optional[str] = None  # why offload.params: ssd is not allowed here (None: it is)
     choices: tuple = field(default=())  # what the planner chose for the user (offload.params: auto), one line each
+    host_levers: tuple = ()  # Lever, when host memory does not fit
+    disk_levers: tuple = ()  # (filesystem folder, (Lever, ...)) for each filesystem that does not fit
+    phase: str = ""  # the forward/backward's largest working set: "attention", "mlp" or "head"
 
     @property
     def streamable(self) -> bool:
@@ -95,24 +126,36 @@ class RunPlan:
         return sum(self.host.values())
 
     @property
+    def host_limit(self) -> Optional[int]:
+        return self.limit.nbytes if self.limit is not None else None
+
+    @property
+    def budget(self) -> Optional[int]:
+        return self.host_limit if self.limit is not None and self.limit.source == BUDGET else None
+
+    @property
     def step_floor_seconds(self) -> float:
         """The step can be no faster than its SSD traffic at :attr:`disk_gbps`."""
         return (self.ssd_read_step + self.ssd_write_step) / (self.disk_gbps * 1e9) if self.disk_gbps > 0 else 0.0
 
     def problems(self) -> list[str]:
         """One line per part that does not fit (empty: the run fits)."""
-        out = []
-        if self.budget is not None and self.host_peak > self.budget:
-            worst = max(self.host, key=self.host.get)
-            out.append(f"offload.host_memory_budget: the plan needs {format_bytes(self.host_peak)} of host memory, "
-                       f"{format_bytes(self.host_peak - self.budget)} more than the budget of "
-                       f"{format_bytes(self.budget)} (largest part: {worst}, {format_bytes(self.host[worst])})"
-                       + ("; try offload.params: ssd" if self.params == "resident" and self.streamable else ""))
-        if self.ssd_bytes > self.ssd_free:
-            out.append(f"offload.dir: the offload files need {format_bytes(self.ssd_bytes)} on {self.ssd_dir}, "
-                       f"{format_bytes(self.ssd_bytes - self.ssd_free)} more than the {format_bytes(self.ssd_free)} "
-                       "free there")
+        out = [self.arena_problem] if self.arena_problem else []
+        if self.limit is not None and self.host_peak > self.limit.nbytes:
+            out.append(self._host_problem())
+        out.extend(_disk_problem(fs, dict(self.disk_levers).get(fs.folder, ())) for fs in self.disk if fs.short > 0)
         return out
+
+    def _host_problem(self) -> str:
+        worst = max(self.host, key=self.host.get)
+        limit = self.limit
+        if limit.source == BUDGET:
+            head = (f"offload.host_memory_budget: the plan needs {format_bytes(self.host_peak)} of host memory, "
+                    f"{format_bytes(self.host_peak - limit.nbytes)} more than the budget of {format_bytes(limit.nbytes)}")
+        else:
+            head = (f"host memory: the plan needs {format_bytes(self.host_peak)}, "
+                    f"{format_bytes(self.host_peak - limit.nbytes)} more than the {limit.describe()}")
+        return f"{head} (largest part: {worst}, {format_bytes(self.host[worst])})" + _lever_text(self.host_levers)
 
     def check(self) -> None:
         problems = self.problems()
@@ -120,24 +163,33 @@ class RunPlan:
             raise PlanError(problems[0])
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "host_peak": self.host_peak,
-                "host_bytes_per_param": self.host_peak / max(self.num_params, 1),
-                "step_floor_seconds": self.step_floor_seconds}
+        out = {**dataclasses.asdict(self), "host_peak": self.host_peak,
+               "host_bytes_per_param": self.host_peak / max(self.num_params, 1),
+               "step_floor_seconds": self.step_floor_seconds, "host_limit": self.host_limit,
+               "problems": self.problems()}
+        out["disk"] = [{"folder": fs.folder, "free": fs.free, "need": fs.need,
+                        "parts": {p.name: p.nbytes for p in fs.parts}} for fs in self.disk]
+        return out
 
     def format(self) -> str:
         n = max(self.num_params, 1)
         lines = [f"plan: {self.num_params:,} parameters, params {self.params}"]
         lines.append("host memory (peak):")
         for part, nbytes in self.host.items():
-            lines.append(f"  {part:<18} {format_bytes(nbytes):>12}  {nbytes / n:6.2f} B/param")
-        lines.append(f"  {'total':<18} {format_bytes(self.host_peak):>12}  {self.host_peak / n:6.2f} B/param"
-                     + (f"  (budget {format_bytes(self.budget)})" if self.budget is not None else ""))
+            lines.append(f"  {part:<20} {format_bytes(nbytes):>12}  {nbytes / n:6.2f} B/param")
+        limit = self.limit
+        against = "" if limit is None else (f"  (budget {format_bytes(limit.nbytes)})" if limit.source == BUDGET else
+                                            f"  ({limit.describe()})")
+        lines.append(f"  {'total':<20} {format_bytes(self.host_peak):>12}  {self.host_peak / n:6.2f} B/param{against}")
         lines.append("device memory:" + (" (the CPU backend's device memory is host RAM, counted above)"
                                           if jax.default_backend() == "cpu" else ""))
         for part, nbytes in self.device.items():
-            lines.append(f"  {part:<18} {format_bytes(nbytes):>12}")
-        lines.append(f"SSD: offload files {format_bytes(self.ssd_bytes)} on {self.ssd_dir} "
-                     f"({format_bytes(self.ssd_free)} free); each checkpoint {format_bytes(self.checkpoint_bytes)}")
+            lines.append(f"  {part:<20} {format_bytes(nbytes):>12}")
+        for fs in self.disk:
+            parts = " + ".join(f"{p.name} {format_bytes(p.nbytes)}" for p in fs.parts)
+            lines.append(f"disk: {parts} on {fs.folder} ({format_bytes(fs.free)} free)")
+        lines.append(f"SSD: offload files {format_bytes(self.ssd_bytes)} on {self.ssd_dir}; "
+                     f"each checkpoint {format_bytes(self.checkpoint_bytes)}")
         lines.append(f"SSD per step: read {format_bytes(self.ssd_read_step)}, "
                      f"write {format_bytes(self.ssd_write_step)} "
                      f"({(self.ssd_read_step + self.ssd_write_step) / n:.1f} B/param)")
@@ -150,6 +202,27 @@ class RunPlan:
         for problem in self.problems():
             lines.append(f"does not fit: {problem}")
         return "\n".join(lines)
+
+
+BUDGET = "offload.host_memory_budget"
+
+
+def _lever_text(levers: tuple) -> str:
+    if not levers:
+        return ""
+    return "; levers: " + "; ".join(f"{lever.setting} saves {format_bytes(lever.saves)} (needs "
+                                    f"{format_bytes(lever.needs)})" for lever in levers)
+
+
+def _disk_problem(fs: FilesystemUse, levers: tuple) -> str:
+    parts = " + ".join(f"{p.name} {format_bytes(p.nbytes)}" for p in fs.parts)
+    by_field: dict[str, int] = {}
+    for part in fs.parts:
+        by_field[part.field] = by_field.get(part.field, 0) + part.nbytes
+    move = " or ".join(f"{name} (needs {format_bytes(nbytes)})" for name, nbytes in by_field.items())
+    return (f"disk: {', '.join(by_field)}: {parts} = {format_bytes(fs.need)} on {fs.folder}, "
+            f"{format_bytes(fs.short)} more than the {format_bytes(fs.free)} free there" + _lever_text(levers)
+            + f"; or put {move} on a filesystem with that much free")
 
 
 def deepspeed_zero3_estimate(total_params: int, largest_layer_params: int) -> tuple[int, int]:
@@ -168,22 +241,33 @@ def _streaming_refusal(cfg: Config) -> Optional[str]:
     return None
 
 
-def _process_rss() -> int:
+def process_rss() -> int:
+    """This process's resident memory now (the measured base of the runtime part)."""
     return psutil.Process().memory_info().rss
 
 
-def _free_bytes(directory: str) -> int:
-    """Free bytes on the filesystem that will hold ``directory`` (its nearest existing parent),
-    plus the shard files already there (a run reopens and truncates them)."""
-    probe = os.path.abspath(os.path.expanduser(directory))
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    free = shutil.disk_usage(probe).free
-    if os.path.isdir(directory):
-        for name in os.listdir(directory):
-            if name.startswith("shard-") and name.endswith(".bin"):
-                free += os.path.getsize(os.path.join(directory, name))
-    return free
+class Runtime(NamedTuple):
+    """The runtime part, and how much of it this process already holds (its RSS when measured)."""
+
+    nbytes: int
+    held: int = 0
+
+    @classmethod
+    def measured(cls, unread: int = 0) -> "Runtime":
+        """This process now plus :data:`STEP_RUNTIME_BYTES` (and ``unread`` for inputs not read yet)."""
+        rss = process_rss()
+        return cls(rss + STEP_RUNTIME_BYTES + unread, rss)
+
+
+def _host_limit(cfg: Config, runtime: Runtime) -> Optional[HostLimit]:
+    """``offload.host_memory_budget``, or what the machine can give plus what this process
+    already holds of the runtime part (it is counted there and not in the machine's figure)."""
+    if cfg.offload.host_memory_budget is not None:
+        return HostLimit(int(cfg.offload.host_memory_budget), BUDGET)
+    memory = available_host_memory()
+    if memory is None:
+        return None
+    return HostLimit(memory.available + runtime.held, memory.source, runtime.held)
 
 
 def _layout(cfg: Config, model_cfg: ModelConfig, stream: bool) -> OffloadLayout:
@@ -194,106 +278,156 @@ def _layout(cfg: Config, model_cfg: ModelConfig, stream: bool) -> OffloadLayout:
     return StateLayoutOptions.of(cfg, model_cfg, row_blocks, stream).plan(spec, cfg.offload)
 
 
-def _arena_bytes(cfg: Config, layout: OffloadLayout) -> int:
+def _arena(cfg: Config, layout: OffloadLayout) -> tuple[int, Optional[str]]:
+    """(the arena's size, why offload.arena_bytes cannot hold its plan or None), as HostArena
+    decides them (the same plan OffloadEngine carves)."""
     plan = (ArenaPlan().extend(SsdStore.arena_requests(cfg.offload)).extend(layout.arena_requests())
-            .extend(checkpoint_slot_requests(layout, cfg.offload)))  # as OffloadEngine carves it
+            .extend(checkpoint_slot_requests(layout, cfg.offload)))
     if cfg.offload.pow2_buffers:
         plan = plan.rounded_to_power_of_two()
-    if cfg.offload.arena_bytes is not None:
-        return max(plan.total_bytes, int(cfg.offload.arena_bytes))
-    return plan.total_bytes
+    problem = arena_shortfall(plan, cfg.offload)
+    size = plan.total_bytes if cfg.offload.arena_bytes is None else int(cfg.offload.arena_bytes)
+    return max(size, plan.total_bytes), problem
 
 
-def _model_parts(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> tuple[int, int]:
-    """(activations, temporaries) of a step, in bytes."""
-    c = np.dtype(DTYPES[model_cfg.dtype]).itemsize
-    rows = cfg.data.batch_size * cfg.data.seq_len  # token positions of one micro-batch
-    vocab, hidden, layers = model_cfg.vocab_size, model_cfg.hidden_size, model_cfg.num_hidden_layers
-    remat = model_cfg.remat != "none"
-    carries = layers * rows * hidden * c if remat else 0
-    per_layer_acts = 0 if remat else layers * rows * (8 * hidden + 3 * model_cfg.intermediate_size) * c
-    activations = carries + per_layer_acts
-    logits = 2 * rows * vocab * 4  # fp32 logits and their gradient
-    layer_elems = sum(leaf.layer_elements for leaf in layout.leaves if leaf.stacked)
-    layer_ws = layer_elems * LAYER_WORKSET_BYTES_PER_PARAM
-    tables = [leaf for leaf in layout.leaves if not leaf.stacked and len(leaf.shape) == 2]
-    head_ws = 0
-    for leaf in tables:
-        block = leaf.layer_elements  # one block of a table in blocks of rows, else the whole tensor
-        head_ws = max(head_ws, 2 * 4 * block if leaf.row_blocks > 1 else block * (8 + c))
+def _export_itemsize(cfg: Config, model_cfg: ModelConfig) -> int:
+    """Bytes per parameter of the export (``source``: taken as ``model.param_dtype``)."""
+    dtype = model_cfg.param_dtype if cfg.export.dtype == "source" else cfg.export.dtype
+    return np.dtype(DTYPES[dtype]).itemsize
+
+
+def _step_parts(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> tuple[dict, str]:
+    """The forward/backward's parts (activations, temporaries, the accumulator) and its peak phase."""
+    memory = step_memory(cfg, model_cfg, layout)
     resident = [leaf for leaf in layout.leaves if not leaf.streamed]
-    optimizer_leaf = max((leaf.size * leaf.dtype.itemsize for leaf in resident), default=0)
-    return activations, max(logits + max(layer_ws, head_ws), optimizer_leaf)
+    # The largest resident leaf, twice more: while the run starts (the weights loaded, the initial
+    # state written) and while an update fills its new copy (measured: a 0.5B run at seq 128
+    # peaks before its first step, with about two copies of the tied table beside the step's own).
+    optimizer_leaf = 2 * max((leaf.size * leaf.dtype.itemsize for leaf in resident), default=0)
+    parts = {"activations": memory.activations, "temporaries": max(memory.working, optimizer_leaf)}
+    if memory.accumulator:
+        parts["gradient accumulator"] = memory.accumulator
+    return parts, memory.phase
 
 
-def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
-             disk_gbps: Optional[float] = None, runtime_bytes: Optional[int] = None) -> RunPlan:
-    """The plan of ``cfg`` for ``model_cfg`` (whose ``vocab_size`` is the run's), with
-    ``offload.params`` as given by ``params`` (default: the config's; "auto" is resolved).
-    ``runtime_bytes``: the runtime part (default: this process's RSS now plus
-    :data:`STEP_RUNTIME_BYTES`; make the plan where the run will run, after its tokenizer)."""
-    if not model_cfg.vocab_size:
-        raise ValueError("plan: model_cfg.vocab_size is 0; resolve the run's vocabulary first")
-    params = params or cfg.offload.params
-    off = cfg.offload
-    if params == "auto":
-        runtime_bytes = _process_rss() + STEP_RUNTIME_BYTES if runtime_bytes is None else runtime_bytes
-        resident = plan_run(cfg, model_cfg, "resident", disk_gbps, runtime_bytes)
-        if not off.enabled or off.host_memory_budget is None or resident.host_peak <= off.host_memory_budget:
-            return dataclasses.replace(resident, choices=("offload.params: auto chose resident",))
-        if not resident.streamable:
-            return dataclasses.replace(resident, choices=(
-                f"offload.params: auto stays resident over budget: {resident.streaming_refused}",))
-        streamed = plan_run(cfg, model_cfg, "ssd", disk_gbps, runtime_bytes)
-        return dataclasses.replace(streamed, choices=(
-            f"offload.params: auto chose ssd (resident would need {format_bytes(resident.host_peak)})",))
-    gbps = float(disk_gbps or DEFAULT_DISK_GBPS)
-    refused = _streaming_refusal(cfg)
-    stream = off.enabled and params == "ssd"
+def _in_memory_plan(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout, runtime: Runtime,
+                    gbps: float) -> RunPlan:
+    """The in-memory baseline: fp32 (param_dtype) params, gradients, m and v. The jitted optax
+    step holds the gradients and, until the old state is freed, the updated moments (8 B/param
+    more; measured: 26.7 B/param at 0.5B in float32)."""
+    n = layout.num_parameters
+    p = np.dtype(DTYPES[model_cfg.param_dtype]).itemsize
+    step, phase = _step_parts(cfg, model_cfg, layout)
+    host = {"runtime": runtime.nbytes, "arena": 0, "resident params": n * p, "optimizer state": 8 * n, "gradients": n * p,
+            "activations": step["activations"], "temporaries": max(step["temporaries"], 8 * n)}
+    disk = disk_use(run_disk_parts(cfg, 0, n * (p + 8), 4 * n, _export_itemsize(cfg, model_cfg) * n))
+    return RunPlan("in-memory", n, host, {"params + state": n * (2 * p + 8)}, 0, str(cfg.offload.dir), n * (p + 8),
+                   0, 0, gbps, _host_limit(cfg, runtime), disk, None, (),
+                   max(leaf.layer_elements for leaf in layout.leaves), _streaming_refusal(cfg), phase=phase)
+
+
+def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: Runtime, gbps: float) -> RunPlan:
     layout = _layout(cfg, model_cfg, stream)
     n = layout.num_parameters
     c = np.dtype(DTYPES[model_cfg.dtype]).itemsize
     p = np.dtype(DTYPES[model_cfg.param_dtype]).itemsize
-    activations, temporaries = _model_parts(cfg, model_cfg, layout)
-    runtime = _process_rss() + STEP_RUNTIME_BYTES if runtime_bytes is None else int(runtime_bytes)
-    ssd_dir = str(off.dir)
-    if not off.enabled:  # the in-memory baseline: fp32 (param_dtype) params, gradients, m and v
-        # The jitted optax step holds the gradients and, until the old state is freed, the
-        # updated moments (8 B/param more; measured: 26.7 B/param at 0.5B in float32).
-        host = {"runtime": runtime, "arena": 0, "resident params": n * p,
-                "optimizer state": 8 * n, "gradients": n * p, "activations": activations,
-                "temporaries": max(temporaries, 8 * n)}
-        return RunPlan("in-memory", n, host, {"params + state": n * (2 * p + 8)}, 0, ssd_dir, _free_bytes(ssd_dir),
-                       0, 0, 0, gbps, off.host_memory_budget, (), max(leaf.layer_elements for leaf in layout.leaves),
-                       refused)
     resident = layout.resident_param_bytes
     loaded = resident * p // c if p != c else 0  # the param_dtype model beside its compute copy at start-up
-    host = {"runtime": runtime, "arena": _arena_bytes(cfg, layout), "resident params": resident + loaded,
-            "activations": activations, "temporaries": temporaries}
-    device = {"resident params": resident, "activations + temps": activations + temporaries}
-    grads = layout.grad_bytes
+    arena, arena_problem = _arena(cfg, layout)
+    step, phase = _step_parts(cfg, model_cfg, layout)
+    host = {"runtime": runtime.nbytes, "arena": arena, "resident params": resident + loaded, **step}
+    device = {"resident params": resident, "activations + temps": sum(step.values())}
+    grads = layout.grad_bytes if layout.grads_on_ssd else 0
     streamed = layout.streamed_param_bytes
-    ssd_bytes = layout.state_bytes + (grads if layout.grads_on_ssd else 0) + streamed
+    ssd_bytes = layout.state_bytes + grads + streamed
     # Per step: the optimizer reads master/m/v (+ grads) and writes master/m/v (+ the new
     # streamed weights); the backward writes the gradients; the source reads every streamed
     # layer twice (forward, and the backward's recomputation).
-    read = layout.state_bytes + (grads if layout.grads_on_ssd else 0) + 2 * streamed
-    write = layout.state_bytes + (grads if layout.grads_on_ssd else 0) + streamed
-    largest = max(leaf.layer_elements for leaf in layout.leaves)
+    read = layout.state_bytes + grads + 2 * streamed
+    write = layout.state_bytes + grads + streamed
     fmt = layout.state
+    checkpoint = int(fmt.bytes_per_element * n) + streamed + resident
+    disk = disk_use(run_disk_parts(cfg, ssd_bytes, checkpoint, 4 * n, _export_itemsize(cfg, model_cfg) * n))
     notes = (f"optimizer state: {fmt.dtype} moments, {layout.state_bytes / n:.2f} B/param on SSD; a step moves "
              f"{(read + write) / n:.2f} B/param",)
     if stream:
         notes += (f"streamed weights: {format_bytes(streamed)} on SSD; resident embeddings/norms/head "
                   f"{format_bytes(resident)} ({resident / n:.2f} B/param)",)
-    return RunPlan("ssd" if stream else "resident", n, host, device, ssd_bytes, ssd_dir, _free_bytes(ssd_dir),
-                   int(fmt.bytes_per_element * n) + streamed + resident, read, write, gbps, off.host_memory_budget,
-                   notes, largest, refused)
+    return RunPlan("ssd" if stream else "resident", n, host, device, ssd_bytes, str(cfg.offload.dir), checkpoint,
+                   read, write, gbps, _host_limit(cfg, runtime), disk, arena_problem, notes,
+                   max(leaf.layer_elements for leaf in layout.leaves), _streaming_refusal(cfg), phase=phase)
 
 
-def resolve(cfg: Config, model_cfg: ModelConfig, disk_gbps: Optional[float] = None) -> tuple[Config, RunPlan]:
-    """``cfg`` with ``offload.params`` resolved (auto -> resident or ssd) and its plan."""
-    plan = plan_run(cfg, model_cfg, disk_gbps=disk_gbps)
+def _with_levers(plan: RunPlan, cfg: Config, model_cfg: ModelConfig, params: str, gbps: float,
+                 runtime: Runtime) -> RunPlan:
+    """``plan`` with the levers of each part that does not fit (each lever changes a copy of
+    ``cfg`` with ``offload.params`` resolved to ``params``)."""
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params=params))
+
+    def replan(variant: Config, variant_model: ModelConfig) -> RunPlan:
+        return _plan(variant, variant_model, variant.offload.params, gbps, runtime, levers=False)
+
+    host = ()
+    if plan.limit is not None and plan.host_peak > plan.limit.nbytes:
+        host = host_levers(cfg, model_cfg, plan, replan)
+    disk = tuple((fs.folder, disk_levers(cfg, model_cfg, plan, fs, replan)) for fs in plan.disk if fs.short > 0)
+    return dataclasses.replace(plan, host_levers=host, disk_levers=disk)
+
+
+def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
+             disk_gbps: Optional[float] = None, runtime_bytes: Optional[int] = None, levers: bool = True) -> RunPlan:
+    """The plan of ``cfg`` for ``model_cfg`` (whose ``vocab_size`` is the run's), with
+    ``offload.params`` as given by ``params`` (default: the config's; "auto" is resolved).
+    ``runtime_bytes``: the runtime part (default: measured, :meth:`Runtime.measured`; make the
+    plan where the run will run, after its tokenizer). ``levers``: with each part that does not
+    fit, what the settings that would help save."""
+    runtime = Runtime.measured() if runtime_bytes is None else Runtime(int(runtime_bytes))
+    return _plan(cfg, model_cfg, params or cfg.offload.params, float(disk_gbps or DEFAULT_DISK_GBPS), runtime, levers)
+
+
+def _plan(cfg: Config, model_cfg: ModelConfig, params: str, gbps: float, runtime: Runtime, levers: bool) -> RunPlan:
+    if not model_cfg.vocab_size:
+        raise ValueError("plan: model_cfg.vocab_size is 0; resolve the run's vocabulary first")
+    if params == "auto":
+        return _resolve_auto(cfg, model_cfg, gbps, runtime, levers)
+    if not cfg.offload.enabled:
+        plan = _in_memory_plan(cfg, model_cfg, _layout(cfg, model_cfg, False), runtime, gbps)
+    else:
+        plan = _offloaded_plan(cfg, model_cfg, params == "ssd", runtime, gbps)
+    if levers and plan.problems():
+        plan = _with_levers(plan, cfg, model_cfg, params, gbps, runtime)
+    return plan
+
+
+def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: Runtime, levers: bool) -> RunPlan:
+    """``offload.params: auto``: resident if that fits the budget (without one: what the machine
+    can give), else ssd where the config allows it."""
+    resident = _plan(cfg, model_cfg, "resident", gbps, runtime, levers=False)
+    limit = resident.limit
+    if not cfg.offload.enabled or limit is None or resident.host_peak <= limit.nbytes:
+        params, choice = "resident", "offload.params: auto chose resident"
+    else:
+        against = "the budget" if limit.source == BUDGET else f"the {limit.describe()}"
+        if resident.streamable:
+            params = "ssd"
+            choice = (f"offload.params: auto chose ssd (resident would need {format_bytes(resident.host_peak)}, "
+                      f"over {against})")
+        else:
+            params = "resident"
+            choice = f"offload.params: auto stays resident over {against}: {resident.streaming_refused}"
+    plan = resident if params == "resident" else _plan(cfg, model_cfg, "ssd", gbps, runtime, levers=False)
+    if levers and plan.problems():
+        plan = _with_levers(plan, cfg, model_cfg, params, gbps, runtime)
+    return dataclasses.replace(plan, choices=(choice,))
+
+
+def resolve(cfg: Config, model_cfg: ModelConfig, disk_gbps: Optional[float] = None,
+            inputs_read: bool = True) -> tuple[Config, RunPlan]:
+    """``cfg`` with ``offload.params`` resolved (auto -> resident or ssd) and its plan, made in
+    this process; ``inputs_read`` False: the tokenizer and data are not in it yet, and
+    :data:`UNREAD_INPUTS_BYTES` stands for them in the runtime part."""
+    runtime = Runtime.measured(0 if inputs_read else UNREAD_INPUTS_BYTES)
+    plan = _plan(cfg, model_cfg, cfg.offload.params, float(disk_gbps or DEFAULT_DISK_GBPS), runtime, levers=True)
     placement = "resident" if plan.params == "in-memory" else plan.params
     if placement != cfg.offload.params:
         cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params=placement))

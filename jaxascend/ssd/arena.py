@@ -131,18 +131,29 @@ class Slot:
     capacity: int
 
 
+def arena_shortfall(plan: ArenaPlan, cfg: OffloadConfig) -> Optional[str]:
+    """Why ``offload.arena_bytes`` cannot hold ``plan`` (None: it can, or it is unset): the
+    check :class:`HostArena` makes before allocating, for the run planner to make first."""
+    if cfg.arena_bytes is None:
+        return None
+    needed, capacity = plan.total_bytes, round_to_alignment(cfg.arena_bytes)
+    if needed <= capacity:
+        return None
+    by_class = ", ".join(f"{k}: {v}" for k, v in sorted(plan.bytes_by_class().items())) or "empty plan"
+    largest = max(plan.requests, key=lambda r: round_to_alignment(r.nbytes))
+    return (f"offload.arena_bytes: the arena plan needs {format_bytes(needed)} ({by_class}; the largest slot "
+            f"{largest.shape_class!r}, {format_bytes(round_to_alignment(largest.nbytes))}) but offload.arena_bytes is "
+            f"{format_bytes(capacity)}; raise offload.arena_bytes or shrink offload.chunk_bytes")
+
+
 def resolve_capacity(plan: ArenaPlan, cfg: OffloadConfig) -> int:
     """The arena size for ``plan`` under ``cfg``; raises :class:`ArenaError` when it cannot fit."""
     needed = plan.total_bytes
     by_class = ", ".join(f"{k}: {v}" for k, v in sorted(plan.bytes_by_class().items())) or "empty plan"
-    if cfg.arena_bytes is not None:
-        capacity = round_to_alignment(cfg.arena_bytes)
-        if needed > capacity:
-            raise ArenaError(
-                f"arena plan needs {format_bytes(needed)} ({by_class}) but offload.arena_bytes is "
-                f"{format_bytes(capacity)}; raise offload.arena_bytes or shrink offload.chunk_bytes")
-    else:
-        capacity = max(needed, IO_ALIGNMENT)
+    shortfall = arena_shortfall(plan, cfg)
+    if shortfall is not None:
+        raise ArenaError(shortfall)
+    capacity = max(needed, IO_ALIGNMENT) if cfg.arena_bytes is None else round_to_alignment(cfg.arena_bytes)
     budget = cfg.host_memory_budget
     if budget is not None and capacity > budget:
         raise ArenaError(

@@ -1,0 +1,147 @@
+"""The run planner against measured runs: predicted and measured peak system memory, by shape,
+sequence length and remat policy.
+
+    python scripts/bench_plan.py                          # every case, once
+    python scripts/bench_plan.py --cases tiny-512-none    # some of them (comma-separated names)
+    python scripts/bench_plan.py --merge --cases ...      # add to --out, replacing those cases
+    python scripts/bench_plan.py --replot                 # only rewrite the .md from --out
+
+Cases: configs/tiny.yaml's shape (3M parameters, byte tokenizer, the bundled @stdlib data) at
+``data.seq_len`` 128, 512 and 2048 (batch 16, 16 and 4) with ``model.remat`` none and full; and
+the Qwen2.5-0.5B shape (a random bf16 checkpoint in Hugging Face layout from
+``scripts/make_hf_checkpoint.py``, its tokenizer) at seq 128 and 1024, batch 1, remat full, the
+weights resident (``qwen0.5B-*-ssd``, the weights streamed from SSD, are defined but not run by
+default: on the AMD EPYC development machine the overlapped streamed step stopped at its first
+update with "param_source: arena: all 2 slots of shape class 'param_source' ... are in use").
+Each run is ``python -m jaxascend.train`` in its own process, sampled from outside (``bench_child``: RSS of the process tree and the page cache of
+its offload files, with the kernel's RSS high-water mark) until it has logged its steps; the
+prediction is the plan the trainer itself made and wrote (``plan.json``) before allocating
+anything. Writes JSON to ``--out`` (default docs/bench_plan.json) and a Markdown table (``.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from bench_child import run_train_child
+from bench_scale import cpu_model, make_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+COMMON = ["train.log_every=1", "train.progress=false", "export.save_params=false", "checkpoint.every_steps=0"]
+TINY = ["model.max_position_embeddings=2048"]
+QWEN = ["model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.remat=full", "data.tokenizer=model",
+        "data.batch_size=1", "offload.chunk_bytes=16MiB", "model.max_position_embeddings=32768"]
+
+
+def cases() -> dict[str, dict]:
+    """name -> {"shape", "sets", "steps"}."""
+    out = {}
+    for seq, batch in ((128, 16), (512, 16), (2048, 4)):
+        for remat in ("none", "full"):
+            out[f"tiny-{seq}-{remat}"] = {"shape": "tiny", "steps": 3, "sets": TINY + [
+                f"data.seq_len={seq}", f"data.batch_size={batch}", f"model.remat={remat}"]}
+    for seq in (128, 1024):
+        for params in ("resident", "ssd"):
+            out[f"qwen0.5B-{seq}-{params}"] = {"shape": "0.5B", "steps": 3 if seq <= 128 else 2, "sets": QWEN + [
+                f"data.seq_len={seq}", f"offload.params={params}"]}
+    return out
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(n for n in cases() if not n.endswith("-ssd")),
+                   help="comma-separated case names (default: all but the streamed ones)")
+    p.add_argument("--work-dir", default="/tmp/jaxascend-bench-plan")
+    p.add_argument("--out", default=str(REPO / "docs" / "bench_plan.json"))
+    p.add_argument("--merge", action="store_true", help="add to --out, replacing the cases run again")
+    p.add_argument("--interval", type=float, default=0.05)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--replot", action="store_true")
+    return p.parse_args()
+
+
+def run_case(name: str, case: dict, args) -> dict:
+    work = Path(args.work_dir)
+    out_dir = work / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    sets = COMMON + case["sets"] + [f"train.steps={case['steps']}", f"train.out_dir={out_dir / 'run'}",
+                                    f"offload.dir={out_dir / 'offload'}"]
+    if case["shape"] != "tiny":
+        checkpoint = work / f"qwen2.5-{case['shape']}"
+        make_checkpoint(case["shape"], checkpoint)
+        sets.append(f"model.path={checkpoint}")
+    cmd = [sys.executable, "-m", "jaxascend.train", "--config", str(REPO / "configs" / "tiny.yaml")]
+    for s in sets:
+        cmd += ["--set", s]
+    run = run_train_child(cmd, out_dir / "offload", out_dir / "run" / "metrics.jsonl", out_dir / "stdout.txt",
+                          steps=case["steps"], cwd=REPO, interval=args.interval, timeout=args.timeout)
+    plan = json.loads((out_dir / "run" / "plan.json").read_text())
+    shutil.rmtree(out_dir / "offload", ignore_errors=True)
+    peak_at = max(run.window, key=lambda x: x[1] + x[2])[0]
+    result = {"case": name, "shape": case["shape"], "sets": case["sets"], "steps": case["steps"],
+              "peak_at_s": peak_at, "first_step_at_s": run.first_step_at, "steps_done_at_s": run.steps_done_at,
+              "rss_by_step": [r.get("rss_bytes") for r in run.records],
+              "num_params": plan["num_params"], "params": plan["params"], "phase": plan["phase"],
+              "predicted_bytes": plan["host_peak"], "predicted_parts": plan["host"],
+              "measured_bytes": run.peak_system, "measured_rss_bytes": run.peak_rss,
+              "high_water_bytes": run.high_water, "page_cache_bytes": run.peak_page_cache,
+              "ratio": plan["host_peak"] / run.peak_system}
+    print(json.dumps({k: v for k, v in result.items() if k not in ("predicted_parts", "sets")}), file=sys.stderr)
+    return result
+
+
+def write_outputs(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    gib = 2**30
+    lines = [f"CPU: {report['cpu']}. Predicted: the plan the trainer made before allocating (`plan.json`); "
+             "measured: peak RSS of the process tree (or its VmHWM) + page cache of the offload files, sampled "
+             "from outside until the steps were logged.", "",
+             "| case | params | seq | batch | remat | weights | phase | predicted | measured | ratio | runtime | "
+             "arena | params | activations | temporaries |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        sets = dict(s.split("=", 1) for s in r["sets"])
+        parts = r["predicted_parts"]
+        lines.append(f"| {r['case']} | {r['num_params'] / 1e6:.0f}M | {sets['data.seq_len']} | {sets['data.batch_size']} | "
+                     f"{sets.get('model.remat', 'full')} | {r['params']} | {r['phase']} | "
+                     f"{r['predicted_bytes'] / gib:.2f} GiB | {r['measured_bytes'] / gib:.2f} GiB | {r['ratio']:.3f} | "
+                     + " | ".join(f"{parts.get(k, 0) / gib:.2f}" for k in ("runtime", "arena", "resident params",
+                                                                            "activations", "temporaries")) + " |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    args, known = parse_args(), cases()
+    out = Path(args.out)
+    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"error: --cases: unknown {', '.join(unknown)} (known: {', '.join(known)})", file=sys.stderr)
+        return 2
+    if args.replot:  # the tables again, from the JSON
+        write_outputs(json.loads(out.read_text()), out)
+        return 0
+    failed = []
+    for name in names:  # each result is written as soon as it is measured
+        try:
+            result = run_case(name, known[name], args)
+        except RuntimeError as err:
+            print(f"{name}: {err}", file=sys.stderr)
+            failed.append(name)
+            continue
+        old = json.loads(out.read_text())["results"] if (args.merge or name != names[0]) and out.exists() else []
+        results = [r for r in old if r["case"] != name] + [result]
+        results.sort(key=lambda r: list(known).index(r["case"]) if r["case"] in known else len(known))
+        write_outputs({"cpu": cpu_model(), "results": results}, out)
+    if out.exists():
+        print(out.with_suffix(".md").read_text())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The run planner tells the truth: host memory against what the machine gives (no budget
+needed), disk for the offload files and the checkpoints kept, per filesystem, offload.arena_bytes
+checked before anything is allocated, activations by sequence length (attention's float32
+scores), levers with figures, and a plan from config.json alone."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections import namedtuple
+
+import pytest
+
+from jaxascend.config import load_config
+from jaxascend.hf import preset_config
+from jaxascend.offload import disk_plan, machine_limits
+from jaxascend.offload.planner import PlanError, format_bytes, plan_run
+from jaxascend.offload.step_memory import REMAT
+from jaxascend.preparation import resolve_model_config
+from tests.test_workflow import assert_one_error_line
+
+GiB = 2**30
+SMALL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=2",
+         "model.num_attention_heads=4", "model.num_key_value_heads=2", "data.seq_len=32", "data.batch_size=2",
+         "offload.block_bytes=4096", "offload.chunk_bytes=16KiB", "offload.staging_bytes=64KiB",
+         "offload.pin_memory=false", "train.progress=false"]
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config("configs/tiny.yaml", SMALL + [f"train.out_dir={tmp_path / 'run'}", *overrides])
+
+
+def _model(cfg, vocab=256):
+    return dataclasses.replace(resolve_model_config(cfg), vocab_size=vocab)
+
+
+@pytest.fixture
+def roomy(monkeypatch):
+    """A machine with memory and disk to spare, whatever this one has."""
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "1TiB")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(disk_plan.shutil, "disk_usage", lambda path: usage(2**50, 0, 2**50))
+
+
+def test_a_25_gib_plan_on_a_machine_with_23_gib_available_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "23GiB")
+    cfg = _cfg(tmp_path)
+    model_cfg = _model(cfg)
+    rest = plan_run(cfg, model_cfg, runtime_bytes=0).host_peak
+    plan = plan_run(cfg, model_cfg, runtime_bytes=25 * GiB - rest)  # no host_memory_budget
+    assert plan.host_peak == 25 * GiB and plan.budget is None and plan.host_limit == 23 * GiB
+    with pytest.raises(PlanError) as err:
+        plan.check()
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("host memory: the plan needs 25.00 GiB, 2.00 GiB more than the 23.00 GiB available "
+                              "(JAXASCEND_MEM_AVAILABLE_BYTES) (largest part: runtime, ")
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "26GiB")
+    assert plan_run(cfg, model_cfg, runtime_bytes=25 * GiB - rest).problems() == []
+
+
+def test_host_levers_name_the_weights_on_ssd_and_remat_with_figures(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, "model.remat=dots", "offload.params=resident", "model.dtype=bfloat16",
+               "model.param_dtype=bfloat16", "model.hidden_size=512", "model.intermediate_size=1024",
+               "model.num_hidden_layers=4", "model.num_attention_heads=8", "model.num_key_value_heads=4")
+    model_cfg = _model(cfg)  # most of the weights in the layer stack
+    plan = plan_run(cfg, model_cfg, runtime_bytes=0)
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, str(plan.host_peak - 2**20))
+    plan = plan_run(cfg, model_cfg, runtime_bytes=0)
+    streamed = plan_run(cfg, model_cfg, "ssd", runtime_bytes=0, levers=False)
+    full = plan_run(cfg, dataclasses.replace(model_cfg, remat="full"), runtime_bytes=0, levers=False)
+    levers = {lever.setting: lever for lever in plan.host_levers}
+    assert levers["offload.params: ssd"].saves == plan.host_peak - streamed.host_peak > 0
+    assert levers["model.remat: full"].saves == plan.host_peak - full.host_peak > 0
+    assert levers["data.batch_size: 1"].saves > 0
+    [problem] = plan.problems()
+    assert problem.startswith("host memory: the plan needs ") and "\n" not in problem
+    assert f"offload.params: ssd saves {format_bytes(plan.host_peak - streamed.host_peak)} (needs " in problem
+    assert f"model.remat: full saves {format_bytes(plan.host_peak - full.host_peak)} (needs " in problem
+
+
+def test_checkpoints_are_counted_and_named_when_they_do_not_fit(tmp_path, monkeypatch):
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "1TiB")
+    cfg = _cfg(tmp_path, "checkpoint.every_steps=10", "train.steps=100", "checkpoint.keep_last=2",
+               "export.save_params=false")
+    model_cfg = _model(cfg)
+    fits = plan_run(cfg, model_cfg, runtime_bytes=0)
+    [fs] = fits.disk
+    assert [p.name for p in fs.parts] == ["offload files", "checkpoints (3 kept at once)"]
+    assert fs.parts[1].nbytes == 3 * fits.checkpoint_bytes
+    usage = namedtuple("usage", "total used free")
+    free = fits.ssd_bytes + fits.checkpoint_bytes  # the offload files and one checkpoint, not three
+    monkeypatch.setattr(disk_plan.shutil, "disk_usage", lambda path: usage(2**50, 0, free))
+    plan = plan_run(cfg, model_cfg, runtime_bytes=0)
+    [problem] = plan.problems()
+    assert problem.startswith("disk: offload.dir, checkpoint.dir: offload files ")
+    assert "checkpoints (3 kept at once)" in problem and "more than the" in problem
+    assert "checkpoint.keep_last: 1 saves " in problem and "\n" not in problem
+    with pytest.raises(PlanError, match=r"^disk: "):
+        plan.check()
+    # one save in the whole run: one checkpoint, and it fits
+    once = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=0))
+    assert plan_run(once, model_cfg, runtime_bytes=0).problems() == []
+
+
+def test_state_dtype_levers_say_what_they_save_on_that_filesystem(tmp_path, monkeypatch):
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "1TiB")
+    cfg = _cfg(tmp_path, "export.save_params=false")
+    model_cfg = _model(cfg)
+    need = plan_run(cfg, model_cfg, runtime_bytes=0).disk[0].need
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(disk_plan.shutil, "disk_usage", lambda path: usage(2**50, 0, need // 2))
+    plan = plan_run(cfg, model_cfg, runtime_bytes=0)
+    [(folder, levers)] = plan.disk_levers
+    by = {lever.setting: lever for lever in levers}
+    for dtype in ("int8", "bfloat16"):
+        other = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, state_dtype=dtype))
+        other_need = plan_run(other, model_cfg, runtime_bytes=0, levers=False).disk[0].need
+        assert by[f"optimizer.state_dtype: {dtype}"].saves == need - other_need > 0
+    assert by["optimizer.state_dtype: int8"].saves > by["optimizer.state_dtype: bfloat16"].saves
+    problem = plan.problems()[0]
+    assert "optimizer.state_dtype: int8 saves" in problem and "or put offload.dir (needs " in problem
+
+
+def test_folders_on_other_filesystems_are_checked_apart(tmp_path, roomy):
+    if not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    cfg = _cfg(tmp_path, f"checkpoint.dir={tmp_path / 'ckpt'}", "offload.dir=/dev/shm/jaxascend-test-no-such/offload")
+    plan = plan_run(cfg, _model(cfg), runtime_bytes=0)
+    assert sorted(tuple(p.field for p in fs.parts) for fs in plan.disk) == [
+        ("checkpoint.dir", "train.out_dir"), ("offload.dir",)]
+
+
+def test_an_arena_too_small_for_the_chunks_is_refused_by_the_plan(tmp_path, roomy):
+    cfg = _cfg(tmp_path, "offload.arena_bytes=64KiB")
+    plan = plan_run(cfg, _model(cfg), runtime_bytes=0)
+    [problem] = plan.problems()
+    assert problem.startswith("offload.arena_bytes: the arena plan needs ")
+    assert "but offload.arena_bytes is 65536 bytes" in problem and "largest slot" in problem
+    big = _cfg(tmp_path, "offload.arena_bytes=64MiB")
+    plan = plan_run(big, _model(big), runtime_bytes=0)
+    assert plan.problems() == [] and plan.host["arena"] == 64 * 2**20
+
+
+def test_the_trainer_refuses_it_in_one_line_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml"]
+    for o in SMALL + ["data.paths=[@stdlib]", "data.max_documents=20", f"train.out_dir={out}",
+                      "offload.arena_bytes=64KiB"]:
+        args += ["--set", o]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert_one_error_line(proc, "offload.arena_bytes: the arena plan needs", "raise offload.arena_bytes")
+    assert "Traceback" not in proc.stderr and not out.exists()
+    env = {**os.environ, machine_limits.MEM_AVAILABLE_ENV: "64MiB"}
+    proc = subprocess.run(args[:-2], capture_output=True, text=True, timeout=300, env=env)
+    assert_one_error_line(proc, "host memory: the plan needs", "JAXASCEND_MEM_AVAILABLE_BYTES")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("remat", sorted(REMAT))
+def test_activations_grow_with_seq_len_and_attention_scores_with_its_square(tmp_path, roomy, remat):
+    def plan(seq):
+        cfg = _cfg(tmp_path, f"data.seq_len={seq}", "data.batch_size=4", "model.max_position_embeddings=4096",
+                   f"model.remat={remat}", "offload.params=resident")
+        return plan_run(cfg, _model(cfg), runtime_bytes=0), cfg
+
+    def step(p):
+        return p.host["activations"] + p.host["temporaries"]
+
+    (short, _), (long, cfg) = plan(128), plan(2048)
+    assert step(long) > 16 * step(short)  # more than linear in T: the scores grow with T squared
+    assert long.phase == "attention"
+    terms = REMAT[remat]
+    scores = cfg.data.batch_size * cfg.model.num_attention_heads * 2048 ** 2
+    # float32 scores, softmax and their gradients, kept or recomputed (and the executed step's extra copy)
+    assert terms.saved.scores + terms.attention.scores >= 17
+    assert long.host["temporaries"] >= terms.attention.scores * scores
+    assert long.host["activations"] >= cfg.model.num_hidden_layers * terms.saved.scores * scores
+
+
+def test_accumulation_adds_the_float32_accumulator(tmp_path, roomy):
+    cfg = _cfg(tmp_path, "train.grad_accum=4", "offload.params=resident")
+    plan = plan_run(cfg, _model(cfg), runtime_bytes=0)
+    assert plan.host["gradient accumulator"] >= 4 * plan.num_params
+
+
+def test_the_cgroup_headroom_is_read_from_v2_and_v1_hierarchies(tmp_path):
+    v2 = tmp_path / "unified" / "job"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("8589934592\n")
+    (v2 / "memory.current").write_text("2147483648\n")
+    (v2 / "memory.stat").write_text("anon 1\ninactive_file 1073741824\n")
+    (tmp_path / "unified" / "memory.max").write_text("max\n")
+    v1 = tmp_path / "memory" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("4294967296\n")
+    (v1 / "memory.usage_in_bytes").write_text("1073741824\n")
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text("4:memory:/job\n0::/job\n")
+    (proc / "mountinfo").write_text(
+        f"35 31 0:32 / {tmp_path / 'memory'} rw,relatime - cgroup cgroup rw,memory\n"
+        f"41 31 0:38 / {tmp_path / 'unified'} rw,relatime - cgroup2 cgroup2 rw\n")
+    headroom = {h.source.split(" (")[0]: h.available for h in machine_limits.cgroup_headroom(str(proc))}
+    assert headroom == {"cgroup memory.max": 7 * GiB, "cgroup memory.limit_in_bytes": 3 * GiB}
+
+
+def test_the_memory_override_is_checked(monkeypatch):
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "23GiB")
+    assert machine_limits.available_host_memory().available == 23 * GiB
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "lots")
+    with pytest.raises(ValueError, match="JAXASCEND_MEM_AVAILABLE_BYTES"):
+        machine_limits.available_host_memory()
+
+
+def _plan_cli(tmp_path, config, *overrides, available="1TiB"):
+    args = [sys.executable, "-m", "jaxascend.plan", "--config", config, "--disk-gbps", "2"]
+    for o in (f"train.out_dir={tmp_path / 'run'}", f"offload.dir={tmp_path / 'run' / 'offload'}", *overrides):
+        args += ["--set", o]
+    env = {**os.environ, machine_limits.MEM_AVAILABLE_ENV: available}
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_plan_from_config_json_alone(tmp_path):
+    folder = tmp_path / "Qwen2.5-tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(preset_config("qwen2", "tiny")))
+    proc = _plan_cli(tmp_path, "configs/qwen2.5-7b.yaml", f"model.path={folder}", "train.grad_accum=1",
+                     "data.seq_len=256")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (f"note: no tokenizer in {folder}: vocabulary from config.json (512); no data read: runtime part "
+            "estimated") in proc.stdout
+    assert "does not fit" not in proc.stdout and not (tmp_path / "run").exists()
+
+
+def test_plan_of_qwen_7b_from_config_json_names_what_does_not_fit(tmp_path):
+    folder = tmp_path / "Qwen2.5-7B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(preset_config("qwen2", "7B")))
+    proc = _plan_cli(tmp_path, "configs/qwen2.5-7b.yaml", f"model.path={folder}", available="23GiB")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "plan: 7,615,616,512 parameters" in proc.stdout
+    [host] = [line for line in proc.stdout.splitlines() if line.startswith("does not fit: host memory")]
+    assert "(largest part: gradient accumulator" in host
+    assert "train.grad_accum: 1 with offload.params: ssd saves " in host
