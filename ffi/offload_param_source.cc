@@ -111,7 +111,13 @@ int32_t ParamSource::TryAcquireHandover(int64_t layer) {
   std::shared_ptr<ShardStore> store = Store();
   if (!store) throw nb::value_error("ParamSource.try_acquire_handover: the shard store is closed");
   int32_t slot = -1;
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(mu_);
+  // A slot reserved here is the read-ahead's too: IssueLocked counts it until the handover, so
+  // the two never ask the arena for more slots than the class has.
+  if (static_cast<int>(inflight_.size()) + reserved_ >= depth_) return -1;
   if (!store->arena()->Acquire(slot_class_, slot_bytes_, &slot).ok()) return -1;
+  ++reserved_;
   return slot;
 }
 
@@ -134,6 +140,7 @@ void ParamSource::Handover(int64_t layer, int32_t slot) {
     p->layer = static_cast<int32_t>(layer);
     p->slot = slot;
     p->handed = true;
+    if (reserved_ > 0) --reserved_;
     inflight_.push_back(std::move(p));
     handover_[layer] = kHanded;
     ++handovers_;
@@ -328,7 +335,7 @@ Status ParamSource::IssueLocked() {
       ++next_;  // handed over: already in flight
       continue;
     }
-    if (static_cast<int>(inflight_.size()) >= depth_ || !ready_[layer]) break;
+    if (static_cast<int>(inflight_.size()) + reserved_ >= depth_ || !ready_[layer]) break;
     auto p = std::make_unique<Pending>();
     p->layer = order_[next_];
     Status s = store->arena()->Acquire(slot_class_, slot_bytes_, &p->slot);

@@ -168,6 +168,7 @@ class ParamSource {
   size_t forward_ = 0;  // the first entries of the order: the forward (handed over, when expected)
   size_t next_ = 0;
   int depth_ = 1;
+  int reserved_ = 0;  // slots the optimizer holds for a handover not made yet (TryAcquireHandover)
   std::deque<std::unique_ptr<Pending>> inflight_;
   int64_t fetches_ = 0;
   int64_t misses_ = 0;

@@ -76,6 +76,35 @@ def test_an_unforeseen_ask_is_read_now_and_counted(store):
     source.close()
 
 
+def test_a_slot_held_for_a_handover_is_not_asked_of_the_arena_again(store):
+    """The optimizer holds slots for layers it is updating while a layer it could not hand over
+    becomes ready: the read-ahead waits for a slot instead of failing the step (seen at 0.5B as
+    "all 2 slots of shape class 'param_source' ... are in use")."""
+    store, layout, values = store
+    source = ParamSource(store, layout.streamed_leaves, depth=2)
+    source.gate(handover=True)
+    source.begin_step()
+    source.skip_handover(0)  # no slot for layer 0: the forward reads it from SSD once it is written
+    held = {layer: source.acquire_handover(layer) for layer in (1, 2)}  # both slots of the class
+    assert all(held.values()) and source.acquire_handover(3) is None
+    source.skip_handover(3)
+    source.mark_ready(0)  # layer 0 is on SSD; the slots are the optimizer's: no read is started
+    for layer, (slot, views) in held.items():
+        for leaf, view in zip(source.leaves, views):
+            view[:] = values[leaf.path][layer].reshape(-1).view(np.uint8)
+        source.handover(layer, slot)
+    for layer in (1, 2, 3):
+        source.mark_ready(layer)
+    for layer in source.step_order():
+        got = fetch_step_outputs(_fetch(source, layer))
+        for leaf, x in zip(source.leaves, got):
+            np.testing.assert_array_equal(np.asarray(x).view(np.uint16), values[leaf.path][layer].view(np.uint16))
+    source.end_step()
+    stats = source.stats()
+    assert stats["handovers"] == 2 and stats["handover_skips"] == 2 and stats["fetches"] == 2 * LAYERS
+    source.close()
+
+
 def test_a_read_error_is_one_line_naming_the_layer(store):
     store, layout, _ = store
     source = ParamSource(store, layout.streamed_leaves, depth=1)
