@@ -53,9 +53,13 @@ class FilesystemUse:
 
 def checkpoints_kept(cfg: Config) -> int:
     """How many checkpoints are on disk at once: ``keep_last`` plus the one being written, or
-    every save of a run that saves fewer times (``every_steps``, and one at the end)."""
+    every save of a run that saves fewer times (``every_steps``, and one at the end). A run that
+    also saves by the clock (``every_minutes``) may save at any step."""
     every, steps = cfg.checkpoint.every_steps, cfg.train.steps
-    saves = len({s for s in range(every, steps + 1, every)} | {steps}) if every > 0 else 1
+    if cfg.checkpoint.every_minutes > 0:
+        saves = steps
+    else:
+        saves = len({s for s in range(every, steps + 1, every)} | {steps}) if every > 0 else 1
     return min(cfg.checkpoint.keep_last + 1, saves)
 
 

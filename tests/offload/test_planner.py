@@ -102,6 +102,10 @@ def test_checkpoints_are_counted_and_named_when_they_do_not_fit(tmp_path, monkey
     # one save in the whole run: one checkpoint, and it fits
     once = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=0))
     assert plan_run(once, model_cfg, runtime_bytes=0).problems() == []
+    # saving by the clock may save at any step: keep_last plus the one being written again
+    clock = dataclasses.replace(once, checkpoint=dataclasses.replace(once.checkpoint, every_minutes=30.0))
+    assert disk_plan.checkpoints_kept(clock) == 3
+    assert "checkpoints (3 kept at once)" in plan_run(clock, model_cfg, runtime_bytes=0).problems()[0]
 
 
 def test_state_dtype_levers_say_what_they_save_on_that_filesystem(tmp_path, monkeypatch):
