@@ -10,10 +10,9 @@ Cases: configs/tiny.yaml's shape (3M parameters, byte tokenizer, the bundled @st
 ``data.seq_len`` 128, 512 and 2048 (batch 16, 16 and 4) with ``model.remat`` none and full; and
 the Qwen2.5-0.5B shape (a random bf16 checkpoint in Hugging Face layout from
 ``scripts/make_hf_checkpoint.py``, its tokenizer) at seq 128 and 1024, batch 1, remat full, the
-weights resident (``qwen0.5B-*-ssd``, the weights streamed from SSD, are defined but not run by
-default: on the AMD EPYC development machine the overlapped streamed step stopped at its first
-update with "param_source: arena: all 2 slots of shape class 'param_source' ... are in use").
-Each run is ``python -m jaxascend.train`` in its own process, sampled from outside (``bench_child``: RSS of the process tree and the page cache of
+weights resident and streamed from SSD (``qwen0.5B-*-ssd``).
+Each run is ``python -m jaxascend.train`` in its own process, sampled from outside
+(``bench_child``: RSS of the process tree and the page cache of
 its offload files, with the kernel's RSS high-water mark) until it has logged its steps; the
 prediction is the plan the trainer itself made and wrote (``plan.json``) before allocating
 anything. Writes JSON to ``--out`` (default docs/bench_plan.json) and a Markdown table (``.md``).
@@ -31,7 +30,8 @@ from bench_child import run_train_child
 from bench_scale import cpu_model, make_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
-COMMON = ["train.log_every=1", "train.progress=false", "export.save_params=false", "checkpoint.every_steps=0"]
+COMMON = ["train.log_every=1", "optimizer.warmup_steps=0", "train.progress=false", "export.save_params=false",
+          "checkpoint.every_steps=0"]
 TINY = ["model.max_position_embeddings=2048"]
 QWEN = ["model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.remat=full", "data.tokenizer=model",
         "data.batch_size=1", "offload.chunk_bytes=16MiB", "model.max_position_embeddings=32768"]
@@ -53,8 +53,7 @@ def cases() -> dict[str, dict]:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", default=",".join(n for n in cases() if not n.endswith("-ssd")),
-                   help="comma-separated case names (default: all but the streamed ones)")
+    p.add_argument("--cases", default=",".join(cases()), help="comma-separated case names (default: all)")
     p.add_argument("--work-dir", default="/tmp/jaxascend-bench-plan")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_plan.json"))
     p.add_argument("--merge", action="store_true", help="add to --out, replacing the cases run again")

@@ -43,7 +43,7 @@ from pathlib import Path
 from bench_child import run_train_child
 
 REPO = Path(__file__).resolve().parent.parent
-BASE = ["model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.remat=full",
+BASE = ["optimizer.warmup_steps=0", "model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.remat=full",
         "data.tokenizer=model", "train.log_every=1", "train.progress=false", "export.save_params=false",
         "optimizer.grad_clip_norm=1.0"]
 OFFLOADED = ["offload.enabled=true", "offload.chunk_bytes=16MiB"]

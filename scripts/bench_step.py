@@ -93,7 +93,7 @@ def jaxascend_overrides(shape: dict, args, mode: str, work: Path) -> list[str]:
         # dots: matmul outputs are kept, the rest of each layer (and the fetch of its weights) recomputed
         "model.remat=dots", f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}",
         "offload.enabled=true", f"offload.params={'ssd' if mode == 'overlap_ssd' else 'resident'}",
-        "offload.chunk_bytes=8MiB", "offload.staging_bytes=8MiB",
+        "offload.chunk_bytes=8MiB", "offload.staging_bytes=8MiB", "optimizer.warmup_steps=0",
         f"offload.overlap={'true' if mode.startswith('overlap') else 'false'}",
         f"offload.dir={work / 'offload'}", f"train.out_dir={work}", f"train.steps={args.steps}",
         *args.extra,

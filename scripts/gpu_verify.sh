@@ -31,7 +31,7 @@ $py -m pytest -p no:cacheprovider -q -rs tests/ssd/test_arena.py tests/offload/t
     "tests/offload/test_streamed_params.py::test_streamed_weights_match_resident_bit_for_bit" 2>&1 | tee "$out/pytest.txt" | tail -25
 echo "== offloaded training, compute params on the GPU"
 rm -rf /tmp/gpu_run
-$py -m jaxascend.train --config configs/tiny.yaml --set train.steps=20 --set train.log_every=5 \
+$py -m jaxascend.train --config configs/tiny.yaml --set train.steps=20 --set train.log_every=5 --set optimizer.warmup_steps=5 \
     --set train.out_dir=/tmp/gpu_run --set offload.enabled=true --set offload.dir=/tmp/gpu_run/offload \
     --set model.dtype=bfloat16 --set train.progress=false 2>&1 | tee "$out/train.txt" | tail -20
 $py - <<'PY' 2>&1 | tee -a "$out/train.txt"
@@ -41,7 +41,7 @@ print("losses", [round(r["loss"], 4) for r in rows], "arena_pinned", rows[-1].ge
 PY
 echo "== offloaded training, params streamed from SSD to the GPU layer by layer"
 rm -rf /tmp/gpu_run_ssd
-$py -m jaxascend.train --config configs/tiny.yaml --set train.steps=20 --set train.log_every=5 \
+$py -m jaxascend.train --config configs/tiny.yaml --set train.steps=20 --set train.log_every=5 --set optimizer.warmup_steps=5 \
     --set train.out_dir=/tmp/gpu_run_ssd --set offload.enabled=true --set offload.dir=/tmp/gpu_run_ssd/offload \
     --set model.dtype=bfloat16 --set train.progress=false --set model.remat=full --set offload.params=ssd \
     2>&1 | tee "$out/train_ssd.txt" | tail -20
@@ -55,7 +55,7 @@ echo "== overlapped step (offload.overlap): the optimizer on a thread beside the
 for placement in resident ssd; do
   for ov in false true; do
     rm -rf /tmp/gpu_run_ov_${placement}_$ov
-    $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=10 --set train.log_every=1 \
+    $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=10 --set train.log_every=1 --set optimizer.warmup_steps=2 \
         --set train.out_dir=/tmp/gpu_run_ov_${placement}_$ov --set offload.enabled=true \
         --set offload.dir=/tmp/gpu_run_ov_${placement}_$ov/offload --set model.dtype=bfloat16 --set train.progress=false \
         --set model.remat=dots --set offload.params=$placement --set offload.overlap=$ov >"$out/train_ov_${placement}_$ov.txt" 2>&1
