@@ -20,6 +20,16 @@ REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
 
+def re_size(name: str):
+    """The parameter count in billions a shipped config's name gives (qwen2.5-7b: 7.0), or None."""
+    import re
+
+    if name == "phi3-mini-4k":
+        return 3.8
+    found = re.search(r"-(\d+(?:\.\d+)?)b$", name)
+    return float(found.group(1)) if found else None
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     from tests._corpus import write_word_corpus
@@ -91,3 +101,13 @@ def test_checkpoints_come_by_the_clock_too(tmp_path, corpus):
 def test_schedule_and_stop_settings_are_checked_by_name(tmp_path, corpus, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _cfg(tmp_path, corpus, *overrides)
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (REPO / "configs").glob("*.yaml")
+                                        if re_size(p.stem) is not None and re_size(p.stem) >= 1.0), ids=lambda p: p.stem)
+def test_shipped_configs_of_1b_and_more_save_by_the_clock(path):
+    import yaml
+
+    checkpoint = yaml.safe_load(path.read_text()).get("checkpoint") or {}
+    assert 0 < checkpoint.get("every_minutes", 0) <= 30
+    assert checkpoint.get("keep_last", 0) >= 1
