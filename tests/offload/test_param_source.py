@@ -46,17 +46,23 @@ def _fetch(source, layer):
     return jax.jit(lambda i: fetch_layer(source.handle, i, source.specs))(jnp.int32(layer))
 
 
-def test_layers_come_back_as_written_in_the_foreseen_order(store):
-    store, layout, values = store
-    source = ParamSource(store, layout.streamed_leaves, depth=2)
-    assert PARAM_SLOT_CLASS in {r.shape_class for r in layout.arena_requests()}
-    source.begin_step()
+def _fetch_the_step(source, values):
+    """Fetches every layer of the step's order, checks each against what was written, ends the
+    step and returns the source's stats."""
     for layer in source.step_order():
         got = fetch_step_outputs(_fetch(source, layer))
         for leaf, x in zip(source.leaves, got):
             np.testing.assert_array_equal(np.asarray(x).view(np.uint16), values[leaf.path][layer].view(np.uint16))
     source.end_step()
-    stats = source.stats()
+    return source.stats()
+
+
+def test_layers_come_back_as_written_in_the_foreseen_order(store):
+    store, layout, values = store
+    source = ParamSource(store, layout.streamed_leaves, depth=2)
+    assert PARAM_SLOT_CLASS in {r.shape_class for r in layout.arena_requests()}
+    source.begin_step()
+    stats = _fetch_the_step(source, values)
     assert stats["fetches"] == 2 * LAYERS and stats["misses"] == 0
     assert stats["bytes_read"] == 2 * sum(leaf.size * 2 for leaf in layout.leaves)
     source.close()
@@ -95,12 +101,7 @@ def test_a_slot_held_for_a_handover_is_not_asked_of_the_arena_again(store):
         source.handover(layer, slot)
     for layer in (1, 2, 3):
         source.mark_ready(layer)
-    for layer in source.step_order():
-        got = fetch_step_outputs(_fetch(source, layer))
-        for leaf, x in zip(source.leaves, got):
-            np.testing.assert_array_equal(np.asarray(x).view(np.uint16), values[leaf.path][layer].view(np.uint16))
-    source.end_step()
-    stats = source.stats()
+    stats = _fetch_the_step(source, values)
     assert stats["handovers"] == 2 and stats["handover_skips"] == 2 and stats["fetches"] == 2 * LAYERS
     source.close()
 
