@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -311,14 +312,39 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     return proc.returncode == 0
 
 
+def _fill(disk: Path) -> None:
+    """Writes a file until ``disk`` has no space left (another process filling the disk)."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+
+
 def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_keeps_the_earlier_one(tmp_path, corpus):
+    # The plan checks the free space before the run, so the disk fills while it runs: once the
+    # first checkpoint is there, another file takes what is left.
     disk = tmp_path / "small-disk"
     if not _mount_tmpfs(disk, "1200k"):
         pytest.skip("needs root to mount a small tmpfs as a full disk")
     try:
-        proc = scratch_run(tmp_path / "run", corpus, "train.steps=8", "checkpoint.every_steps=1",
-                           "checkpoint.keep_last=10", f"checkpoint.dir={disk}/ckpt")
-        assert_one_error_line(proc, "saving checkpoint step", "No space left on device")
+        args = [sys.executable, "-m", "jaxascend.train", "--config", str(REPO / "configs/tiny.yaml")]
+        for o in (f"train.out_dir={tmp_path / 'run'}", *SMALL, f"data.paths=[{corpus}]", "data.include=['*.txt']",
+                  "train.steps=400", "checkpoint.every_steps=1", "checkpoint.keep_last=1", f"checkpoint.dir={disk}/ckpt"):
+            args += ["--set", o]
+        env = {k: v for k, v in os.environ.items() if k not in ("JAXASCEND_KILL_AT", "JAXASCEND_FAULT")}
+        child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        deadline = time.monotonic() + 300
+        while child.poll() is None and time.monotonic() < deadline:
+            if (disk / "ckpt").is_dir() and any(p.name.isdigit() for p in (disk / "ckpt").iterdir()):
+                _fill(disk)
+                break
+            time.sleep(0.05)
+        out, err = child.communicate(timeout=600)
+        assert_one_error_line(subprocess.CompletedProcess(args, child.returncode, out, err),
+                              "saving checkpoint step", "No space left on device")
         steps = sorted(int(p.name) for p in (disk / "ckpt").iterdir() if p.name.isdigit())
         assert steps, "the first checkpoint should have fit"
         from jaxascend.checkpoint import read_meta
