@@ -24,7 +24,6 @@ heads, G query heads per key/value head, H head width.
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple, Optional
 
 import jax
