@@ -5,9 +5,10 @@ and the RoPE scaling every type transformers defines (checked here, computed in
 from __future__ import annotations
 
 from dataclasses import dataclass
+import typing
 from typing import Literal, Optional
 
-from jaxascend.config.values import ConfigError, DType, HiddenAct, RematPolicy, check_range
+from jaxascend.config.values import AttentionImpl, ConfigError, DType, HiddenAct, RematPolicy, check_range
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's layer_types entries
 GEMMA3_FIELDS = ("layer_types", "rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping")
@@ -62,6 +63,8 @@ class ModelConfig:
     dtype: DType = "bfloat16"  # compute dtype of forward/backward
     param_dtype: DType = "float32"  # dtype the in-memory optimizer keeps parameters in
     remat: RematPolicy = "none"
+    # "auto": blockwise attention (memory linear in the row length) for long rows, dense below.
+    attention: AttentionImpl = "auto"
     init_std: float = 0.02
 
     def __post_init__(self):
@@ -78,6 +81,9 @@ class ModelConfig:
         self.rope_scaling = validate_rope_scaling(self.rope_scaling)
         self._check_rotary_fields()
         check_range("model.init_std", self.init_std, lo=0, lo_open=True)
+        if self.attention not in typing.get_args(AttentionImpl):
+            allowed = ", ".join(map(repr, typing.get_args(AttentionImpl)))
+            raise ConfigError(f"model.attention: {self.attention!r} is not supported (allowed: {allowed})")
         if self.path is None:
             if self.head_dim is None and self.hidden_size % self.num_attention_heads:
                 raise ConfigError(

@@ -44,4 +44,7 @@ def check_range(name: str, value, *, lo=None, hi=None, lo_open=False, hi_open=Fa
 
 DType = Literal["bfloat16", "float16", "float32"]
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "offload"]
+# How training forwards compute attention: "dense" (the whole T x S scores), "blockwise" (memory
+# linear in T), "auto" (blockwise for long rows; see jaxascend.models.blockwise_attention).
+AttentionImpl = Literal["auto", "blockwise", "dense"]
 HiddenAct = Literal["silu", "gelu_new", "gelu_pytorch_tanh", "gelu"]

@@ -79,6 +79,7 @@ def _check_gpt2_config(cfg: ModelConfig, vocab_size: int) -> None:
         raise ValueError("model.sliding_window: gpt2 has no sliding-window attention; must be null")
     L.check_choice("model.hidden_act", cfg.hidden_act or "gelu_new", L.HIDDEN_ACTS)
     L.check_choice("model.remat", cfg.remat, L.REMAT_POLICIES)
+    L.check_choice("model.attention", cfg.attention, L.ATTENTION_IMPLEMENTATIONS)
     L.compute_dtype(cfg.dtype, "model.dtype")
     L.compute_dtype(cfg.param_dtype, "model.param_dtype")
     if not cfg.init_std > 0:
@@ -103,6 +104,7 @@ class GPT2Attention(nnx.Module):
         self.c_attn = _linear(cfg, d, 3 * d, rngs)
         self.c_proj = _linear(cfg, d, d, rngs)
         self.num_heads = cfg.num_attention_heads
+        self.implementation = cfg.attention  # dense or blockwise (L.attention)
 
     def project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``q, k, v [B,T,N,H]`` of ``x`` (the fused ``c_attn``)."""
@@ -116,7 +118,8 @@ class GPT2Attention(nnx.Module):
     def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None) -> jax.Array:
         batch, length, width = x.shape
         q, k, v = self.project(x)
-        context = L.causal_attention(q, k, v, segment_ids=segment_ids).reshape(batch, length, width)
+        context = L.attention(q, k, v, implementation=self.implementation, segment_ids=segment_ids)
+        context = context.reshape(batch, length, width)
         context = checkpoint_name(context, "attn_context")
         return checkpoint_name(self.c_proj(context), "attn_out")
 

@@ -1,5 +1,6 @@
 """Building blocks shared by the decoder-only models: parameter-holding layers, RoPE,
-causal attention, activations, and the scanned layer stack with its remat policies.
+causal attention (dense here; blockwise in :mod:`~jaxascend.models.blockwise_attention`),
+activations, and the scanned layer stack with its remat policies.
 
 Conventions:
 
@@ -19,11 +20,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxascend.config import ModelConfig
+from jaxascend.models import blockwise_attention as blockwise
 from jaxascend.models import vocab
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload")
 HIDDEN_ACTS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
+ATTENTION_IMPLEMENTATIONS = blockwise.IMPLEMENTATIONS
 
 # Per-layer activations tagged with ``checkpoint_name``: the outputs of every projection matmul
 # plus the attention context. Remat "offload" keeps exactly these, in pinned host memory, and
@@ -254,6 +257,20 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
     return out.reshape(batch, length, num_heads, head_dim)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str,
+              sliding_window: Optional[int] = None, scale: Optional[float] = None,
+              is_sliding: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    """The models' training attention: :func:`causal_attention` or, by ``implementation``
+    (``ModelConfig.attention``: auto, blockwise, dense) and the row length,
+    :func:`~jaxascend.models.blockwise_attention.blockwise_attention`, which computes the same
+    result with memory linear in the length. Same arguments and result as :func:`causal_attention`."""
+    if blockwise.chosen_implementation(implementation, q.shape[1]) == "blockwise":
+        return blockwise.blockwise_attention(q, k, v, sliding_window=sliding_window, scale=scale,
+                                             is_sliding=is_sliding, segment_ids=segment_ids)
+    return causal_attention(q, k, v, sliding_window=sliding_window, scale=scale, is_sliding=is_sliding,
+                            segment_ids=segment_ids)
 
 
 # ----------------------------------------------------------------------------- layer stack

@@ -88,6 +88,7 @@ def check_llama_config(cfg: ModelConfig, vocab_size: int, archs: tuple[str, ...]
         L.check_positive("model.sliding_window", cfg.sliding_window)
     L.check_choice("model.hidden_act", cfg.hidden_act or "silu", L.HIDDEN_ACTS)
     L.check_choice("model.remat", cfg.remat, L.REMAT_POLICIES)
+    L.check_choice("model.attention", cfg.attention, L.ATTENTION_IMPLEMENTATIONS)
     L.compute_dtype(cfg.dtype, "model.dtype")
     L.compute_dtype(cfg.param_dtype, "model.param_dtype")
     if not cfg.init_std > 0:
@@ -122,6 +123,7 @@ class LlamaAttention(nnx.Module):
                              cfg.max_position_embeddings, cfg.partial_rotary_factor)
         self.sliding_window = cfg.sliding_window
         self.scale = None  # head_dim ** -0.5 (Gemma 3 sets its own)
+        self.implementation = cfg.attention  # dense or blockwise (L.attention)
 
     def rope_angles(self, positions: jax.Array, is_sliding: Optional[jax.Array],
                     length: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
@@ -149,8 +151,8 @@ class LlamaAttention(nnx.Module):
         entry of ``scan_layers``' ``layer_flags``; ``segment_ids`` keep packed examples apart."""
         batch, length, _ = x.shape
         q, k, v = self.project(x, positions, is_sliding)
-        context = L.causal_attention(q, k, v, sliding_window=self.sliding_window, scale=self.scale,
-                                     is_sliding=is_sliding, segment_ids=segment_ids)
+        context = L.attention(q, k, v, implementation=self.implementation, sliding_window=self.sliding_window,
+                              scale=self.scale, is_sliding=is_sliding, segment_ids=segment_ids)
         context = checkpoint_name(context.reshape(batch, length, -1), "attn_context")
         return checkpoint_name(self.o_proj(context), "attn_out")
 
