@@ -44,6 +44,12 @@ def cases() -> dict[str, dict]:
         for remat in ("none", "full"):
             out[f"tiny-{seq}-{remat}"] = {"shape": "tiny", "steps": 3, "sets": TINY + [
                 f"data.seq_len={seq}", f"data.batch_size={batch}", f"model.remat={remat}"]}
+    # long rows: blockwise attention (model.attention auto picks it from 4096 tokens up)
+    for seq, batch, remat, attention in ((2048, 4, "full", "blockwise"), (8192, 1, "full", "auto"),
+                                         (8192, 1, "none", "auto"), (16384, 1, "full", "auto")):
+        out[f"tiny-{seq}-{remat}-{attention}"] = {"shape": "tiny", "steps": 3, "sets": [
+            f"model.max_position_embeddings={seq}", f"data.seq_len={seq}", f"data.batch_size={batch}",
+            f"model.remat={remat}", f"model.attention={attention}"]}
     for seq in (128, 1024):
         for params in ("resident", "ssd"):
             out[f"qwen0.5B-{seq}-{params}"] = {"shape": "0.5B", "steps": 3 if seq <= 128 else 2, "sets": QWEN + [

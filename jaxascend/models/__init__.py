@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 from jaxascend.config import ModelConfig
+from jaxascend.models.blockwise_attention import scores_held
 from jaxascend.models.decoding import KVCache, cache_positions, layer_decode
 from jaxascend.models.gemma3 import GEMMA3_ARCHS, Gemma3ForCausalLM
 from jaxascend.models.gpt2 import GPT2LMHeadModel
@@ -74,6 +75,6 @@ def count_params(model: nnx.Module) -> int:
 __all__ = [
     "DTYPES", "KVCache", "REMAT_POLICIES", "Rotary", "TokenBatch", "as_token_batch", "batch_loss", "build_model",
     "cache_positions", "count_params", "forward", "is_large_table", "layer_decode", "layer_stack_key",
-    "loss_sum_and_count", "micro_batch", "next_token_loss", "norm_scale_init", "table_blocks", "token_batch",
-    "token_losses", "token_table_path",
+    "loss_sum_and_count", "micro_batch", "next_token_loss", "norm_scale_init", "scores_held", "table_blocks",
+    "token_batch", "token_losses", "token_table_path",
 ]

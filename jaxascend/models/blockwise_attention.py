@@ -56,6 +56,16 @@ def chosen_implementation(implementation: str, length: int) -> str:
     return implementation
 
 
+def scores_held(implementation: str, length: int) -> int:
+    """Attention scores one head of one row holds at once for ``model.attention`` at a row of
+    ``length`` tokens: all ``T x T`` dense; blockwise, one block of queries against one block of
+    keys whatever the length (the blocks shrink for a short row; see :func:`_block_sizes`)."""
+    if chosen_implementation(implementation, length) == "dense":
+        return length * length
+    rounded = -(-length // 8) * 8
+    return min(BLOCK_Q, rounded) * min(BLOCK_K, rounded)
+
+
 class BlockPlan(NamedTuple):
     """The static part of one call (hashable: it is the custom_vjp's non-differentiable argument)."""
 

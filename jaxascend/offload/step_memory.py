@@ -12,7 +12,9 @@ live together at one point of the backward (``jax.checkpoint`` recomputes a laye
   float32 as ``models.layers.causal_attention`` computes them (dense, the causal mask applied
   with ``where``), and so are their softmax, its gradient and the scores' gradient: about 22 B
   per score with the copy the executed step adds (:data:`EXECUTED_SCORES`),
-  ``B * num_attention_heads * T**2`` of them, so this phase grows with T squared;
+  ``B * num_attention_heads * T**2`` of them, so this phase grows with T squared. With blockwise
+  attention (``model.attention``) the same per score of one block of queries against one block
+  of keys (``models.scores_held``), whatever T, and the backward keeps no scores;
 * ``mlp``: one layer's MLP in the backward, ``[B, T, intermediate]`` arrays;
 * ``head``: the float32 logits ``[B, T, V]`` and their gradient, with the output head's weights
   widened and their gradient when the head is differentiated whole (a large tied table is done
@@ -37,9 +39,11 @@ and 9.7 B/param more than the single micro-batch step at 0.5B, 1.2B and 7.6B par
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from jaxascend.config import Config, ModelConfig
+from jaxascend.models import scores_held
 from jaxascend.offload.layout import OffloadLayout
 
 # The accumulating step (train.grad_accum > 1): float32 accumulator (4 B/param) plus a
@@ -126,7 +130,8 @@ def step_counts(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> t
     whole = max((leaf.size for leaf in layout.leaves
                  if not leaf.stacked and len(leaf.shape) == 2 and leaf.row_blocks == 1), default=0)
     layer = Counts(hidden=tokens * model_cfg.hidden_size, mlp=tokens * model_cfg.intermediate_size,
-                   scores=cfg.data.batch_size * heads * cfg.data.seq_len ** 2, weights=layer_weights)
+                   scores=cfg.data.batch_size * heads * scores_held(model_cfg.attention, cfg.data.seq_len),
+                   weights=layer_weights)
     head = Counts(hidden=layer.hidden, vocab=tokens * model_cfg.vocab_size, weights=whole)
     return layer, head
 
@@ -138,4 +143,7 @@ def step_memory(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> S
     phases = {"attention": terms.attention.bytes(layer), "mlp": terms.mlp.bytes(layer), "head": HEAD.bytes(head)}
     phase = max(phases, key=phases.get)
     accumulator = int(ACCUMULATE_BYTES_PER_PARAM * layout.num_parameters) if cfg.train.grad_accum > 1 else 0
-    return StepMemory(model_cfg.num_hidden_layers * terms.saved.bytes(layer), phases[phase], phase, accumulator)
+    # Blockwise attention keeps no scores for the backward (it recomputes them from q, k, v).
+    dense = scores_held(model_cfg.attention, cfg.data.seq_len) == cfg.data.seq_len ** 2
+    saved = layer if dense else dataclasses.replace(layer, scores=0)
+    return StepMemory(model_cfg.num_hidden_layers * terms.saved.bytes(saved), phases[phase], phase, accumulator)

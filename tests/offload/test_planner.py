@@ -183,6 +183,21 @@ def test_activations_grow_with_seq_len_and_attention_scores_with_its_square(tmp_
     assert long.host["activations"] >= cfg.model.num_hidden_layers * terms.saved.scores * scores
 
 
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_with_blockwise_attention_the_step_grows_linearly_in_seq_len(tmp_path, roomy, remat):
+    def step(seq, attention):
+        cfg = _cfg(tmp_path, f"data.seq_len={seq}", "data.batch_size=1", "model.max_position_embeddings=16384",
+                   f"model.remat={remat}", "offload.params=resident", f"model.attention={attention}")
+        p = plan_run(cfg, _model(cfg), runtime_bytes=0)
+        return p.host["activations"] + p.host["temporaries"]
+
+    blockwise = {seq: step(seq, "blockwise") for seq in (2048, 4096, 8192, 16384)}
+    for seq in (4096, 8192, 16384):  # doubling T at most doubles the step (the block's scores are fixed)
+        assert blockwise[seq] <= 2.05 * blockwise[seq // 2]
+    assert step(4096, "dense") > 2 * blockwise[4096]
+    assert step(8192, "auto") == blockwise[8192] and step(2048, "auto") == step(2048, "dense")
+
+
 def test_accumulation_adds_the_float32_accumulator(tmp_path, roomy):
     cfg = _cfg(tmp_path, "train.grad_accum=4", "offload.params=resident")
     plan = plan_run(cfg, _model(cfg), runtime_bytes=0)
