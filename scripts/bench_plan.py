@@ -43,8 +43,8 @@ def cases() -> dict[str, dict]:
     for seq, batch in ((128, 16), (512, 16), (2048, 4)):
         for remat in ("none", "full"):
             out[f"tiny-{seq}-{remat}"] = {"shape": "tiny", "steps": 3, "sets": TINY + [
-                f"data.seq_len={seq}", f"data.batch_size={batch}", f"model.remat={remat}"]}
-    # long rows: blockwise attention (model.attention auto picks it from 4096 tokens up)
+                f"data.seq_len={seq}", f"data.batch_size={batch}", f"model.remat={remat}", "model.attention=dense"]}
+    # long rows: blockwise attention (model.attention auto picks it from 1024 tokens up)
     for seq, batch, remat, attention in ((2048, 4, "full", "blockwise"), (8192, 1, "full", "auto"),
                                          (8192, 1, "none", "auto"), (16384, 1, "full", "auto")):
         out[f"tiny-{seq}-{remat}-{attention}"] = {"shape": "tiny", "steps": 3, "sets": [
@@ -53,7 +53,9 @@ def cases() -> dict[str, dict]:
     for seq in (128, 1024):
         for params in ("resident", "ssd"):
             out[f"qwen0.5B-{seq}-{params}"] = {"shape": "0.5B", "steps": 3 if seq <= 128 else 2, "sets": QWEN + [
-                f"data.seq_len={seq}", f"offload.params={params}"]}
+                f"data.seq_len={seq}", f"offload.params={params}", "model.attention=dense"]}
+    out["qwen0.5B-1024-blockwise"] = {"shape": "0.5B", "steps": 2, "sets": QWEN + [
+        "data.seq_len=1024", "offload.params=resident", "model.attention=blockwise"]}
     return out
 
 

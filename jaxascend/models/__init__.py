@@ -24,7 +24,7 @@ from jaxascend.models.decoding import KVCache, cache_positions, layer_decode
 from jaxascend.models.gemma3 import GEMMA3_ARCHS, Gemma3ForCausalLM
 from jaxascend.models.gpt2 import GPT2LMHeadModel
 from jaxascend.models.vocab import is_large_table, table_blocks
-from jaxascend.models.layers import DTYPES, REMAT_POLICIES
+from jaxascend.models.layers import DTYPES, REMAT_POLICIES, attention
 from jaxascend.models.llama import LLAMA_ARCHS, LlamaForCausalLM
 from jaxascend.models.losses import (TokenBatch, as_token_batch, batch_loss, forward, loss_sum_and_count, micro_batch,
                                      next_token_loss, token_batch, token_losses)
@@ -73,7 +73,8 @@ def count_params(model: nnx.Module) -> int:
 
 
 __all__ = [
-    "DTYPES", "KVCache", "REMAT_POLICIES", "Rotary", "TokenBatch", "as_token_batch", "batch_loss", "build_model",
+    "DTYPES", "KVCache", "REMAT_POLICIES", "Rotary", "TokenBatch", "as_token_batch", "attention", "batch_loss",
+    "build_model",
     "cache_positions", "count_params", "forward", "is_large_table", "layer_decode", "layer_stack_key",
     "loss_sum_and_count", "micro_batch", "next_token_loss", "norm_scale_init", "scores_held", "table_blocks",
     "token_batch", "token_losses", "token_table_path",

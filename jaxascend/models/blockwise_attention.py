@@ -36,9 +36,12 @@ BLOCK_Q = 512
 BLOCK_K = 512
 
 # ``model.attention: auto`` uses the blockwise path from this many tokens per row up, the dense
-# one below it. Provisional: to be measured with scripts/bench_context.py (the dense path is
-# faster while its T x S scores fit comfortably; the bundled tiny runs, 128-256 tokens, stay dense).
-BLOCKWISE_FROM = 4096
+# one below it. Measured on an AMD EPYC (2 cores; scripts/bench_attention.py and whole tiny runs,
+# remat full): at 1024 tokens blockwise takes 1.0x dense's forward/backward on the tiny shape and
+# 0.60x on Qwen2.5-0.5B's attention, at 2048 0.72x and 0.51x, at 512 1.38x on the tiny shape; it
+# holds a fixed block of scores where dense holds T x T (0.65 against 1.23 GiB peak at tiny
+# 4 x 1024). The bundled tiny runs (128-256 tokens) stay dense.
+BLOCKWISE_FROM = 1024
 
 IMPLEMENTATIONS = ("auto", "blockwise", "dense")
 
