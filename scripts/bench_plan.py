@@ -10,7 +10,8 @@ Cases: configs/tiny.yaml's shape (3M parameters, byte tokenizer, the bundled @st
 ``data.seq_len`` 128, 512 and 2048 (batch 16, 16 and 4) with ``model.remat`` none and full; and
 the Qwen2.5-0.5B shape (a random bf16 checkpoint in Hugging Face layout from
 ``scripts/make_hf_checkpoint.py``, its tokenizer) at seq 128 and 1024, batch 1, remat full, the
-weights resident and streamed from SSD (``qwen0.5B-*-ssd``).
+weights resident and streamed from SSD (``qwen0.5B-*-ssd``), dense attention and loss; then
+blockwise attention with the dense loss, and with the blocked loss at 1024 and 4096 tokens.
 Each run is ``python -m jaxascend.train`` in its own process, sampled from outside
 (``bench_child``: RSS of the process tree and the page cache of
 its offload files, with the kernel's RSS high-water mark) until it has logged its steps; the
@@ -53,9 +54,13 @@ def cases() -> dict[str, dict]:
     for seq in (128, 1024):
         for params in ("resident", "ssd"):
             out[f"qwen0.5B-{seq}-{params}"] = {"shape": "0.5B", "steps": 3 if seq <= 128 else 2, "sets": QWEN + [
-                f"data.seq_len={seq}", f"offload.params={params}", "model.attention=dense"]}
+                f"data.seq_len={seq}", f"offload.params={params}", "model.attention=dense", "model.loss=dense"]}
     out["qwen0.5B-1024-blockwise"] = {"shape": "0.5B", "steps": 2, "sets": QWEN + [
-        "data.seq_len=1024", "offload.params=resident", "model.attention=blockwise"]}
+        "data.seq_len=1024", "offload.params=resident", "model.attention=blockwise", "model.loss=dense"]}
+    # what model.attention and model.loss auto choose from 1024 tokens: blockwise, blocked (logits never whole)
+    for seq in (1024, 4096):
+        out[f"qwen0.5B-{seq}-blocked"] = {"shape": "0.5B", "steps": 2, "sets": QWEN + [
+            f"data.seq_len={seq}", "offload.params=resident", "model.attention=blockwise", "model.loss=blocked"]}
     return out
 
 

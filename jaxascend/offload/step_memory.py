@@ -18,7 +18,10 @@ live together at one point of the backward (``jax.checkpoint`` recomputes a laye
 * ``mlp``: one layer's MLP in the backward, ``[B, T, intermediate]`` arrays;
 * ``head``: the float32 logits ``[B, T, V]`` and their gradient, with the output head's weights
   widened and their gradient when the head is differentiated whole (a large tied table is done
-  in blocks of rows, see models.vocab).
+  in blocks of rows, see models.vocab). With the blocked loss (``model.loss``,
+  models.blocked_loss) no logits are whole: the head's input, its float32 copy and gradient
+  (:data:`HEAD_BLOCKED`, per token x hidden) plus one chunk of logits and one block of weights
+  whatever T (:func:`blocked_head_bytes`).
 
 Each term is bytes per element of a count (tokens x hidden, tokens x intermediate, attention
 scores, tokens x vocabulary, weights of one layer or of the head). XLA's CPU backend computes in
@@ -43,7 +46,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from jaxascend.config import Config, ModelConfig
-from jaxascend.models import scores_held
+from jaxascend.models import chosen_loss, scores_held, table_blocks
+from jaxascend.models.blocked_loss import CHUNK_ELEMENTS
 from jaxascend.offload.layout import OffloadLayout
 
 # The accumulating step (train.grad_accum > 1): float32 accumulator (4 B/param) plus a
@@ -93,6 +97,24 @@ EXECUTED_SCORES = 4.2
 # The float32 logits and their gradient, the final hidden states around them, and a head
 # differentiated whole (its weights widened, their float32 gradient): the same for every policy.
 HEAD = Terms(hidden=29.1, vocab=8.1, weights=7.9)
+# The blocked loss: the head's input (compute dtype), its float32 copy and gradient, the final
+# norm's backward, and the per-token statistics of every vocabulary block (XLA's temp bytes of
+# the head's forward/backward at Qwen2.5-0.5B's 151936 x 896 table grow 12.3 B per token x hidden
+# from 4096 to 16384 tokens); a separate head's kernel gradient is whole in the compute dtype.
+HEAD_BLOCKED = Terms(hidden=12.3, weights=2.0)
+# One chunk's float32 logits and what the backward derives from them (exp, gradient, mask) ...
+CHUNK_ARRAYS = 4
+# ... and one block of weights widened to float32, its float32 gradient and its rounded copy.
+BLOCK_WEIGHT_BYTES = 4 + 4 + 2
+
+
+def blocked_head_bytes(model_cfg: ModelConfig, head: Counts) -> int:
+    """The blocked loss's head phase: :data:`HEAD_BLOCKED` of ``head``'s counts, one chunk of
+    logits and one block of the head's weights (models.blocked_loss)."""
+    rows = model_cfg.vocab_size // table_blocks(model_cfg.vocab_size, model_cfg.hidden_size)
+    block = BLOCK_WEIGHT_BYTES * rows * model_cfg.hidden_size
+    untied = 0 if model_cfg.tie_word_embeddings else head.weights
+    return HEAD_BLOCKED.bytes(dataclasses.replace(head, vocab=0, weights=untied)) + CHUNK_ARRAYS * 4 * CHUNK_ELEMENTS + block
 _FULL_ATTENTION = Terms(hidden=55.0, scores=17.4 + EXECUTED_SCORES, weights=3.5)
 _FULL_MLP = Terms(hidden=66.8, mlp=29.5, weights=3.5)
 REMAT = {
@@ -140,7 +162,9 @@ def step_memory(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> S
     """The activations and the peak working set of one step of ``cfg`` (see the module's doc)."""
     terms = REMAT[model_cfg.remat]
     layer, head = step_counts(cfg, model_cfg, layout)
-    phases = {"attention": terms.attention.bytes(layer), "mlp": terms.mlp.bytes(layer), "head": HEAD.bytes(head)}
+    blocked = chosen_loss(model_cfg.loss, cfg.data.batch_size, cfg.data.seq_len, model_cfg.vocab_size) == "blocked"
+    head_bytes = blocked_head_bytes(model_cfg, head) if blocked else HEAD.bytes(head)
+    phases = {"attention": terms.attention.bytes(layer), "mlp": terms.mlp.bytes(layer), "head": head_bytes}
     phase = max(phases, key=phases.get)
     accumulator = int(ACCUMULATE_BYTES_PER_PARAM * layout.num_parameters) if cfg.train.grad_accum > 1 else 0
     # Blockwise attention keeps no scores for the backward (it recomputes them from q, k, v).

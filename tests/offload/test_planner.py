@@ -198,6 +198,22 @@ def test_with_blockwise_attention_the_step_grows_linearly_in_seq_len(tmp_path, r
     assert step(8192, "auto") == blockwise[8192] and step(512, "auto") == step(512, "dense")
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_with_the_blocked_loss_the_head_holds_no_logits(tmp_path, roomy, tied):
+    def plan(seq, loss):
+        cfg = _cfg(tmp_path, f"data.seq_len={seq}", "data.batch_size=1", "model.max_position_embeddings=32768",
+                   "model.remat=full", "offload.params=resident", "model.attention=blockwise", f"model.loss={loss}",
+                   f"model.tie_word_embeddings={str(tied).lower()}")
+        return plan_run(cfg, _model(cfg, vocab=151936), runtime_bytes=0)
+
+    dense, blocked = plan(8192, "dense"), plan(8192, "blocked")
+    assert dense.phase == "head"  # 8192 x 151936 float32 logits: 4.6 GiB
+    assert dense.host["temporaries"] > 4 * 8192 * 151936 > 3 * blocked.host["temporaries"]
+    short, long = (plan(seq, "blocked").host["temporaries"] for seq in (4096, 16384))
+    assert short < long <= 4.1 * short  # linear in T, nothing of T x V
+    assert plan(8192, "auto").host == blocked.host and plan(128, "auto").host == plan(128, "dense").host
+
+
 def test_accumulation_adds_the_float32_accumulator(tmp_path, roomy):
     cfg = _cfg(tmp_path, "train.grad_accum=4", "offload.params=resident")
     plan = plan_run(cfg, _model(cfg), runtime_bytes=0)
