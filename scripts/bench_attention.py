@@ -29,8 +29,7 @@ import jax.numpy as jnp
 
 import optax
 
-from jaxascend.models import attention, table_blocks
-from jaxascend.models.blocked_loss import blocked_token_losses, table_head
+from jaxascend.models import attention, blocked_token_losses, table_blocks, table_head
 
 
 def parse_args() -> argparse.Namespace:

@@ -46,8 +46,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from jaxascend.config import Config, ModelConfig
-from jaxascend.models import chosen_loss, scores_held, table_blocks
-from jaxascend.models.blocked_loss import CHUNK_ELEMENTS
+from jaxascend.models import LOSS_CHUNK_ELEMENTS, chosen_loss, scores_held, table_blocks
 from jaxascend.offload.layout import OffloadLayout
 
 # The accumulating step (train.grad_accum > 1): float32 accumulator (4 B/param) plus a
@@ -114,7 +113,7 @@ def blocked_head_bytes(model_cfg: ModelConfig, head: Counts) -> int:
     rows = model_cfg.vocab_size // table_blocks(model_cfg.vocab_size, model_cfg.hidden_size)
     block = BLOCK_WEIGHT_BYTES * rows * model_cfg.hidden_size
     untied = 0 if model_cfg.tie_word_embeddings else head.weights
-    return HEAD_BLOCKED.bytes(dataclasses.replace(head, vocab=0, weights=untied)) + CHUNK_ARRAYS * 4 * CHUNK_ELEMENTS + block
+    return HEAD_BLOCKED.bytes(dataclasses.replace(head, vocab=0, weights=untied)) + CHUNK_ARRAYS * 4 * LOSS_CHUNK_ELEMENTS + block
 _FULL_ATTENTION = Terms(hidden=55.0, scores=17.4 + EXECUTED_SCORES, weights=3.5)
 _FULL_MLP = Terms(hidden=66.8, mlp=29.5, weights=3.5)
 REMAT = {

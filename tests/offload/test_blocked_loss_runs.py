@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load
 
-from jaxascend.models import losses, vocab
-from jaxascend.models.blocked_loss import blocked_token_losses
+from jaxascend.models import blocked_token_losses, losses, vocab
 from tests.offload.test_streamed_params import corpus, train  # noqa: F401  (corpus: a fixture)
 
 MODES = {
