@@ -21,14 +21,15 @@ CHILD = textwrap.dedent("""
     from jaxascend.models import build_model, token_batch
     from jaxascend.offload import JobShape, OffloadEngine, StepPlan
 
-    out, dtype = sys.argv[1], sys.argv[2]
+    out, dtype, loss = sys.argv[1], sys.argv[2], sys.argv[3]
     group = initialize(None)
     cfg = load_config("configs/tiny.yaml", [
         "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
         "model.num_attention_heads=4", "model.num_key_value_heads=2", f"model.dtype={dtype}",
         "model.param_dtype=float32", "data.seq_len=32", "data.batch_size=4", "optimizer.warmup_steps=0",
         "optimizer.learning_rate=3e-3", "optimizer.eps=1e-4", "offload.chunk_bytes=1MiB", "offload.staging_bytes=1MiB",
-        "offload.overlap=false", f"offload.dir={out}/offload-{group.index}", f"train.out_dir={out}"])
+        "offload.overlap=false", f"offload.dir={out}/offload-{group.index}", f"train.out_dir={out}",
+        f"model.loss={loss}"])
     model = build_model(cfg.model, 259, rngs=nnx.Rngs(0))
     plan = StepPlan.resolve(cfg, cfg.model, JobShape(group.count, group.index))
     rng = np.random.default_rng(0)
@@ -49,17 +50,17 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _run(out, n, dtype):
+def _run(out, n, dtype, loss="auto"):
     out.mkdir(parents=True, exist_ok=True)
-    for code, _, err in local_job(CHILD, n, args=(out, dtype)):
+    for code, _, err in local_job(CHILD, n, args=(out, dtype, loss)):
         assert code == 0, err[-3000:]
     return [json.loads((out / f"result-{i}.json").read_text()) for i in range(n)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_two_processes_train_like_one_with_half_the_state_each(tmp_path, dtype):
-    (one,) = _run(tmp_path / "p1", 1, dtype)
-    two = _run(tmp_path / "p2", 2, dtype)
+@pytest.mark.parametrize("dtype, loss", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "blocked")])
+def test_two_processes_train_like_one_with_half_the_state_each(tmp_path, dtype, loss):
+    (one,) = _run(tmp_path / "p1", 1, dtype, loss)
+    two = _run(tmp_path / "p2", 2, dtype, loss)
     # The same losses and norms step by step: the job's loss is the sum of the two processes'
     # halves (another summation order than one process's), so they agree to float rounding.
     for r in two:
