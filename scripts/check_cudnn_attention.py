@@ -5,7 +5,7 @@
 
 For each shape (GQA as Qwen2.5-0.5B; a static window as Mistral; Gemma 3's traced per-layer
 window on and off, head width 256, its scale), dtype and length it runs
-``models.layers.attention(implementation="blockwise")``, forward and the gradient of
+``models.attention(implementation="blockwise")``, forward and the gradient of
 ``sum(out * w)``, with ``JAXASCEND_ATTENTION_BACKEND`` as the environment sets it (default auto:
 cuDNN on a GPU), and checks that the compiled program holds cuDNN's fused attention
 (``__cudnn$fmha``). Errors (max abs of out, dq, dk, dv per unit of the largest reference value,
@@ -19,6 +19,7 @@ failed. Without a GPU or without cuDNN attention it prints why and exits 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -27,9 +28,10 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxascend.models import fused_attention, layers
+from jaxascend.models import attention
 
 FLOORS = {"bfloat16": 1e-2, "float16": 2e-3}
+BACKEND_ENV = "JAXASCEND_ATTENTION_BACKEND"  # jaxascend.models.fused_attention's switch
 
 
 class Shape(NamedTuple):
@@ -88,10 +90,10 @@ def errors(ref, got) -> list[float]:
 def check(shape: Shape, dtype_name: str, length: int) -> dict:
     dtype = jnp.dtype(dtype_name)
     q, k, v, w = inputs(shape, length, dtype)
-    ref, _ = out_and_grads(layers.causal_attention, shape, *(x.astype(jnp.float32) for x in (q, k, v)), w)
-    dense, _ = out_and_grads(layers.causal_attention, shape, q, k, v, w)
-    fused, program = out_and_grads(lambda *a, **kw: layers.attention(*a, implementation="blockwise", **kw),
-                                   shape, q, k, v, w)
+    dense_attention = functools.partial(attention, implementation="dense")  # never fused
+    ref, _ = out_and_grads(dense_attention, shape, *(x.astype(jnp.float32) for x in (q, k, v)), w)
+    dense, _ = out_and_grads(dense_attention, shape, q, k, v, w)
+    fused, program = out_and_grads(functools.partial(attention, implementation="blockwise"), shape, q, k, v, w)
     taken = "__cudnn$fmha" in program
     err_fused, err_dense = errors(ref, fused), errors(ref, dense)
     bound = max(2 * max(err_dense), FLOORS[dtype_name])
@@ -117,8 +119,8 @@ def cudnn_unavailable() -> Optional[str]:
 
 def main() -> int:
     args = parse_args()
-    print(f"jax {jax.__version__}, devices {jax.devices()}, {fused_attention.BACKEND_ENV}="
-          f"{os.environ.get(fused_attention.BACKEND_ENV, 'auto')}")
+    print(f"jax {jax.__version__}, devices {jax.devices()}, {BACKEND_ENV}="
+          f"{os.environ.get(BACKEND_ENV, 'auto')}")
     reason = cudnn_unavailable()
     if reason is not None:
         print(f"skipped: {reason}")

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from jaxascend.generation import Generator, SamplingConfig
-from jaxascend.generation.prefill import Block, prefill_blocks
+from jaxascend.generation import prefill
 from jaxascend.hf import param_plan, reader_from_params
 from tests.models.test_decode import config
 from tests.models.test_models import randomized_model, sample_ids
@@ -31,16 +31,17 @@ TOLERANCE = 1e-5  # absolute and relative, on logits of magnitude ~1-10
 
 
 def test_blocks_cover_the_prompt_with_one_block_shape_and_a_bucketed_remainder():
-    assert prefill_blocks(5, 8, 64) == (Block(0, 8),)  # bucket 16, capped at the block
-    assert prefill_blocks(8, 8, 64) == (Block(0, 8),)
-    assert prefill_blocks(9, 8, 64) == (Block(0, 8), Block(8, 8))
-    assert prefill_blocks(21, 8, 64) == (Block(0, 8), Block(8, 8), Block(16, 8))
-    assert prefill_blocks(1300, 512, 2048) == (Block(0, 512), Block(512, 512), Block(1024, 512))
-    assert prefill_blocks(1040, 512, 2048) == (Block(0, 512), Block(512, 512), Block(1024, 16))
-    assert prefill_blocks(100, 512, 2048) == (Block(0, 128),)  # a short prompt: its bucket, as before
-    assert prefill_blocks(1030, 512, 1040) == (Block(0, 512), Block(512, 512), Block(1024, 16))
-    assert prefill_blocks(1030, 512, 1035) == (Block(0, 512), Block(512, 512), Block(1024, 11))  # the cache's end
-    assert prefill_blocks(20, 24, 64) == (Block(0, 24),)  # a block that is not a bucket caps the padding
+    blocks, B = prefill.prefill_blocks, prefill.Block
+    assert blocks(5, 8, 64) == (B(0, 8),)  # bucket 16, capped at the block
+    assert blocks(8, 8, 64) == (B(0, 8),)
+    assert blocks(9, 8, 64) == (B(0, 8), B(8, 8))
+    assert blocks(21, 8, 64) == (B(0, 8), B(8, 8), B(16, 8))
+    assert blocks(1300, 512, 2048) == (B(0, 512), B(512, 512), B(1024, 512))
+    assert blocks(1040, 512, 2048) == (B(0, 512), B(512, 512), B(1024, 16))
+    assert blocks(100, 512, 2048) == (B(0, 128),)  # a short prompt: its bucket, as before
+    assert blocks(1030, 512, 1040) == (B(0, 512), B(512, 512), B(1024, 16))
+    assert blocks(1030, 512, 1035) == (B(0, 512), B(512, 512), B(1024, 11))  # the cache's end
+    assert blocks(20, 24, 64) == (B(0, 24),)  # a block that is not a bucket caps the padding
 
 
 @pytest.mark.parametrize("args, message", [
@@ -51,7 +52,7 @@ def test_blocks_cover_the_prompt_with_one_block_shape_and_a_bucketed_remainder()
 ])
 def test_bad_blocks_are_refused(args, message):
     with pytest.raises(ValueError, match=message):
-        prefill_blocks(*args)
+        prefill.prefill_blocks(*args)
 
 
 def test_the_generator_checks_its_block():
@@ -79,17 +80,23 @@ def test_blocked_prefill_gives_the_one_call_logits_and_tokens(generators, stream
     arch, gens = generators
     prompt = np.asarray(sample_ids(batch=1, length=length, seed=length))[0]
     blocked, whole = gens[stream, BLOCK], gens[stream, 1024]
-    calls = []
+    blocks_per_call = []
     call = blocked._call
-    monkeypatch.setattr(blocked, "_call", lambda ids, blocks, *rest: calls.append(len(blocks)) or call(ids, blocks, *rest))
+
+    def spy(ids, blocks, *rest):
+        blocks_per_call.append(len(blocks))
+        return call(ids, blocks, *rest)
+
+    monkeypatch.setattr(blocked, "_call", spy)
     got, expected = blocked.prompt_logits(prompt, NEW_TOKENS), whole.prompt_logits(prompt, NEW_TOKENS)
-    assert calls == [-(-length // BLOCK)]  # the prefill went in blocks
+    assert blocks_per_call == [-(-length // BLOCK)]  # the prefill went in blocks
     print(f"{arch} {'streamed' if stream else 'resident'} prompt {length}: "
           f"max |logit difference| {np.abs(got - expected).max():.2e}")
     np.testing.assert_allclose(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
     settings = SamplingConfig(max_new_tokens=NEW_TOKENS)
     tokens = whole.generate(prompt, settings).tokens
-    assert blocked.generate(prompt, settings).tokens == tokens and len(tokens) == min(NEW_TOKENS, MAX_LENGTH - length + 1)
+    assert len(tokens) == min(NEW_TOKENS, MAX_LENGTH - length + 1)  # to the cache's end at most
+    assert blocked.generate(prompt, settings).tokens == tokens
 
 
 def test_longrope_blocks_must_rotate_with_the_prompts_length():
