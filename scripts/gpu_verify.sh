@@ -11,7 +11,7 @@
 #      layer to the device) against the resident run: the losses must be equal;
 #   5. offload.overlap on and off, weights resident and streamed: the losses must be equal;
 #   6. chat fine-tuning (sft-tiny) with the held-out eval and end-of-run samples, resident and
-#      streamed, generate on the result, and the decode / masked-loss tests on the GPU backend;
+#      streamed, generate on the result, and the decode / blocked-prefill / masked-loss tests on the GPU backend;
 #   7. cuDNN's fused attention (jax.nn.dot_product_attention(implementation="cudnn"), what
 #      model.attention auto/blockwise take on a GPU) against the dense reference in bfloat16 and
 #      float16 at a few lengths (scripts/check_cudnn_attention.py: pass/fail, max errors; it skips,
@@ -87,7 +87,7 @@ for placement in resident ssd; do
   $py -m jaxascend.generate --checkpoint /tmp/gpu_sft_$placement --chat "What is the capital of Japan?" \
       --max-new-tokens 40 2>&1 | tee "$out/generate_$placement.txt"
 done
-$py -m pytest -p no:cacheprovider -q -rs tests/models/test_decode.py tests/offload/test_masked_loss_and_eval.py \
+$py -m pytest -p no:cacheprovider -q -rs tests/models/test_decode.py tests/test_blocked_prefill.py tests/offload/test_masked_loss_and_eval.py \
     2>&1 | tee "$out/pytest_sft.txt" | tail -8
 echo "== cuDNN attention against the dense reference (bfloat16, float16; T = 128, 1000, 4096)"
 JAXASCEND_ATTENTION_BACKEND=auto $py scripts/check_cudnn_attention.py --out "$out/cudnn_attention.json" 2>&1 \
