@@ -14,9 +14,14 @@ just before it is needed and the next layer's read on a thread meanwhile. Both g
 tokens.
 
 The cache length is the prompt plus ``max_new_tokens`` rounded up to a bucket
-(:func:`~jaxascend.generation.sampling.bucket_length`), capped at ``max_position_embeddings``,
-and the prompt is padded to a bucket too, so prompts of similar length reuse the compiled steps.
-Prompts are generated one at a time (batch 1).
+(:func:`~jaxascend.generation.sampling.bucket_length`), capped at ``max_position_embeddings``.
+The prompt is prefilled in calls of at most ``prefill_block`` tokens
+(:mod:`~jaxascend.generation.prefill`), the last one padded to a bucket, so the attention scores
+of a call are ``prefill_block x cache length`` however long the prompt, and prompts of similar
+length reuse the compiled steps. Resident, each block runs the whole layer scan; streamed, each
+layer runs every block before the next layer is read, so the weights are still read once per
+call. Only the last block's last position goes through the head. Prompts are generated one at a
+time (batch 1).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxascend.config import ModelConfig
+from jaxascend.generation.prefill import PREFILL_BLOCK, Block, check_block, prefill_blocks
 from jaxascend.generation.sampling import SamplingConfig, StepInputs, bucket_length, sample_step
 from jaxascend.generation.weights import LayerStream, merged, read_params
 from jaxascend.hf import abstract_params, param_plan
@@ -81,11 +87,12 @@ class Generator:
     ``weights``: a reader ``read(path, layer)`` over our parameter tree (``ParamsFile.read``,
     ``CheckpointWeights.read``, ``HFParamReader.read``) or an in-memory tree (``nnx.State``,
     module, pure dict). ``model_cfg.vocab_size`` must be set. ``dtype`` is the compute dtype
-    (default ``model_cfg.dtype``); the weights are held in it too.
+    (default ``model_cfg.dtype``); the weights are held in it too. ``prefill_block``: the most
+    prompt tokens one cached call takes (see :mod:`~jaxascend.generation.prefill`).
     """
 
     def __init__(self, model_cfg: ModelConfig, weights, *, dtype: Optional[str] = None,
-                 stream_layers: bool = False):
+                 stream_layers: bool = False, prefill_block: int = PREFILL_BLOCK):
         if not model_cfg.vocab_size:
             raise ValueError("model.vocab_size: 0 (unknown); the sampler needs the resolved model config")
         dtype = dtype or model_cfg.dtype
@@ -95,6 +102,7 @@ class Generator:
         self.vocab_size = model_cfg.vocab_size
         self.max_length = model_cfg.max_position_embeddings
         self.stream_layers = stream_layers
+        self.prefill_block = check_block(prefill_block)
         self._dtype = DTYPES[dtype]
         self._graphdef, self._abstract = abstract_params(self.model_config)
         model = nnx.merge(self._graphdef, self._abstract)
@@ -111,46 +119,89 @@ class Generator:
             self._head = jax.jit(self._head_fn)
         else:
             self._forward = jax.jit(self._forward_fn, donate_argnames=("cache",))
+            self._fill = jax.jit(self._fill_fn, donate_argnames=("cache",))
 
     # ------------------------------------------------------------------ jitted pieces
 
-    def _sample_at(self, model, hidden, last, index, inputs: StepInputs) -> jax.Array:
-        """The next token from the hidden state at position ``last`` of the call."""
+    def _sample_at(self, model, hidden, last, index, inputs: StepInputs) -> tuple[jax.Array, jax.Array]:
+        """The next token and the float32 logits ``[B, V]`` it was drawn from, at position
+        ``last`` of the call."""
         at = jax.lax.dynamic_slice_in_dim(hidden, last, 1, axis=1)  # [B, 1, D]: the head at one position
-        return sample_step(model.logits(at)[:, 0], inputs, index)
+        logits = model.logits(at)[:, 0]
+        return sample_step(logits, inputs, index), logits
 
-    def _forward_fn(self, params, ids, cache, start, last, index, inputs):
+    def _forward_fn(self, params, ids, cache, start, rope_length, last, index, inputs):
         model = merged(self._graphdef, self._abstract, params)
-        hidden, cache = model.decode_hidden(ids, cache, start)
+        hidden, cache = model.decode_hidden(ids, cache, start, rope_length)
         return self._sample_at(model, hidden, last, index, inputs), cache
+
+    def _fill_fn(self, params, ids, cache, start, rope_length):
+        """A prefill block before the last: its keys and values into the cache, no head."""
+        model = merged(self._graphdef, self._abstract, params)
+        return model.decode_hidden(ids, cache, start, rope_length)[1]
 
     def _embed_fn(self, params, ids, start):
         model = merged(self._graphdef, self._abstract, params)
         return model.embed_inputs(ids, cache_positions(ids, start))
 
-    def _layer_fn(self, layer_params, hidden, cache, index, start, flag):
+    def _layer_fn(self, layer_params, hidden, cache, index, start, rope_length, flag):
         state = jax.tree.map(lambda x: x, self._layer_abstract)
         nnx.replace_by_pure_dict(state, layer_params)
         positions = jnp.broadcast_to(start + jnp.arange(hidden.shape[1], dtype=jnp.int32), hidden.shape[:2])
-        return layer_decode(self._layer_graphdef, state, hidden, positions, cache, index, start, flag)
+        return layer_decode(self._layer_graphdef, state, hidden, positions, cache, index, start, flag, rope_length)
 
     def _head_fn(self, params, hidden, last, index, inputs):
         model = merged(self._graphdef, self._abstract, params)
         return self._sample_at(model, hidden, last, index, inputs)
 
-    def _call(self, ids, cache: KVCache, start: int, last: int, index: int,
-              inputs: StepInputs) -> tuple[jax.Array, KVCache]:
-        """One cached call over ``ids [1, t]`` at cache index ``start``; returns the token sampled
-        from position ``last`` of the call (as the ``index``-th new token) and the cache."""
-        start, last, index = np.int32(start), np.int32(last), np.int32(index)
+    def _call(self, ids: np.ndarray, blocks: tuple[Block, ...], cache: KVCache, rope_length: int, last: int,
+              index: int, inputs: StepInputs) -> tuple[tuple[jax.Array, jax.Array], KVCache]:
+        """The cached calls over ``ids [1, t]``, the tokens at cache indices ``blocks[0].start ..
+        blocks[-1].end``, one call per block (a prefill, or one new token as a block of 1);
+        returns ``(token, logits)`` sampled from position ``last`` of the last block (as the
+        ``index``-th new token) and the cache. ``rope_length``: the length RoPE chooses its
+        frequencies from in every block (the prompt's, in a prefill)."""
+        rope_length, last, index = np.int32(rope_length), np.int32(last), np.int32(index)
+        base = blocks[0].start
+        pieces = [(ids if len(blocks) == 1 else ids[:, b.start - base:b.end - base], np.int32(b.start))
+                  for b in blocks]
         if self._layers is None:
-            return self._forward(self._params, ids, cache, start, last, index, inputs)
-        hidden = self._embed(self._params, ids, start)
+            for piece, start in pieces[:-1]:
+                cache = self._fill(self._params, piece, cache, start, rope_length)
+            piece, start = pieces[-1]
+            return self._forward(self._params, piece, cache, start, rope_length, last, index, inputs)
+        # Streamed: layer by layer, every block through a layer before the next layer is read.
+        hidden = [self._embed(self._params, piece, start) for piece, start in pieces]
         for layer in range(self._dims[0]):
             weights = self._layers.get(layer)  # waits for this layer's read; starts the next one's
             flag = None if self._flags is None else np.bool_(self._flags[layer])
-            hidden, cache = self._layer(weights, hidden, cache, np.int32(layer), start, flag)
-        return self._head(self._params, hidden, last, index, inputs), cache
+            for i, (_, start) in enumerate(pieces):
+                hidden[i], cache = self._layer(weights, hidden[i], cache, np.int32(layer), start, rope_length, flag)
+        return self._head(self._params, hidden[-1], last, index, inputs), cache
+
+    def _prefill(self, prompt: np.ndarray, cache: KVCache,
+                 inputs: StepInputs) -> tuple[tuple[jax.Array, jax.Array], KVCache]:
+        """The prompt into ``cache`` in blocks; the first new token and its logits."""
+        blocks = prefill_blocks(prompt.size, self.prefill_block, cache.length)
+        padded = np.zeros((1, blocks[-1].end), np.int32)
+        padded[0, :prompt.size] = prompt  # the padding's keys land past the prompt: masked, then overwritten
+        return self._call(padded, blocks, cache, prompt.size, prompt.size - 1 - blocks[-1].start, 0, inputs)
+
+    def _empty_cache(self, length: int) -> KVCache:
+        return KVCache.zeros(self._dims[0], 1, length, self._dims[1], self._dims[2], self._dtype)
+
+    def _cache_length(self, prompt_length: int, max_new_tokens: int) -> int:
+        return min(bucket_length(prompt_length + max_new_tokens - 1), self.max_length)
+
+    def prompt_logits(self, prompt_ids, max_new_tokens: int = 1) -> np.ndarray:
+        """float32 ``[V]``: the logits of the token after ``prompt_ids``, from the prefill that
+        :meth:`generate` runs (in blocks of ``prefill_block``) over the cache it would make for
+        ``max_new_tokens`` (so the two share compiled steps)."""
+        prompt = check_prompt(prompt_ids, self.model_config)
+        inputs = SamplingConfig(max_new_tokens=max_new_tokens).step_inputs(self.vocab_size)
+        cache = self._empty_cache(self._cache_length(prompt.size, max_new_tokens))
+        (_, logits), _ = self._prefill(prompt, cache, inputs)
+        return np.asarray(logits[0])  # SYNC: the caller reads them
 
     # ------------------------------------------------------------------ the loop
 
@@ -161,14 +212,11 @@ class Generator:
         the stop id)."""
         prompt = check_prompt(prompt_ids, self.model_config)
         length = prompt.size
-        cache_length = min(bucket_length(length + settings.max_new_tokens - 1), self.max_length)
-        padded = np.zeros((1, min(bucket_length(length), cache_length)), np.int32)
-        padded[0, :length] = prompt  # the padding's keys land past the prompt: masked, then overwritten
+        cache_length = self._cache_length(length, settings.max_new_tokens)
         inputs = settings.step_inputs(self.vocab_size)
         stop = set(settings.stop_ids)
         began = time.perf_counter()
-        cache = KVCache.zeros(self._dims[0], 1, cache_length, self._dims[1], self._dims[2], self._dtype)
-        token, cache = self._call(padded, cache, 0, length - 1, 0, inputs)
+        (token, _), cache = self._prefill(prompt, self._empty_cache(cache_length), inputs)
         tokens: list[int] = []
         times: list[float] = []
         while True:
@@ -187,7 +235,8 @@ class Generator:
             if position >= cache_length:
                 reason = MAX_LENGTH
                 break
-            token, cache = self._call(token.reshape(1, 1), cache, position, 0, len(tokens), inputs)
+            step = (Block(position, 1),)  # one token at cache index `position`; RoPE's length is position + 1
+            (token, _), cache = self._call(token.reshape(1, 1), step, cache, position + 1, 0, len(tokens), inputs)
         return Generation(tokens, reason, length, time.perf_counter() - began, times)
 
     def close(self) -> None:

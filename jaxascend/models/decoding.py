@@ -92,25 +92,29 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: LayerKV, s
 
 
 def layer_decode(graphdef: nnx.GraphDef, layer_params: nnx.State, hidden: jax.Array, positions: jax.Array,
-                 cache: KVCache, index: jax.Array, start: jax.Array,
-                 flag: Optional[jax.Array] = None) -> tuple[jax.Array, KVCache]:
+                 cache: KVCache, index: jax.Array, start: jax.Array, flag: Optional[jax.Array] = None,
+                 rope_length: Optional[jax.Array] = None) -> tuple[jax.Array, KVCache]:
     """Layer ``index`` (an int32 scalar, may be traced) of a cached call, as a pure function of
     its parameters: reads its slice of ``cache``, runs the layer's ``decode`` and writes the
     slice back. ``flag`` is the layer's entry of the model's ``layer_flags`` (Gemma 3's
-    ``is_sliding``), None for models without them."""
+    ``is_sliding``), None for models without them. ``rope_length``: the sequence length that
+    length-dependent RoPE (dynamic, longrope) chooses its frequencies from; None: ``start + t``.
+    A prompt prefilled in blocks passes the prompt's length to every block, so that each block
+    rotates its keys as the one call over the whole prompt would."""
     layer = nnx.merge(graphdef, layer_params)
     kv = LayerKV(cache.k[index], cache.v[index])
     if flag is None:
-        hidden, kv = layer.decode(hidden, positions, kv, start)
+        hidden, kv = layer.decode(hidden, positions, kv, start, rope_length=rope_length)
     else:
-        hidden, kv = layer.decode(hidden, positions, kv, start, flag)
+        hidden, kv = layer.decode(hidden, positions, kv, start, flag, rope_length=rope_length)
     cache = KVCache(jax.lax.dynamic_update_index_in_dim(cache.k, kv.k, index, 0),
                     jax.lax.dynamic_update_index_in_dim(cache.v, kv.v, index, 0))
     return hidden, cache
 
 
 def decode_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, cache: KVCache,
-                  start: jax.Array, layer_flags: Optional[tuple[bool, ...]] = None) -> tuple[jax.Array, KVCache]:
+                  start: jax.Array, layer_flags: Optional[tuple[bool, ...]] = None,
+                  rope_length: Optional[jax.Array] = None) -> tuple[jax.Array, KVCache]:
     """Runs ``hidden`` through the stacked ``layers`` with ``lax.scan``, each step
     :func:`layer_decode` on that layer's slice of the parameters, the cache in the carry."""
     graphdef, stacked = nnx.split(layers)
@@ -122,7 +126,7 @@ def decode_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, c
     def step(carry, xs):
         hidden, cache = carry
         params, index, flag = xs  # flag is None without layer_flags (an empty pytree)
-        return layer_decode(graphdef, params, hidden, positions, cache, index, start, flag), None
+        return layer_decode(graphdef, params, hidden, positions, cache, index, start, flag, rope_length), None
 
     xs = (stacked, jnp.arange(num_layers, dtype=jnp.int32), flags)
     (hidden, cache), _ = jax.lax.scan(step, (hidden, cache), xs)
@@ -134,7 +138,8 @@ class CachedDecoding:
     :meth:`decode` and :meth:`decode_hidden`; the model provides ``embed_inputs(input_ids,
     positions)``, ``logits(hidden)``, its stacked layers under the attribute ``LAYER_STACK``,
     ``kv_cache_dims = (layers, kv heads, head dim)`` and, if its layers differ by a switch,
-    ``layer_flags``; each stacked layer has ``decode(hidden, positions, kv, start[, flag])``."""
+    ``layer_flags``; each stacked layer has ``decode(hidden, positions, kv, start[, flag], *,
+    rope_length)``."""
 
     LAYER_STACK = "layers"
     TOKEN_TABLE = ("embed_tokens", "embedding")  # the token table's path (also the head when tied)
@@ -145,12 +150,15 @@ class CachedDecoding:
         num_layers, num_kv, head_dim = self.kv_cache_dims
         return KVCache.zeros(num_layers, batch, length, num_kv, head_dim, dtype or self.dtype)
 
-    def decode_hidden(self, input_ids: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
+    def decode_hidden(self, input_ids: jax.Array, cache: KVCache, start: jax.Array,
+                      rope_length: Optional[jax.Array] = None) -> tuple[jax.Array, KVCache]:
         """The final hidden states ``[B, t, D]`` (before the final norm) of a cached call over
-        ``input_ids [B, t]`` at cache indices ``[start, start + t)``, and the updated cache."""
+        ``input_ids [B, t]`` at cache indices ``[start, start + t)``, and the updated cache.
+        ``rope_length``: see :func:`layer_decode` (None: ``start + t``)."""
         positions = cache_positions(input_ids, start)
         hidden = self.embed_inputs(input_ids, positions)
-        return decode_layers(getattr(self, self.LAYER_STACK), hidden, positions, cache, start, self.layer_flags)
+        return decode_layers(getattr(self, self.LAYER_STACK), hidden, positions, cache, start, self.layer_flags,
+                             rope_length)
 
     def decode(self, input_ids: jax.Array, cache: KVCache, start: jax.Array) -> tuple[jax.Array, KVCache]:
         """float32 logits ``[B, t, V]`` of a cached call over ``input_ids [B, t]`` at cache

@@ -111,9 +111,10 @@ class Gemma3DecoderLayer(nnx.Module):
         return hidden + self.post_feedforward_layernorm(mlp)
 
     def decode(self, hidden: jax.Array, positions: jax.Array, kv: LayerKV, start: jax.Array,
-               is_sliding: jax.Array) -> tuple[jax.Array, LayerKV]:
+               is_sliding: jax.Array, *, rope_length: Optional[jax.Array] = None) -> tuple[jax.Array, LayerKV]:
         """The block over a cached call (see ``LlamaAttention.decode``)."""
-        attn, kv = self.self_attn.decode(self.input_layernorm(hidden), positions, kv, start, is_sliding)
+        attn, kv = self.self_attn.decode(self.input_layernorm(hidden), positions, kv, start, is_sliding,
+                                         rope_length)
         hidden = hidden + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden))
         return hidden + self.post_feedforward_layernorm(mlp), kv

@@ -161,10 +161,11 @@ class GPT2Block(nnx.Module):
         hidden = hidden + self.attn(self.ln_1(hidden), segment_ids)
         return hidden + self.mlp(self.ln_2(hidden))
 
-    def decode(self, hidden: jax.Array, positions: jax.Array, kv: LayerKV,
-               start: jax.Array) -> tuple[jax.Array, LayerKV]:
-        """The block over a cached call (positions entered through ``wpe``)."""
-        del positions
+    def decode(self, hidden: jax.Array, positions: jax.Array, kv: LayerKV, start: jax.Array, *,
+               rope_length: Optional[jax.Array] = None) -> tuple[jax.Array, LayerKV]:
+        """The block over a cached call (positions entered through ``wpe``; no RoPE, so
+        ``rope_length`` is unused)."""
+        del positions, rope_length
         attn, kv = self.attn.decode(self.ln_1(hidden), kv, start)
         hidden = hidden + attn
         return hidden + self.mlp(self.ln_2(hidden)), kv

@@ -22,6 +22,7 @@ from flax import nnx
 from jaxascend.config import ModelConfig
 from jaxascend.models import blockwise_attention as blockwise
 from jaxascend.models import blocked_loss
+from jaxascend.models import fused_attention as fused
 from jaxascend.models import vocab
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -279,8 +280,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str,
     """The models' training attention: :func:`causal_attention` or, by ``implementation``
     (``ModelConfig.attention``: auto, blockwise, dense) and the row length,
     :func:`~jaxascend.models.blockwise_attention.blockwise_attention`, which computes the same
-    result with memory linear in the length. Same arguments and result as :func:`causal_attention`."""
-    if blockwise.chosen_implementation(implementation, q.shape[1]) == "blockwise":
+    result with memory linear in the length. Same arguments and result as :func:`causal_attention`.
+    auto and blockwise take cuDNN's fused attention on a GPU where it covers the call
+    (:mod:`~jaxascend.models.fused_attention`)."""
+    chosen = blockwise.chosen_implementation(implementation, q.shape[1])
+    if implementation != "dense":
+        out = fused.fused_attention(q, k, v, sliding_window=sliding_window, scale=scale, is_sliding=is_sliding,
+                                    segment_ids=segment_ids)
+        if out is not None:
+            return out
+    if chosen == "blockwise":
         return blockwise.blockwise_attention(q, k, v, sliding_window=sliding_window, scale=scale,
                                              is_sliding=is_sliding, segment_ids=segment_ids)
     return causal_attention(q, k, v, sliding_window=sliding_window, scale=scale, is_sliding=is_sliding,

@@ -158,11 +158,14 @@ class LlamaAttention(nnx.Module):
         return checkpoint_name(self.o_proj(context), "attn_out")
 
     def decode(self, x: jax.Array, positions: jax.Array, kv: LayerKV, start: jax.Array,
-               is_sliding: Optional[jax.Array] = None) -> tuple[jax.Array, LayerKV]:
+               is_sliding: Optional[jax.Array] = None,
+               rope_length: Optional[jax.Array] = None) -> tuple[jax.Array, LayerKV]:
         """The cached call over ``x [B,t,D]`` at cache indices ``positions`` (``start`` ..):
-        this call's keys and values go into ``kv``, the queries attend over all of it."""
+        this call's keys and values go into ``kv``, the queries attend over all of it.
+        ``rope_length``: what RoPE chooses its frequencies from (None: ``start + t``)."""
         batch, length, _ = x.shape
-        q, k, v = self.project(x, positions, is_sliding, rope_length=start + length)
+        rope_length = start + length if rope_length is None else rope_length
+        q, k, v = self.project(x, positions, is_sliding, rope_length=rope_length)
         context, kv = cached_attention(q, k, v, kv, start, sliding_window=self.sliding_window, scale=self.scale,
                                        is_sliding=is_sliding)
         return self.o_proj(context.reshape(batch, length, -1)), kv
@@ -207,10 +210,11 @@ class LlamaDecoderLayer(nnx.Module):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, segment_ids=segment_ids)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
-    def decode(self, hidden: jax.Array, positions: jax.Array, kv: LayerKV,
-               start: jax.Array) -> tuple[jax.Array, LayerKV]:
+    def decode(self, hidden: jax.Array, positions: jax.Array, kv: LayerKV, start: jax.Array, *,
+               rope_length: Optional[jax.Array] = None) -> tuple[jax.Array, LayerKV]:
         """The block over a cached call (see ``LlamaAttention.decode``)."""
-        attn, kv = self.self_attn.decode(self.input_layernorm(hidden), positions, kv, start)
+        attn, kv = self.self_attn.decode(self.input_layernorm(hidden), positions, kv, start,
+                                         rope_length=rope_length)
         hidden = hidden + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), kv
 
