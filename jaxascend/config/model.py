@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import typing
 from typing import Literal, Optional
 
-from jaxascend.config.values import AttentionImpl, ConfigError, DType, HiddenAct, RematPolicy, check_range
+from jaxascend.config.values import AttentionImpl, ConfigError, LossImpl, DType, HiddenAct, RematPolicy, check_range
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's layer_types entries
 GEMMA3_FIELDS = ("layer_types", "rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping")
@@ -65,6 +65,8 @@ class ModelConfig:
     remat: RematPolicy = "none"
     # "auto": blockwise attention (memory linear in the row length) for long rows, dense below.
     attention: AttentionImpl = "auto"
+    # "auto": the head and loss in blocks (the logits never whole) for large batch x length x vocabulary.
+    loss: LossImpl = "auto"
     init_std: float = 0.02
 
     def __post_init__(self):
@@ -84,6 +86,9 @@ class ModelConfig:
         if self.attention not in typing.get_args(AttentionImpl):
             allowed = ", ".join(map(repr, typing.get_args(AttentionImpl)))
             raise ConfigError(f"model.attention: {self.attention!r} is not supported (allowed: {allowed})")
+        if self.loss not in typing.get_args(LossImpl):
+            allowed = ", ".join(map(repr, typing.get_args(LossImpl)))
+            raise ConfigError(f"model.loss: {self.loss!r} is not supported (allowed: {allowed})")
         if self.path is None:
             if self.head_dim is None and self.hidden_size % self.num_attention_heads:
                 raise ConfigError(

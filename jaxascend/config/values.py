@@ -47,4 +47,8 @@ RematPolicy = Literal["none", "full", "dots", "dots_no_batch", "offload"]
 # How training forwards compute attention: "dense" (the whole T x S scores), "blockwise" (memory
 # linear in T), "auto" (blockwise for long rows; see jaxascend.models.blockwise_attention).
 AttentionImpl = Literal["auto", "blockwise", "dense"]
+# How training and evaluation compute the LM head and the loss: "dense" (the whole [B, T, V] logits),
+# "blocked" (blocks of tokens and vocabulary, logits never whole), "auto" (blocked for large B*T*V;
+# see jaxascend.models.blocked_loss).
+LossImpl = Literal["auto", "blocked", "dense"]
 HiddenAct = Literal["silu", "gelu_new", "gelu_pytorch_tanh", "gelu"]

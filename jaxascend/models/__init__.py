@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 from jaxascend.config import ModelConfig
+from jaxascend.models.blocked_loss import chosen_loss
 from jaxascend.models.blockwise_attention import scores_held
 from jaxascend.models.decoding import KVCache, cache_positions, layer_decode
 from jaxascend.models.gemma3 import GEMMA3_ARCHS, Gemma3ForCausalLM
@@ -27,7 +28,7 @@ from jaxascend.models.vocab import is_large_table, table_blocks
 from jaxascend.models.layers import DTYPES, REMAT_POLICIES, attention
 from jaxascend.models.llama import LLAMA_ARCHS, LlamaForCausalLM
 from jaxascend.models.losses import (TokenBatch, as_token_batch, batch_loss, forward, loss_sum_and_count, micro_batch,
-                                     next_token_loss, token_batch, token_losses)
+                                     next_token_loss, target_losses, token_batch, token_losses)
 from jaxascend.models.rope import Rotary
 
 ARCHS = LLAMA_ARCHS + ("gpt2",) + GEMMA3_ARCHS
@@ -74,8 +75,8 @@ def count_params(model: nnx.Module) -> int:
 
 __all__ = [
     "DTYPES", "KVCache", "REMAT_POLICIES", "Rotary", "TokenBatch", "as_token_batch", "attention", "batch_loss",
-    "build_model",
+    "build_model", "chosen_loss",
     "cache_positions", "count_params", "forward", "is_large_table", "layer_decode", "layer_stack_key",
     "loss_sum_and_count", "micro_batch", "next_token_loss", "norm_scale_init", "scores_held", "table_blocks",
-    "token_batch", "token_losses", "token_table_path",
+    "target_losses", "token_batch", "token_losses", "token_table_path",
 ]

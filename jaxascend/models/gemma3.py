@@ -139,6 +139,7 @@ class Gemma3ForCausalLM(nnx.Module, CachedDecoding):
         self.embed_scale = math.sqrt(cfg.hidden_size)
         self.final_logit_softcapping = cfg.final_logit_softcapping
         self.remat = cfg.remat
+        self.loss = cfg.loss  # how the loss computes the head: L.LOSS_IMPLEMENTATIONS
         self.dtype = dtype
         self.kv_cache_dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
 
@@ -153,19 +154,32 @@ class Gemma3ForCausalLM(nnx.Module, CachedDecoding):
         del positions
         return self.embed(input_ids, table_hook)
 
+    def head_input(self, hidden: jax.Array) -> jax.Array:
+        """What the output head multiplies: the last layer's output after the final norm."""
+        return self.norm(hidden)
+
+    def output_head(self, table_hook: Optional[L.TableHook] = None):
+        """The head's weights as the blocked loss reads them, with the final logit softcapping."""
+        return L.head_weights(self.embed_tokens, self.lm_head, table_hook, self.final_logit_softcapping)
+
     def logits(self, hidden: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
         """float32 logits ``[B, T, V]``: final norm, head, then the final logit softcapping."""
-        logits = L.lm_logits(self.norm(hidden), self.embed_tokens, self.lm_head, table_hook)
+        logits = L.lm_logits(self.head_input(hidden), self.embed_tokens, self.lm_head, table_hook)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
             logits = jnp.tanh(logits / cap) * cap
         return logits
 
+    def hidden_states(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
+                      layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
+                      segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        """The last layer's output ``[B, T, D]`` (before the final norm); arguments as ``__call__``."""
+        positions = L.default_positions(input_ids, positions)
+        L.check_segment_ids(input_ids, segment_ids)
+        return L.scan_layers(self.layers, self.embed(input_ids, table_hook), positions, self.remat, layer_hook,
+                             self.layer_flags, segment_ids=segment_ids)
+
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
                  layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        positions = L.default_positions(input_ids, positions)
-        L.check_segment_ids(input_ids, segment_ids)
-        hidden = L.scan_layers(self.layers, self.embed(input_ids, table_hook), positions, self.remat, layer_hook,
-                               self.layer_flags, segment_ids=segment_ids)
-        return self.logits(hidden, table_hook)
+        return self.logits(self.hidden_states(input_ids, positions, layer_hook, table_hook, segment_ids), table_hook)

@@ -80,6 +80,7 @@ def _check_gpt2_config(cfg: ModelConfig, vocab_size: int) -> None:
     L.check_choice("model.hidden_act", cfg.hidden_act or "gelu_new", L.HIDDEN_ACTS)
     L.check_choice("model.remat", cfg.remat, L.REMAT_POLICIES)
     L.check_choice("model.attention", cfg.attention, L.ATTENTION_IMPLEMENTATIONS)
+    L.check_choice("model.loss", cfg.loss, L.LOSS_IMPLEMENTATIONS)
     L.compute_dtype(cfg.dtype, "model.dtype")
     L.compute_dtype(cfg.param_dtype, "model.param_dtype")
     if not cfg.init_std > 0:
@@ -192,6 +193,7 @@ class GPT2LMHeadModel(nnx.Module, CachedDecoding):
         self.lm_head = L.output_head(cfg, vocab_size, rngs)
         self.max_positions = cfg.max_position_embeddings
         self.remat = cfg.remat
+        self.loss = cfg.loss  # how the loss computes the head: L.LOSS_IMPLEMENTATIONS
         self.dtype = dtype
         heads = cfg.num_attention_heads
         self.kv_cache_dims = (cfg.num_hidden_layers, heads, cfg.hidden_size // heads)
@@ -201,18 +203,31 @@ class GPT2LMHeadModel(nnx.Module, CachedDecoding):
         """The first block's input: token plus position embeddings."""
         return self.wte(input_ids, table_hook) + self.wpe(positions)
 
+    def head_input(self, hidden: jax.Array) -> jax.Array:
+        """What the output head multiplies: the last block's output after ``ln_f``."""
+        return self.ln_f(hidden)
+
+    def output_head(self, table_hook: Optional[L.TableHook] = None):
+        """The head's weights as the blocked loss reads them (``L.head_weights``)."""
+        return L.head_weights(self.wte, self.lm_head, table_hook)
+
     def logits(self, hidden: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
         """float32 logits ``[B, T, V]`` of the last block's output: ``ln_f``, then the head."""
-        return L.lm_logits(self.ln_f(hidden), self.wte, self.lm_head, table_hook)
+        return L.lm_logits(self.head_input(hidden), self.wte, self.lm_head, table_hook)
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
                  layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        return self.logits(self.hidden_states(input_ids, positions, layer_hook, table_hook, segment_ids), table_hook)
+
+    def hidden_states(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
+                      layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
+                      segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        """The last block's output ``[B, T, D]`` (before ``ln_f``); arguments as ``__call__``."""
         if positions is None and input_ids.ndim == 2 and input_ids.shape[1] > self.max_positions:
             raise ValueError(f"input_ids: length {input_ids.shape[1]} exceeds "
                              f"model.max_position_embeddings={self.max_positions}")
         positions = L.default_positions(input_ids, positions)
         L.check_segment_ids(input_ids, segment_ids)
         hidden = self.embed_inputs(input_ids, positions, table_hook)
-        hidden = L.scan_layers(self.h, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids)
-        return self.logits(hidden, table_hook)
+        return L.scan_layers(self.h, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids)

@@ -21,12 +21,14 @@ from flax import nnx
 
 from jaxascend.config import ModelConfig
 from jaxascend.models import blockwise_attention as blockwise
+from jaxascend.models import blocked_loss
 from jaxascend.models import vocab
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload")
 HIDDEN_ACTS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 ATTENTION_IMPLEMENTATIONS = blockwise.IMPLEMENTATIONS
+LOSS_IMPLEMENTATIONS = blocked_loss.IMPLEMENTATIONS
 
 # Per-layer activations tagged with ``checkpoint_name``: the outputs of every projection matmul
 # plus the attention context. Remat "offload" keeps exactly these, in pinned host memory, and
@@ -187,6 +189,18 @@ def output_head(cfg: ModelConfig, vocab_size: int, rngs: nnx.Rngs) -> Optional[L
         return None
     return Linear(cfg.hidden_size, vocab_size, use_bias=False, init_std=cfg.init_std,
                   dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype], rngs=rngs)
+
+
+def head_weights(embed: Embed, lm_head: Optional[Linear], table_hook: Optional[TableHook] = None,
+                 softcap: Optional[float] = None) -> blocked_loss.OutputHead:
+    """The output head as the blocked loss reads it: the tied table (``lm_head`` None; in the
+    compute dtype unless handed over as raw bits, ``table_hook`` on each block as in
+    :meth:`Embed.attend`) or the separate head's kernel; ``softcap`` as the model applies it."""
+    if lm_head is None:
+        table = embed.embedding[...]
+        table = table if _is_bits(table) else table.astype(embed.dtype)
+        return blocked_loss.table_head(table, embed.dtype, table_hook, softcap)
+    return blocked_loss.kernel_head(lm_head.kernel[...], lm_head.dtype, softcap)
 
 
 def lm_logits(hidden: jax.Array, embed: Embed, lm_head: Optional[Linear],

@@ -89,6 +89,7 @@ def check_llama_config(cfg: ModelConfig, vocab_size: int, archs: tuple[str, ...]
     L.check_choice("model.hidden_act", cfg.hidden_act or "silu", L.HIDDEN_ACTS)
     L.check_choice("model.remat", cfg.remat, L.REMAT_POLICIES)
     L.check_choice("model.attention", cfg.attention, L.ATTENTION_IMPLEMENTATIONS)
+    L.check_choice("model.loss", cfg.loss, L.LOSS_IMPLEMENTATIONS)
     L.compute_dtype(cfg.dtype, "model.dtype")
     L.compute_dtype(cfg.param_dtype, "model.param_dtype")
     if not cfg.init_std > 0:
@@ -231,6 +232,7 @@ class LlamaForCausalLM(nnx.Module, CachedDecoding):
                               param_dtype=param_dtype)
         self.lm_head = L.output_head(cfg, vocab_size, rngs)
         self.remat = cfg.remat
+        self.loss = cfg.loss  # how the loss computes the head: L.LOSS_IMPLEMENTATIONS
         self.dtype = dtype
         self.kv_cache_dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
 
@@ -240,16 +242,30 @@ class LlamaForCausalLM(nnx.Module, CachedDecoding):
         del positions
         return self.embed_tokens(input_ids, table_hook)
 
+    def head_input(self, hidden: jax.Array) -> jax.Array:
+        """What the output head multiplies: the last layer's output after the final norm."""
+        return self.norm(hidden)
+
+    def output_head(self, table_hook: Optional[L.TableHook] = None):
+        """The head's weights as the blocked loss reads them (``L.head_weights``)."""
+        return L.head_weights(self.embed_tokens, self.lm_head, table_hook)
+
     def logits(self, hidden: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
         """float32 logits ``[B, T, V]`` of the last layer's output: final norm, then the head."""
-        return L.lm_logits(self.norm(hidden), self.embed_tokens, self.lm_head, table_hook)
+        return L.lm_logits(self.head_input(hidden), self.embed_tokens, self.lm_head, table_hook)
+
+    def hidden_states(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
+                      layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
+                      segment_ids: Optional[jax.Array] = None) -> jax.Array:
+        """The last layer's output ``[B, T, D]`` (before the final norm); arguments as ``__call__``."""
+        positions = L.default_positions(input_ids, positions)
+        L.check_segment_ids(input_ids, segment_ids)
+        hidden = self.embed_inputs(input_ids, positions, table_hook)
+        return L.scan_layers(self.layers, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids)
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
                  layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
                  segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        positions = L.default_positions(input_ids, positions)
-        L.check_segment_ids(input_ids, segment_ids)
-        hidden = self.embed_inputs(input_ids, positions, table_hook)
-        hidden = L.scan_layers(self.layers, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids)
+        hidden = self.hidden_states(input_ids, positions, layer_hook, table_hook, segment_ids)
         return self.logits(hidden, table_hook)
 

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxascend.models.blocked_loss import blocked_token_losses, chosen_loss
+
 
 class TokenBatch(NamedTuple):
     """What the forward pass and the loss read, for one micro-batch ``[B, ...]`` or a step of
@@ -77,14 +79,26 @@ def forward(model, batch: TokenBatch, layer_hook=None, table_hook=None) -> jax.A
                  segment_ids=batch.segment_ids)
 
 
+def target_losses(model, batch: TokenBatch, layer_hook=None, table_hook=None) -> jax.Array:
+    """float32 ``[B, T]`` cross-entropy of each target of one micro-batch, through the whole
+    logits or, by ``model.loss`` (:func:`models.blocked_loss.chosen_loss`), in blocks of tokens
+    and vocabulary that never hold them (hooks: see the models' ``__call__``)."""
+    inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
+    hidden = model.hidden_states(inputs, batch.positions, layer_hook, table_hook, batch.segment_ids)
+    head = model.output_head(table_hook)
+    if chosen_loss(model.loss, targets.shape[0], targets.shape[1], head.vocab_size) == "blocked":
+        return blocked_token_losses(model.head_input(hidden), head, targets)
+    return token_losses(model.logits(hidden, table_hook), batch.tokens)
+
+
 def batch_loss(model, batch: TokenBatch, layer_hook=None, table_hook=None) -> jax.Array:
     """The weighted sum of one micro-batch's target losses (its share of the step's loss)."""
-    return jnp.sum(token_losses(forward(model, batch, layer_hook, table_hook), batch.tokens) * batch.weights)
+    return jnp.sum(target_losses(model, batch, layer_hook, table_hook) * batch.weights)
 
 
 def loss_sum_and_count(model, batch: TokenBatch, layer_hook=None, table_hook=None) -> tuple[jax.Array, jax.Array]:
     """``(sum of the counted targets' losses, their number)`` of one micro-batch, where a target
     counts iff its weight is non-zero: what an evaluation adds up over many batches."""
     counted = batch.weights > 0
-    losses = token_losses(forward(model, batch, layer_hook, table_hook), batch.tokens)
+    losses = target_losses(model, batch, layer_hook, table_hook)
     return jnp.sum(jnp.where(counted, losses, 0.0)), jnp.sum(counted.astype(jnp.int32))
