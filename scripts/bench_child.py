@@ -94,11 +94,14 @@ def _lines(path: Path) -> int:
 
 def run_sampled_child(cmd: list[str], cache_glob: str, progress: Callable[[], int], log_path: Path, *,
                       steps: int, cwd: Path, interval: float = 0.1, timeout: float = 3600, finish: bool = False,
-                      env: Optional[dict] = None, limit: Optional[int] = None) -> ChildRun:
+                      env: Optional[dict] = None, limit: Optional[int] = None,
+                      spare: Optional[int] = None) -> ChildRun:
     """Runs ``cmd``, sampling it from outside, until ``progress()`` (steps done so far) reaches
     ``steps``. ``cache_glob`` (recursive ``**`` allowed) names the files whose page cache counts.
     The returned run has no ``records``; RuntimeError if the steps were not all done, and
-    :class:`OverLimit` (the child killed) once a sample exceeds ``limit`` bytes."""
+    :class:`OverLimit` (the child killed) once a sample exceeds ``limit`` bytes; RuntimeError
+    (the child killed) once the machine's available memory falls under ``spare`` bytes, before
+    the kernel's OOM killer picks some other process."""
     log = log_path.open("w")
     start = time.perf_counter()
     child = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -116,6 +119,10 @@ def run_sampled_child(cmd: list[str], cache_glob: str, progress: Callable[[], in
             if limit is not None and max(samples[-1][1] + samples[-1][2], samples[-1][3]) > limit:
                 child.kill()
                 raise OverLimit(f"over {limit / 2**30:.1f} GiB after {t:.0f} s (killed; see {log_path})")
+            if spare is not None and psutil.virtual_memory().available < spare:
+                child.kill()
+                raise RuntimeError(f"the machine had under {spare / 2**30:.1f} GiB available after {t:.0f} s, "
+                                   f"the run at {samples[-1][1] / 2**30:.2f} GiB RSS (killed; see {log_path})")
             done = progress()
             if first_step_at is None and done >= 1:
                 first_step_at = t
@@ -125,7 +132,9 @@ def run_sampled_child(cmd: list[str], cache_glob: str, progress: Callable[[], in
                     child.terminate()  # the steps are measured; skip the end checkpoint and exports
             if t > timeout:
                 child.kill()
-                raise RuntimeError(f"no result after {timeout} s (see {log_path})")
+                peak = max(max(s[1] + s[2], s[3]) for s in samples)
+                raise RuntimeError(f"no result after {timeout} s, {done} of {steps} steps done, peak system memory "
+                                   f"so far {peak / 2**30:.2f} GiB (see {log_path})")
             time.sleep(interval)
     finally:
         if child.poll() is None:
@@ -141,8 +150,8 @@ def run_sampled_child(cmd: list[str], cache_glob: str, progress: Callable[[], in
 
 def run_train_child(cmd: list[str], offload_dir: Path, metrics_path: Path, log_path: Path, *, steps: int,
                     cwd: Path, interval: float = 0.1, timeout: float = 3600, finish: bool = False,
-                    limit: Optional[int] = None) -> ChildRun:
+                    limit: Optional[int] = None, spare: Optional[int] = None) -> ChildRun:
     """Runs ``cmd`` (a ``python -m jaxascend.train ...`` line) until it wrote ``steps`` records."""
     run = run_sampled_child(cmd, str(offload_dir / "*.bin"), lambda: _lines(metrics_path), log_path, steps=steps,
-                            cwd=cwd, interval=interval, timeout=timeout, finish=finish, limit=limit)
+                            cwd=cwd, interval=interval, timeout=timeout, finish=finish, limit=limit, spare=spare)
     return dataclasses.replace(run, records=[json.loads(line) for line in metrics_path.read_text().splitlines()])

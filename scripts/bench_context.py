@@ -20,7 +20,8 @@ checkpointing (``zinf_qwen2.py`` in the peer venv, ``shared/peers/``), measured 
 the same way (its swap files' page cache included).
 
 A jaxascend length whose plan (``python -m jaxascend.plan``, the trainer's own) exceeds
-``--limit-gib`` is not run; any run is killed once it passes the limit. After a contender does
+``--limit-gib`` is not run (unless ``--run-past-plan`` names the contender); any run is killed
+once it passes the limit. After a contender does
 not fit (or fails) at one length, its longer lengths are skipped. Contenders alternate their
 order from one length to the next; ``--repeats`` runs every length again (medians and ranges).
 Writes ``--out`` (JSON: every run, the summary by contender and length, the targets) and a
@@ -49,16 +50,18 @@ GIB = 2**30
 PEER = "deepspeed"
 # contender -> the --set overrides that make it
 CONTENDERS = {
-    "dense": ["model.attention=dense"],
-    "blockwise": ["model.attention=blockwise"],
+    "dense": ["model.attention=dense", "model.loss=dense"],
+    "blockwise": ["model.attention=blockwise", "model.loss=blocked"],
 }
 # Qwen2.5-0.5B's widths (its config.json), for both jaxascend and the peer.
 WIDTHS = {"hidden": 896, "intermediate": 4864, "heads": 14, "kv_heads": 2, "head_dim": 64, "vocab": 151936}
 FULL_LAYERS = 24
 RUN = ["model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.remat=full", "data.tokenizer=byte",
        "data.batch_size=1", "offload.chunk_bytes=16MiB", "offload.params=resident"]
+# Lets the trainer start where its plan exceeds what the machine can give (--run-past-plan).
+PAST_PLAN = "offload.host_memory_budget=64GiB"
 # The peer: zinf_train.py's "lean" settings (its README: the lowest peak of those it tried).
-PEER_FLAGS = ["--dtype", "bf16", "--offload-param", "none", "--sub-group-size", "100000000",
+PEER_FLAGS = ["--offload-param", "none", "--sub-group-size", "100000000",
               "--reduce-bucket-size", "50000000", "--max-live-params", "100000000"]
 PEER_DIFFERENCES = [
     "model: transformers 5 Qwen2ForCausalLM (q/k/v bias, tied embeddings, the same widths and layers) with sdpa "
@@ -78,9 +81,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=2, help=f"decoder layers (Qwen2.5-0.5B has {FULL_LAYERS})")
     p.add_argument("--contenders", default=",".join([*CONTENDERS, PEER]))
     p.add_argument("--limit-gib", type=float, default=20.0)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--run-past-plan", default="", metavar="CONTENDERS",
+                   help="comma-separated contenders to run even where the plan exceeds the limit (still killed there)")
+    p.add_argument("--spare-gib", type=float, default=1.0,
+                   help="kill a run when the machine has less available (others share it)")
+    p.add_argument("--steps", type=int, default=2, help="1: peak memory only (no s/step)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--peer-python", default="/tmp/peer/venv/bin/python")
+    p.add_argument("--peer-dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="the peer's dtype; not bf16: its rows are the contender deepspeed-<dtype>")
     p.add_argument("--work-dir", default="/tmp/jaxascend-bench-context")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_context.json"))
     p.add_argument("--merge", action="store_true", help="add these runs to those already in --out")
@@ -102,17 +111,22 @@ def shape_sets(layers: int, length: int) -> list[str]:
 
 def run_jaxascend(contender: str, length: int, name: str, args) -> dict:
     case = {"shape": f"Qwen2.5-0.5B widths, {args.layers} layers", "steps": args.steps,
-            "limit": int(args.limit_gib * GIB), "sets": RUN + shape_sets(args.layers, length) + CONTENDERS[contender]}
+            "limit": int(args.limit_gib * GIB), "spare": int(args.spare_gib * GIB),
+            "sets": RUN + shape_sets(args.layers, length) + CONTENDERS[contender]}
     work = Path(args.work_dir)
     plan = planned(run_sets(case, work / name, work))["host_peak"]
     if plan > args.limit_gib * GIB:
-        return {"status": "does not fit", "note": f"does not fit (planned {plan / GIB:.2f} GiB)",
-                "predicted_bytes": plan}
+        if contender not in args.run_past_plan.split(","):
+            return {"status": "does not fit", "note": f"does not fit (planned {plan / GIB:.2f} GiB)",
+                    "predicted_bytes": plan}
+        case["sets"].append(PAST_PLAN)  # the trainer's own check; the run is still killed at the limit
     r = run_case(name, case, args)
     return {"status": "ran", "peak_bytes": r["measured_bytes"], "peak_rss_bytes": r["measured_rss_bytes"],
-            "page_cache_bytes": r["page_cache_bytes"], "step_s": r["step_s"][-1], "first_step_at_s": r["first_step_at_s"],
+            "page_cache_bytes": r["page_cache_bytes"], "step_s": r["step_s"][-1] if r["step_s"] else None,
+            "first_step_at_s": r["first_step_at_s"],
             "predicted_bytes": r["predicted_bytes"], "ratio": r["ratio"], "num_params": r["num_params"],
-            "predicted_parts": r["predicted_parts"], "phase": r["phase"]}
+            "predicted_parts": r["predicted_parts"], "phase": r["phase"],
+            "run_past_plan": plan > args.limit_gib * GIB}
 
 
 def _zinf_steps(log: Path) -> int:
@@ -130,31 +144,39 @@ def run_peer(length: int, name: str, args) -> dict:
     cmd = [args.peer_python, str(REPO / "scripts" / "zinf_qwen2.py"), "--layers", str(args.layers),
            "--hidden", str(w["hidden"]), "--intermediate", str(w["intermediate"]), "--vocab", str(w["vocab"]),
            "--heads", str(w["heads"]), "--kv-heads", str(w["kv_heads"]), "--seq", str(length), "--batch", "1",
-           "--steps", str(args.steps), "--nvme-dir", str(nvme)] + PEER_FLAGS
+           "--steps", str(args.steps), "--nvme-dir", str(nvme), "--dtype", args.peer_dtype] + PEER_FLAGS
     run = run_sampled_child(cmd, str(nvme / "**" / "*"), lambda: _zinf_steps(log), log, steps=args.steps, cwd=REPO,
-                            interval=args.interval, timeout=args.timeout, finish=True, limit=int(args.limit_gib * GIB))
+                            interval=args.interval, timeout=args.timeout, finish=True, limit=int(args.limit_gib * GIB),
+                            spare=int(args.spare_gib * GIB))
     shutil.rmtree(nvme, ignore_errors=True)
     lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
     own = json.loads(lines[-1])
     return {"status": "ran", "peak_bytes": run.peak_system, "peak_rss_bytes": run.peak_rss,
-            "page_cache_bytes": run.peak_page_cache, "step_s": own["step_s"][-1], "first_step_at_s": run.first_step_at,
+            "page_cache_bytes": run.peak_page_cache, "step_s": own["step_s"][-1] if args.steps > 1 else None,
+            "first_step_at_s": run.first_step_at,
             "num_params": own["params"], "peer_own": {k: own[k] for k in (
                 "peak_rss_bytes", "peak_vm_locked_bytes_sampled", "peak_nvme_page_cache_bytes", "step_s", "losses",
                 "deepspeed", "torch", "transformers", "threads", "ds_init_s")}}
 
 
+def label(contender: str, args) -> str:
+    """The name a contender's rows go by: the peer's carries its dtype unless that is bf16."""
+    return f"{PEER}-{args.peer_dtype}" if contender == PEER and args.peer_dtype != "bf16" else contender
+
+
 def run_one(contender: str, length: int, repeat: int, args) -> dict:
+    contender = label(contender, args)
     name = f"{contender}-{length}-r{repeat}"
     print(f"[bench_context] {name} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     try:
-        r = run_peer(length, name, args) if contender == PEER else run_jaxascend(contender, length, name, args)
+        r = run_peer(length, name, args) if contender.startswith(PEER) else run_jaxascend(contender, length, name, args)
     except OverLimit as err:
         r = {"status": "does not fit", "note": f"does not fit ({err})"}
     except RuntimeError as err:
         r = {"status": "failed", "note": str(err)[-1500:]}
-    r = {"contender": contender, "length": length, "repeat": repeat, "wall_s": time.perf_counter() - start,
-         "load_avg": os.getloadavg(), **r}
+    r = {"contender": contender, "length": length, "repeat": repeat, "steps": args.steps,
+         "wall_s": time.perf_counter() - start, "load_avg": os.getloadavg(), **r}
     print(json.dumps({k: v for k, v in r.items() if k not in ("predicted_parts", "peer_own")}), file=sys.stderr,
           flush=True)
     return r
@@ -202,10 +224,10 @@ def targets(table: dict, longest: dict, limit: float) -> dict:
     if len(line) >= 3:
         r2 = r_squared([n for n, _ in line], [p for _, p in line])
         out["linear_from_2k"] = {"lengths": [n for n, _ in line], "r2": r2, "met": r2 >= 0.99}
-    if longest.get("blockwise") and longest.get(PEER):
-        ratio = longest["blockwise"] / longest[PEER]
-        out["longest_vs_deepspeed"] = {"blockwise": longest["blockwise"], PEER: longest[PEER], "ratio": ratio,
-                                       "met": ratio >= 4}
+    for peer in (c for c in longest if c.startswith(PEER) and longest[c] and longest.get("blockwise")):
+        ratio = longest["blockwise"] / longest[peer]
+        out[f"longest_vs_{peer}"] = {"blockwise": longest["blockwise"], peer: longest[peer], "ratio": ratio,
+                                     "met": ratio >= 4}
     ratios = [(c, n, row["ratio"]) for c, rows in table.items() for n, row in rows.items() if "ratio" in row]
     if ratios:
         worst = max(ratios, key=lambda x: max(abs(x[2]["min"] - 1), abs(x[2]["max"] - 1)))
@@ -279,11 +301,12 @@ def main() -> int:
     old = json.loads(out.read_text())["results"] if args.merge and out.exists() else []
     report = {"issue": 27, "cpu": cpu_model(), "cpus": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
               "layers": args.layers, "full_layers": FULL_LAYERS, "widths": WIDTHS, "batch": 1, "remat": "full",
-              "steps": args.steps, "limit_gib": args.limit_gib, "contenders": {**CONTENDERS, PEER: PEER_FLAGS},
+              "limit_gib": args.limit_gib, "contenders": {**CONTENDERS, PEER: PEER_FLAGS + ["--dtype", "bf16|fp32"]},
               "shape_note": f"Qwen2.5-0.5B widths with {args.layers} of its {FULL_LAYERS} layers: one step at 16k "
                             "tokens with all 24 takes far over 10 minutes on these cores",
               "jaxascend_sets": RUN + shape_sets(args.layers, 0)[:-2], "peer_differences": PEER_DIFFERENCES,
-              "step_s": "the last step's wall time (the first compiles)", "results": old}
+              "step_s": "the last step's wall time (the first compiles; none in runs of 1 step)",
+              "results": old}
     stopped: set[str] = set()
     for repeat in range(args.repeats):
         stopped.clear()
@@ -291,7 +314,7 @@ def main() -> int:
             order = contenders if (i + repeat) % 2 == 0 else contenders[::-1]
             for c in order:
                 if c in stopped:
-                    r = {"contender": c, "length": length, "repeat": repeat, "status": "skipped",
+                    r = {"contender": label(c, args), "length": length, "repeat": repeat, "status": "skipped",
                          "note": "did not fit or failed at a shorter length"}
                 else:
                     r = run_one(c, length, repeat, args)

@@ -40,7 +40,8 @@ QWEN = ["model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.remat=full"
 
 def cases() -> dict[str, dict]:
     """name -> {"shape", "sets", "steps"}; optional: "checkpoint", the qwen2 preset to start from,
-    and "limit", the bytes past which the run is killed (``bench_child.OverLimit``)."""
+    "limit", the bytes past which the run is killed (``bench_child.OverLimit``), and "spare", the
+    machine's available bytes under which it is killed."""
     out = {}
     for seq, batch in ((128, 16), (512, 16), (2048, 4)):
         for remat in ("none", "full"):
@@ -112,7 +113,7 @@ def run_case(name: str, case: dict, args) -> dict:
     cmd = command("jaxascend.train", run_sets(case, out_dir, work))
     run = run_train_child(cmd, out_dir / "offload", out_dir / "run" / "metrics.jsonl", out_dir / "stdout.txt",
                           steps=case["steps"], cwd=REPO, interval=args.interval, timeout=args.timeout,
-                          limit=case.get("limit"))
+                          limit=case.get("limit"), spare=case.get("spare"))
     plan = json.loads((out_dir / "run" / "plan.json").read_text())
     shutil.rmtree(out_dir / "offload", ignore_errors=True)
     peak_at = max(run.window, key=lambda x: x[1] + x[2])[0]
