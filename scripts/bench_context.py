@@ -281,7 +281,7 @@ def plot(path: Path, report: dict) -> None:
     mem.set_ylabel("peak system memory, GiB (process tree RSS + offload page cache)")
     speed.set_ylabel("seconds per step")
     speed.set_title("runs of 2 or more steps; each run's load average is in the JSON", fontsize=9)
-    mem.set_title("killed at the limit; a planner line past it: not run", fontsize=9)
+    mem.set_title("dashed: the planner's prediction; dotted: the limit (runs are killed past it)", fontsize=9)
     for ax in (mem, speed):
         if ax.lines:
             ax.set_xscale("log", base=2)
