@@ -14,12 +14,15 @@ are not part of a training step's memory.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
+import os
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import psutil
 
@@ -56,6 +59,10 @@ class ChildRun:
         return max(max(s[1] + s[2] for s in self.window), self.high_water)
 
 
+class OverLimit(RuntimeError):
+    """The child's memory passed the limit it was given, and it was killed."""
+
+
 def _tree_rss(proc: psutil.Process) -> int:
     """RSS of ``proc`` and every process it started."""
     total = proc.memory_info().rss
@@ -85,14 +92,21 @@ def _lines(path: Path) -> int:
         return 0
 
 
-def run_train_child(cmd: list[str], offload_dir: Path, metrics_path: Path, log_path: Path, *, steps: int,
-                    cwd: Path, interval: float = 0.1, timeout: float = 3600, finish: bool = False) -> ChildRun:
-    """Runs ``cmd`` (a ``python -m jaxascend.train ...`` line) until it wrote ``steps`` records."""
+def run_sampled_child(cmd: list[str], cache_glob: str, progress: Callable[[], int], log_path: Path, *,
+                      steps: int, cwd: Path, interval: float = 0.1, timeout: float = 3600, finish: bool = False,
+                      env: Optional[dict] = None, limit: Optional[int] = None,
+                      spare: Optional[int] = None) -> ChildRun:
+    """Runs ``cmd``, sampling it from outside, until ``progress()`` (steps done so far) reaches
+    ``steps``. ``cache_glob`` (recursive ``**`` allowed) names the files whose page cache counts.
+    The returned run has no ``records``; RuntimeError if the steps were not all done, and
+    :class:`OverLimit` (the child killed) once a sample exceeds ``limit`` bytes; RuntimeError
+    (the child killed) once the machine's available memory falls under ``spare`` bytes, before
+    the kernel's OOM killer picks some other process."""
     log = log_path.open("w")
     start = time.perf_counter()
-    child = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    child = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env)
     proc = psutil.Process(child.pid)
-    samples, first_step_at, steps_done_at = [], None, None
+    samples, first_step_at, steps_done_at, done = [], None, None, 0
     try:
         while child.poll() is None:
             t = time.perf_counter() - start
@@ -100,26 +114,44 @@ def run_train_child(cmd: list[str], offload_dir: Path, metrics_path: Path, log_p
                 rss = _tree_rss(proc)
             except psutil.NoSuchProcess:
                 break
-            samples.append((round(t, 3), rss, page_cache_bytes(glob.glob(str(offload_dir / "*.bin"))),
-                            _high_water(child.pid)))
-            lines = _lines(metrics_path)
-            if first_step_at is None and lines >= 1:
+            files = [f for f in glob.glob(cache_glob, recursive=True) if os.path.isfile(f)]
+            samples.append((round(t, 3), rss, page_cache_bytes(files), _high_water(child.pid)))
+            if limit is not None and max(samples[-1][1] + samples[-1][2], samples[-1][3]) > limit:
+                child.kill()
+                raise OverLimit(f"over {limit / 2**30:.1f} GiB after {t:.0f} s (killed; see {log_path})")
+            if spare is not None and psutil.virtual_memory().available < spare:
+                child.kill()
+                raise RuntimeError(f"the machine had under {spare / 2**30:.1f} GiB available after {t:.0f} s, "
+                                   f"the run at {samples[-1][1] / 2**30:.2f} GiB RSS (killed; see {log_path})")
+            done = progress()
+            if first_step_at is None and done >= 1:
                 first_step_at = t
-            if steps_done_at is None and lines >= steps:
+            if steps_done_at is None and done >= steps:
                 steps_done_at = t
                 if not finish:
                     child.terminate()  # the steps are measured; skip the end checkpoint and exports
             if t > timeout:
                 child.kill()
-                raise RuntimeError(f"no result after {timeout} s (see {log_path})")
+                peak = max(max(s[1] + s[2], s[3]) for s in samples)
+                raise RuntimeError(f"no result after {timeout} s, {done} of {steps} steps done, peak system memory "
+                                   f"so far {peak / 2**30:.2f} GiB (see {log_path})")
             time.sleep(interval)
     finally:
         if child.poll() is None:
             child.kill()
         child.wait()
         log.close()
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-    if len(records) < steps or steps_done_at is None:
+    if steps_done_at is None:
+        done = max(done, progress())  # steps logged after the last sample
         tail = log_path.read_text()[-2000:]
-        raise RuntimeError(f"the run wrote {len(records)} of {steps} steps; its output ends with:\n{tail}")
-    return ChildRun(samples, records, first_step_at, steps_done_at, time.perf_counter() - start)
+        raise RuntimeError(f"the run did {done} of {steps} steps; its output ends with:\n{tail}")
+    return ChildRun(samples, [], first_step_at, steps_done_at, time.perf_counter() - start)
+
+
+def run_train_child(cmd: list[str], offload_dir: Path, metrics_path: Path, log_path: Path, *, steps: int,
+                    cwd: Path, interval: float = 0.1, timeout: float = 3600, finish: bool = False,
+                    limit: Optional[int] = None, spare: Optional[int] = None) -> ChildRun:
+    """Runs ``cmd`` (a ``python -m jaxascend.train ...`` line) until it wrote ``steps`` records."""
+    run = run_sampled_child(cmd, str(offload_dir / "*.bin"), lambda: _lines(metrics_path), log_path, steps=steps,
+                            cwd=cwd, interval=interval, timeout=timeout, finish=finish, limit=limit, spare=spare)
+    return dataclasses.replace(run, records=[json.loads(line) for line in metrics_path.read_text().splitlines()])

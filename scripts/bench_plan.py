@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -39,7 +40,9 @@ QWEN = ["model.dtype=bfloat16", "model.param_dtype=bfloat16", "model.remat=full"
 
 
 def cases() -> dict[str, dict]:
-    """name -> {"shape", "sets", "steps"}."""
+    """name -> {"shape", "sets", "steps"}; optional: "checkpoint", the qwen2 preset to start from,
+    "limit", the bytes past which the run is killed (``bench_child.OverLimit``), and "spare", the
+    machine's available bytes under which it is killed."""
     out = {}
     for seq, batch in ((128, 16), (512, 16), (2048, 4)):
         for remat in ("none", "full"):
@@ -53,13 +56,14 @@ def cases() -> dict[str, dict]:
             f"model.remat={remat}", f"model.attention={attention}"]}
     for seq in (128, 1024):
         for params in ("resident", "ssd"):
-            out[f"qwen0.5B-{seq}-{params}"] = {"shape": "0.5B", "steps": 3 if seq <= 128 else 2, "sets": QWEN + [
-                f"data.seq_len={seq}", f"offload.params={params}", "model.attention=dense", "model.loss=dense"]}
-    out["qwen0.5B-1024-blockwise"] = {"shape": "0.5B", "steps": 2, "sets": QWEN + [
+            out[f"qwen0.5B-{seq}-{params}"] = {
+                "shape": "0.5B", "checkpoint": "0.5B", "steps": 3 if seq <= 128 else 2, "sets": QWEN + [
+                    f"data.seq_len={seq}", f"offload.params={params}", "model.attention=dense", "model.loss=dense"]}
+    out["qwen0.5B-1024-blockwise"] = {"shape": "0.5B", "checkpoint": "0.5B", "steps": 2, "sets": QWEN + [
         "data.seq_len=1024", "offload.params=resident", "model.attention=blockwise", "model.loss=dense"]}
     # what model.attention and model.loss auto choose from 1024 tokens: blockwise, blocked (logits never whole)
     for seq in (1024, 4096):
-        out[f"qwen0.5B-{seq}-blocked"] = {"shape": "0.5B", "steps": 2, "sets": QWEN + [
+        out[f"qwen0.5B-{seq}-blocked"] = {"shape": "0.5B", "checkpoint": "0.5B", "steps": 2, "sets": QWEN + [
             f"data.seq_len={seq}", "offload.params=resident", "model.attention=blockwise", "model.loss=blocked"]}
     return out
 
@@ -76,28 +80,52 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def run_sets(case: dict, out_dir: Path, work: Path) -> list[str]:
+    """Every ``--set`` of ``case``'s training run writing under ``out_dir`` (its checkpoint made)."""
+    sets = COMMON + case["sets"] + [f"train.steps={case['steps']}", f"train.out_dir={out_dir / 'run'}",
+                                    f"offload.dir={out_dir / 'offload'}"]
+    if case.get("checkpoint"):
+        checkpoint = work / f"qwen2.5-{case['checkpoint']}"
+        make_checkpoint(case["checkpoint"], checkpoint)
+        sets.append(f"model.path={checkpoint}")
+    return sets
+
+
+def command(module: str, sets: list[str]) -> list[str]:
+    """``python -m module`` on configs/tiny.yaml with ``sets``."""
+    cmd = [sys.executable, "-m", module, "--config", str(REPO / "configs" / "tiny.yaml")]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def planned(sets: list[str]) -> dict:
+    """The plan (``python -m jaxascend.plan --json``) the trainer would make for ``sets``."""
+    done = subprocess.run(command("jaxascend.plan", sets) + ["--json"], cwd=REPO, capture_output=True, text=True)
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        raise RuntimeError(f"jaxascend.plan failed ({done.returncode}): {done.stderr[-2000:]}") from None
+
+
 def run_case(name: str, case: dict, args) -> dict:
+    """One training run of ``case`` in its own process under ``args.work_dir``: the trainer's
+    plan against the peak measured from outside (``args.interval``, ``args.timeout``)."""
     work = Path(args.work_dir)
     out_dir = work / name
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
-    sets = COMMON + case["sets"] + [f"train.steps={case['steps']}", f"train.out_dir={out_dir / 'run'}",
-                                    f"offload.dir={out_dir / 'offload'}"]
-    if case["shape"] != "tiny":
-        checkpoint = work / f"qwen2.5-{case['shape']}"
-        make_checkpoint(case["shape"], checkpoint)
-        sets.append(f"model.path={checkpoint}")
-    cmd = [sys.executable, "-m", "jaxascend.train", "--config", str(REPO / "configs" / "tiny.yaml")]
-    for s in sets:
-        cmd += ["--set", s]
+    cmd = command("jaxascend.train", run_sets(case, out_dir, work))
     run = run_train_child(cmd, out_dir / "offload", out_dir / "run" / "metrics.jsonl", out_dir / "stdout.txt",
-                          steps=case["steps"], cwd=REPO, interval=args.interval, timeout=args.timeout)
+                          steps=case["steps"], cwd=REPO, interval=args.interval, timeout=args.timeout,
+                          limit=case.get("limit"), spare=case.get("spare"))
     plan = json.loads((out_dir / "run" / "plan.json").read_text())
     shutil.rmtree(out_dir / "offload", ignore_errors=True)
     peak_at = max(run.window, key=lambda x: x[1] + x[2])[0]
     result = {"case": name, "shape": case["shape"], "sets": case["sets"], "steps": case["steps"],
               "peak_at_s": peak_at, "first_step_at_s": run.first_step_at, "steps_done_at_s": run.steps_done_at,
               "rss_by_step": [r.get("rss_bytes") for r in run.records],
+              "step_s": [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(run.records, run.records[1:])],
               "num_params": plan["num_params"], "params": plan["params"], "phase": plan["phase"],
               "predicted_bytes": plan["host_peak"], "predicted_parts": plan["host"],
               "measured_bytes": run.peak_system, "measured_rss_bytes": run.peak_rss,
