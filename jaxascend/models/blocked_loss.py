@@ -182,7 +182,8 @@ _block_stats.defvjp(_stats_fwd, _stats_bwd)
 
 
 def _head_block(head: OutputHead, xs, rows: int):
-    """Block ``k`` of the head's weights in a float dtype (through the hook when there is one)."""
+    """Block ``k`` of the head's weights in a float dtype (through the hook when there is one);
+    ``xs``: ``(a tied table's block of rows, or None for a separate kernel, k)``."""
     raw, k = xs
     if head.tied:
         if head.hook is not None:
@@ -200,7 +201,7 @@ def _scanned_blocks(head: OutputHead):
     if head.tied:
         table = head.weights
         return table.reshape((head.blocks, head.block_rows()) + table.shape[1:]), index
-    return jnp.zeros((head.blocks,), jnp.int8), index
+    return None, index
 
 
 def blocked_token_losses(x: jax.Array, head: OutputHead, targets: jax.Array,
