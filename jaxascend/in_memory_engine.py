@@ -12,7 +12,6 @@ from functools import partial
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -23,13 +22,10 @@ from jaxascend.models import TokenBatch, as_token_batch, batch_loss, loss_sum_an
 from jaxascend.optim import adamw_in_memory
 
 
-def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State, tx: optax.GradientTransformation,
-                    grad_accum: int) -> Callable:
-    """One jitted optimizer step over ``grad_accum`` micro-batches (a :class:`TokenBatch` ``[A, ...]``).
-
-    Each micro-batch's loss is its share of the step's per-token mean (:mod:`jaxascend.models.losses`),
-    so the gradients are summed, in the parameter dtype (fp32 for the in-memory baseline: 4 B/param).
-    """
+def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State, tx: optax.GradientTransformation) -> Callable:
+    """One jitted optimizer step over a step's micro-batches (a :class:`TokenBatch` ``[A, B, ...]``),
+    run as one batch whose layers take the ``A`` micro-batches in turn
+    (:mod:`jaxascend.models.micro_batches`): their gradients summed in float32, layer by layer."""
 
     def loss_fn(params, batch):
         return batch_loss(nnx.merge(graphdef, params, rest), batch)
@@ -38,16 +34,7 @@ def make_train_step(graphdef: nnx.GraphDef, rest: nnx.State, tx: optax.GradientT
 
     @partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, batch: TokenBatch):
-        if grad_accum == 1:
-            loss, grads = grad_fn(params, jax.tree.map(lambda x: x[0], batch))
-        else:
-            def micro(acc, micro_batch):
-                loss, g = grad_fn(params, micro_batch)
-                return jax.tree.map(jnp.add, acc, g), loss
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            grads, losses = jax.lax.scan(micro, zeros, batch)
-            loss = losses.sum()
+        loss, grads = grad_fn(params, batch)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -66,7 +53,7 @@ class InMemoryEngine:
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
         self.tx = adamw_in_memory(cfg.optimizer, cfg.schedule_length())
         self.opt_state = self.tx.init(self.params)
-        self._step = make_train_step(self.graphdef, self.rest, self.tx, cfg.train.grad_accum)
+        self._step = make_train_step(self.graphdef, self.rest, self.tx)
         graphdef, rest = self.graphdef, self.rest
         self._eval = jax.jit(lambda params, batch: loss_sum_and_count(nnx.merge(graphdef, params, rest), batch))
 

@@ -23,8 +23,15 @@ raw speeds the same round measured, one direction at a time:
 ``params * (14 B / read GB/s + 14 B / write GB/s)`` (fp32 master+m+v and the 16-bit gradient,
 read and written: 28 B/param). Ratios are medians over rounds with their ranges.
 
+``--grad-accum 1,4,16`` runs every contender at each number of micro-batches per step (A
+micro-batches of ``--batch`` rows: jaxascend's ``train.grad_accum``, vertical; DeepSpeed's
+``gradient_accumulation_steps`` through ``scripts/zinf_accum.py``, which also times its
+forward/backward alone). Per A it reports s/step, tokens/s, peak RSS, SSD bytes per step and the
+overlap fraction, and across A the ratios the large-batch issue names (``accumulation``).
+
     python scripts/bench_step.py                      # 0.54B Llama shape, 3 rounds (~40 min)
     python scripts/bench_step.py --shape small --rounds 1 --peer off    # a smoke run (~2 min)
+    python scripts/bench_step.py --grad-accum 1,4,8,16 --contenders overlap,compute,deepspeed --io-size 0
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PEER_PY = Path("/tmp/peer/venv/bin/python")
 ZINF = REPO.parent / "shared" / "peers" / "zero_infinity" / "zinf_train.py"
+ZINF_ACCUM = REPO / "scripts" / "zinf_accum.py"
 
 SHAPES = {
     # the 0.54B Llama shape of issue 13: 8 x 2048, MLP 5632, vocab 32000 (untied), 16 heads
@@ -60,7 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--grad-accum", default="1", help="comma-separated micro-batches per step (A), each run")
     p.add_argument("--peer", choices=["auto", "off"], default="auto")
+    p.add_argument("--peer-dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="DeepSpeed's dtype (fp32 where torch's bf16 matmuls are slow: CPUs without AVX-512 BF16)")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--io-size", default="2GiB", help="bench_io size per round ('0' skips the disk round)")
     p.add_argument("--work-dir", default="/tmp/jaxascend-bench-step")
@@ -96,7 +107,7 @@ def jaxascend_overrides(shape: dict, args, mode: str, work: Path) -> list[str]:
         "offload.chunk_bytes=8MiB", "offload.staging_bytes=8MiB", "optimizer.warmup_steps=0",
         f"offload.overlap={'true' if mode.startswith('overlap') else 'false'}",
         f"offload.dir={work / 'offload'}", f"train.out_dir={work}", f"train.steps={args.steps}",
-        *args.extra,
+        f"train.grad_accum={args.grad_accum}", *args.extra,
     ]
 
 
@@ -124,7 +135,8 @@ def child_main(args) -> int:
     records, returns = [], []
     with engine:
         for _ in range(args.steps):
-            tokens = rng.integers(0, model_cfg.vocab_size, (1, args.batch, args.seq_len + 1), dtype=np.int32)
+            tokens = rng.integers(0, model_cfg.vocab_size, (int(args.grad_accum), args.batch, args.seq_len + 1),
+                                  dtype=np.int32)
             record = engine.step(tokens, optimizer=args.child != "compute")
             returns.append(time.perf_counter())
             records.append(record.record())
@@ -132,7 +144,11 @@ def child_main(args) -> int:
         timeline = engine.timeline()
         report = engine.report()
     periods = [b - a for a, b in zip(returns, returns[1:])]
+    measured = records[args.warmup:] or records[-1:]
     result = {"mode": args.child, "params": n_params, "periods": periods[args.warmup - 1:] if args.warmup else periods,
+              "ssd_bytes_per_step": [r.get("ssd_read_bytes", 0) + r.get("ssd_written_bytes", 0) for r in measured],
+              "overlap_fraction": [r["overlap_fraction"] for r in measured if r.get("overlap_fraction") is not None],
+              "tokens_per_step": int(args.grad_accum) * args.batch * args.seq_len,
               "records": records, "timeline": timeline, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "arena_capacity_bytes": report.arena_capacity_bytes, "io_mode": report.io_engine or ""}
     print("BENCH_STEP_JSON " + json.dumps(result))
@@ -146,7 +162,7 @@ def run_jaxascend(mode: str, args, round_dir: Path) -> dict:
     work.mkdir(parents=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--child-dir", str(work),
            "--shape", args.shape, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--seq-len", str(args.seq_len), "--batch", str(args.batch)]
+           "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--grad-accum", str(args.grad_accum)]
     for s in args.extra:
         cmd += ["--set", s]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
@@ -161,18 +177,30 @@ def run_deepspeed(args, round_dir: Path) -> dict:
     shape = SHAPES[args.shape]
     nvme = round_dir / "zinf_nvme"
     shutil.rmtree(nvme, ignore_errors=True)
-    cmd = [str(PEER_PY), str(ZINF), "--layers", str(shape["layers"]), "--hidden", str(shape["hidden"]),
-           "--intermediate", str(shape["intermediate"]), "--vocab", str(shape["vocab"]), "--heads", str(shape["heads"]),
-           "--kv-heads", str(shape["kv_heads"]), "--seq", str(args.seq_len), "--batch", str(args.batch),
-           "--steps", str(args.steps), "--dtype", "bf16", "--offload-param", "none", "--nvme-dir", str(nvme),
-           "--sub-group-size", "100000000", "--reduce-bucket-size", "50000000", "--max-live-params", "100000000"]
+    sizes = ["--layers", str(shape["layers"]), "--hidden", str(shape["hidden"]), "--intermediate",
+             str(shape["intermediate"]), "--vocab", str(shape["vocab"]), "--heads", str(shape["heads"]),
+             "--kv-heads", str(shape["kv_heads"]), "--seq", str(args.seq_len), "--batch", str(args.batch),
+             "--steps", str(args.steps), "--dtype", args.peer_dtype, "--nvme-dir", str(nvme),
+             "--sub-group-size", "100000000",
+             "--reduce-bucket-size", "50000000", "--max-live-params", "100000000"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": "/tmp/peer/torch_ext"}
+    if args.sweep:  # gradient accumulation, its forward/backward timed apart
+        cmd = [str(PEER_PY), str(ZINF_ACCUM), *sizes, "--grad-accum", str(args.grad_accum)]
+    else:
+        cmd = [str(PEER_PY), str(ZINF), *sizes, "--offload-param", "none"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
     shutil.rmtree(nvme, ignore_errors=True)
     try:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         raise RuntimeError(f"deepspeed: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-3:]}") from None
+    if args.sweep:
+        measured = result["steps"][args.warmup:] or result["steps"][-1:]
+        return {"mode": "deepspeed", "params": result["params"], "periods": [x["step_s"] for x in measured],
+                "compute_periods": [x["compute_s"] for x in measured],
+                "ssd_bytes_per_step": [x["read_bytes"] + x["write_bytes"] for x in measured],
+                "tokens_per_step": args.grad_accum * args.batch * args.seq_len,
+                "peak_rss_bytes": result["peak_rss_bytes"], "deepspeed": result.get("deepspeed")}
     steps = result["step_s"] if isinstance(result.get("step_s"), list) else [result["step_s"]]
     return {"mode": "deepspeed", "params": result["params"], "periods": steps[args.warmup:] or steps[-1:],
             "all_steps": steps, "peak_rss_bytes": result["peak_rss_bytes"], "deepspeed": result.get("deepspeed")}
@@ -254,9 +282,73 @@ def summarize(rounds: list[dict], args) -> dict:
                 2 / (1 / r["disk"]["engine_read_gbps"] + 1 / r["disk"]["engine_write_gbps"])
             if gbps:
                 ratios.setdefault("stream_vs_engine_rw", []).append(statistics.median(gbps) / engine_rw)
+    for r in rounds:
+        ds = r.get("deepspeed")
+        if ds and ds.get("compute_periods") and "compute" in r:  # XLA's CPU compute against torch's
+            ratios.setdefault("compute_vs_deepspeed_compute", []).append(
+                statistics.median(r["compute"]["periods"]) / statistics.median(ds["compute_periods"]))
     out["ratios"] = {k: median_range(v) for k, v in ratios.items()}
     out["ssd_floor_seconds"] = median_range([r.get("ssd_floor_seconds") for r in rounds])
+    for name, key in (("ssd_bytes_per_step", "ssd_bytes_per_step"), ("overlap_fraction", "overlap_fraction"),
+                      ("deepspeed_compute_seconds", "compute_periods")):
+        figures = {m: median_range([statistics.median(r[m][key]) for r in rounds if r.get(m, {}).get(key)])
+                   for m in CONTENDERS}
+        out[name] = {m: v for m, v in figures.items() if v["n"]}
+    out["tokens_per_second"] = {m: median_range([r[m]["tokens_per_step"] / statistics.median(r[m]["periods"])
+                                                 for r in rounds if r.get(m, {}).get("tokens_per_step")])
+                                for m in CONTENDERS if any(r.get(m, {}).get("tokens_per_step") for r in rounds)}
     return out
+
+
+def accumulation(by_a: dict) -> dict:
+    """Across the numbers of micro-batches: the large-batch issue's figures, from each A's summary."""
+    first, last = min(by_a), max(by_a)
+
+    def med(a, section, mode):
+        return by_a[a]["summary"].get(section, {}).get(mode, {}).get("median")
+
+    out = {"grad_accum": sorted(by_a), "per_a": {}}
+    for a in sorted(by_a):
+        summary = by_a[a]["summary"]
+        out["per_a"][a] = {"step_seconds": {m: v["median"] for m, v in summary["step_seconds"].items()},
+                           "tokens_per_second": {m: v["median"] for m, v in summary["tokens_per_second"].items()},
+                           "ratios": {k: v["median"] for k, v in summary["ratios"].items()}}
+    for mode in ("overlap", "deepspeed"):
+        if med(first, "ssd_bytes_per_step", mode) and med(last, "ssd_bytes_per_step", mode):
+            out[f"{mode}_ssd_bytes_a{last}_vs_a{first}"] = (med(last, "ssd_bytes_per_step", mode)
+                                                           / med(first, "ssd_bytes_per_step", mode))
+        if med(first, "tokens_per_second", mode) and med(last, "tokens_per_second", mode):
+            out[f"{mode}_tokens_per_s_a{last}_vs_a{first}"] = (med(last, "tokens_per_second", mode)
+                                                              / med(first, "tokens_per_second", mode))
+    return out
+
+
+def plot_accumulation(report: dict, path: Path) -> None:
+    """s/step and tokens/s against A, one line per contender."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    acc = report["accumulation"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for mode in CONTENDERS:
+        xs = [a for a in acc["grad_accum"] if mode in acc["per_a"][a]["step_seconds"]]
+        if not xs:
+            continue
+        axes[0].plot(xs, [acc["per_a"][a]["step_seconds"][mode] for a in xs], "o-", label=mode)
+        axes[1].plot(xs, [acc["per_a"][a]["tokens_per_second"].get(mode) for a in xs], "o-", label=mode)
+    for ax, label in zip(axes, ("seconds per step (median)", "tokens per second (median)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batches per step (A)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{report['shape']} Llama, {report['batch']} x {report['seq_len']} tokens per micro-batch, bf16 — "
+                 f"{report['cpu']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -285,48 +377,82 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def run_round(k: int, contenders: list[str], args, work: Path) -> dict:
+    """One round: the disk once (unless --io-size 0), then each contender in a rotating order."""
+    round_dir = work / f"round{k}-a{args.grad_accum}"
+    round_dir.mkdir(parents=True, exist_ok=True)
+    order = contenders[k % len(contenders):] + contenders[:k % len(contenders)]
+    result = {}
+    if args.io_size not in ("0", ""):
+        result["disk"] = disk_speeds(run_disk(args, round_dir))
+        print(f"round {k}: disk {result['disk']}", file=sys.stderr)
+    for mode in order:
+        result[mode] = run_deepspeed(args, round_dir) if mode == "deepspeed" else run_jaxascend(mode, args, round_dir)
+        print(f"round {k}, A={args.grad_accum}: {mode} step {statistics.median(result[mode]['periods']):.2f} s, "
+              f"peak RSS {result[mode]['peak_rss_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+    shutil.rmtree(round_dir, ignore_errors=True)
+    for mode in ("overlap", "sequential", "compute", "overlap_ssd"):  # keep the JSON small: one timeline
+        if mode in result:
+            result[mode]["last_timeline"] = result[mode].pop("timeline", None)
+    return result
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args)
     contenders = [c for c in args.contenders.split(",") if c]
+    try:
+        accums = sorted({int(a) for a in args.grad_accum.split(",") if a.strip()})
+    except ValueError:
+        print(f"error: --grad-accum: expected comma-separated integers, got {args.grad_accum!r}", file=sys.stderr)
+        return 2
+    if not accums or accums[0] < 1:
+        print(f"error: --grad-accum: each A must be >= 1, got {args.grad_accum!r}", file=sys.stderr)
+        return 2
+    args.sweep = accums != [1]
     if "deepspeed" in contenders and (args.peer == "off" or not PEER_PY.exists() or not ZINF.exists()):
         contenders.remove("deepspeed")
         print("bench_step: DeepSpeed not run (--peer off, or /tmp/peer/venv missing: ../shared/peers/setup_peer.sh)",
               file=sys.stderr)
     work = Path(args.work_dir)
-    rounds = []
-    for k in range(args.rounds):
-        round_dir = work / f"round{k}"
-        round_dir.mkdir(parents=True, exist_ok=True)
-        order = contenders[k % len(contenders):] + contenders[:k % len(contenders)]
-        result = {}
-        if args.io_size not in ("0", ""):
-            result["disk"] = disk_speeds(run_disk(args, round_dir))
-            print(f"round {k}: disk {result['disk']}", file=sys.stderr)
-        for mode in order:
-            result[mode] = run_deepspeed(args, round_dir) if mode == "deepspeed" else run_jaxascend(mode, args, round_dir)
-            print(f"round {k}: {mode} step {statistics.median(result[mode]['periods']):.2f} s, peak RSS "
-                  f"{result[mode]['peak_rss_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
-        rounds.append(result)
-        shutil.rmtree(round_dir, ignore_errors=True)
+    by_a = {a: [] for a in accums}
+    for k in range(args.rounds):  # each round runs every A, the contenders alternating within it
+        for a in (accums if k % 2 == 0 else accums[::-1]):
+            args.grad_accum = a
+            by_a[a].append(run_round(k, contenders, args, work))
     report = {"shape": args.shape, "seq_len": args.seq_len, "batch": args.batch, "cpu": cpu_model(),
-              "rounds": rounds, "summary": summarize(rounds, args)}
+              "peer_dtype": args.peer_dtype}
+    timeline = next((r["overlap"]["last_timeline"] for a in accums[::-1] for r in reversed(by_a[a])
+                     if r.get("overlap", {}).get("last_timeline")), None)
+    for rounds in by_a.values():
+        for r in rounds:
+            for mode in r.values():
+                if isinstance(mode, dict):
+                    mode.pop("last_timeline", None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    timeline = next((r["overlap"]["timeline"] for r in reversed(rounds) if r.get("overlap", {}).get("timeline")), None)
-    for r in rounds:  # keep the JSON small: one timeline, no per-step records beyond the figures
-        for mode in ("overlap", "sequential", "compute", "overlap_ssd"):
-            if mode in r:
-                r[mode].pop("timeline", None)
-    out.write_text(json.dumps(report, indent=1))
-    plot(report, out.with_suffix(".png"))
+    if args.sweep:
+        for a in accums:
+            args.grad_accum = a
+            report.setdefault("by_grad_accum", {})[a] = {"rounds": by_a[a], "summary": summarize(by_a[a], args)}
+        report["accumulation"] = accumulation(report["by_grad_accum"])
+        out.write_text(json.dumps(report, indent=1))
+        plot_accumulation(report, out.with_suffix(".png"))
+        printed = {"accumulation": report["accumulation"],
+                   "by_grad_accum": {a: v["summary"] for a, v in report["by_grad_accum"].items()}}
+    else:
+        report.update(rounds=by_a[1], summary=summarize(by_a[1], args))
+        out.write_text(json.dumps(report, indent=1))
+        plot(report, out.with_suffix(".png"))
+        printed = report["summary"]
     if timeline is not None:
         from jaxascend.offload import write_timeline_png
-        (out.parent / "step_timeline.json").write_text(json.dumps(timeline, indent=1))
-        write_timeline_png(timeline, out.parent / "step_timeline.png",
+        name = f"{out.stem}_timeline" if args.sweep else "step_timeline"
+        (out.parent / f"{name}.json").write_text(json.dumps(timeline, indent=1))
+        write_timeline_png(timeline, out.parent / f"{name}.png",
                            title=f"one overlapped step, {args.shape} Llama ({report['cpu']})")
-    print(json.dumps(report["summary"], indent=1))
+    print(json.dumps(printed, indent=1))
     return 0
 
 

@@ -146,11 +146,14 @@ def test_a_job_streams_its_slice_of_each_layer_from_ssd(runs):
     np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
 
 
-def test_a_job_accumulates_micro_batches(runs):
+@pytest.mark.parametrize("placement", ["resident", "ssd"])
+def test_a_job_runs_vertical_micro_batches(runs, placement):
     root, one, _ = runs
-    # 2 micro-batches of 2 rows: the same 4 rows per step as the reference's one batch of 4,
-    # each micro-batch's rows split over the processes, the summed leaves reduce-scattered.
-    out = trained(root / "accumulated", 2, "train.grad_accum=2", "data.batch_size=2")
+    # 2 micro-batches of 2 rows: the same 4 rows per step as the reference's one batch of 4, each
+    # micro-batch's rows split over the processes, each layer's summed gradient reduce-scattered
+    # once; with the weights on SSD each process streams its slice of each layer once per step.
+    extra = ("offload.params=ssd", "model.remat=full") if placement == "ssd" else ()
+    out = trained(root / f"accumulated-{placement}", 2, "train.grad_accum=2", "data.batch_size=2", *extra)
     np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
     w, ref = weights(out), weights(one)
     for name in ref:

@@ -197,9 +197,6 @@ def check_param_placement(cfg: Config) -> None:
     if cfg.model.remat == "none":
         raise ConfigError("offload.params: 'ssd' needs model.remat other than 'none' (without recomputation the "
                           "backward pass would keep every layer's weights in memory); use remat: full")
-    if cfg.train.grad_accum != 1:
-        raise ConfigError(f"offload.params: 'ssd' needs train.grad_accum: 1, got {cfg.train.grad_accum} (gradient "
-                          "accumulation keeps a float32 copy of every gradient in memory); raise data.batch_size")
     if cfg.offload.post_backward_overflow_check:
         raise ConfigError("offload.params: 'ssd' cannot be combined with offload.post_backward_overflow_check "
                           "(that ablation materializes the whole gradient tree)")

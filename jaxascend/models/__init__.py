@@ -28,7 +28,7 @@ from jaxascend.models.gpt2 import GPT2LMHeadModel
 from jaxascend.models.vocab import is_large_table, table_blocks
 from jaxascend.models.layers import DTYPES, REMAT_POLICIES, attention
 from jaxascend.models.llama import LLAMA_ARCHS, LlamaForCausalLM
-from jaxascend.models.losses import (TokenBatch, as_token_batch, batch_loss, forward, loss_sum_and_count, micro_batch,
+from jaxascend.models.losses import (TokenBatch, as_token_batch, batch_loss, forward, loss_sum_and_count,
                                      next_token_loss, token_batch, token_losses)
 from jaxascend.models.rope import Rotary
 
@@ -78,6 +78,6 @@ __all__ = [
     "DTYPES", "KVCache", "LOSS_CHUNK_ELEMENTS", "REMAT_POLICIES", "Rotary", "TokenBatch", "as_token_batch", "attention", "batch_loss",
     "blocked_token_losses", "build_model", "chosen_loss",
     "cache_positions", "count_params", "forward", "is_large_table", "layer_decode", "layer_stack_key",
-    "loss_sum_and_count", "micro_batch", "next_token_loss", "norm_scale_init", "scores_held", "table_blocks",
+    "loss_sum_and_count", "next_token_loss", "norm_scale_init", "scores_held", "table_blocks",
     "table_head", "token_batch", "token_losses", "token_table_path",
 ]

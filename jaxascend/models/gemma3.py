@@ -173,12 +173,13 @@ class Gemma3ForCausalLM(nnx.Module, CachedDecoding):
 
     def hidden_states(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
                       layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
-                      segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        """The last layer's output ``[B, T, D]`` (before the final norm); arguments as ``__call__``."""
+                      segment_ids: Optional[jax.Array] = None, micro_batches: int = 1) -> jax.Array:
+        """The last layer's output ``[B, T, D]`` (before the final norm); arguments as ``__call__``; ``micro_batches``:
+        the rows are that many micro-batches, each layer runs them in turn (``L.scan_layers``)."""
         positions = L.default_positions(input_ids, positions)
         L.check_segment_ids(input_ids, segment_ids)
         return L.scan_layers(self.layers, self.embed(input_ids, table_hook), positions, self.remat, layer_hook,
-                             self.layer_flags, segment_ids=segment_ids)
+                             self.layer_flags, segment_ids=segment_ids, micro_batches=micro_batches)
 
     def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
                  layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,

@@ -223,12 +223,14 @@ class GPT2LMHeadModel(nnx.Module, CachedDecoding):
 
     def hidden_states(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
                       layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
-                      segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        """The last block's output ``[B, T, D]`` (before ``ln_f``); arguments as ``__call__``."""
+                      segment_ids: Optional[jax.Array] = None, micro_batches: int = 1) -> jax.Array:
+        """The last block's output ``[B, T, D]`` (before ``ln_f``); arguments as ``__call__``; ``micro_batches``:
+        the rows are that many micro-batches, each layer runs them in turn (``L.scan_layers``)."""
         if positions is None and input_ids.ndim == 2 and input_ids.shape[1] > self.max_positions:
             raise ValueError(f"input_ids: length {input_ids.shape[1]} exceeds "
                              f"model.max_position_embeddings={self.max_positions}")
         positions = L.default_positions(input_ids, positions)
         L.check_segment_ids(input_ids, segment_ids)
         hidden = self.embed_inputs(input_ids, positions, table_hook)
-        return L.scan_layers(self.h, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids)
+        return L.scan_layers(self.h, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids,
+                             micro_batches=micro_batches)

@@ -24,6 +24,7 @@ from jaxascend.models import blockwise_attention as blockwise
 from jaxascend.models import blocked_loss
 from jaxascend.models import fused_attention as fused
 from jaxascend.models import vocab
+from jaxascend.models.micro_batches import micro_batched_layer
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload")
@@ -345,7 +346,7 @@ LayerHook = Callable[[nnx.State, jax.Array], nnx.State]
 def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, remat: str,
                 layer_hook: Optional[LayerHook] = None,
                 layer_flags: Optional[tuple[bool, ...]] = None,
-                segment_ids: Optional[jax.Array] = None) -> jax.Array:
+                segment_ids: Optional[jax.Array] = None, micro_batches: int = 1) -> jax.Array:
     """Runs ``hidden`` through the stacked ``layers`` with ``lax.scan``, one layer per step.
 
     Each step applies :func:`layer_forward` to that layer's slice of the stacked parameters,
@@ -366,6 +367,10 @@ def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, rem
     the layer's *abstract* parameters (layer shapes) and must return real ones, e.g. read from
     SSD by :func:`jaxascend.offload.param_source.fetch_layer`. Under remat the hook's work is
     recomputed in the backward, so the weights are fetched again there, last layer first.
+
+    ``micro_batches`` (``A``): the rows are a step's ``A`` micro-batches, and each layer runs
+    them one after another (:mod:`~jaxascend.models.micro_batches`): the layer's weights are
+    taken (``layer_hook``) once, and its gradient leaves once, summed over the micro-batches.
     """
     use_checkpoint, policy = remat_policy(remat)
     graphdef, stacked_params = nnx.split(layers)
@@ -390,7 +395,14 @@ def scan_layers(layers: nnx.Module, hidden: jax.Array, positions: jax.Array, rem
             layer_params = layer_spec
         if layer_hook is not None:
             layer_params = layer_hook(layer_params, index)
-        return layer_forward(graphdef, layer_params, carry, positions, flag, segment_ids), None
+        if micro_batches == 1:
+            return layer_forward(graphdef, layer_params, carry, positions, flag, segment_ids), None
+
+        def apply(params, hidden, rows):
+            return layer_forward(graphdef, params, hidden, rows[0], flag, rows[1])
+
+        return micro_batched_layer(apply, layer_params, carry, (positions, segment_ids), micro_batches,
+                                   use_checkpoint, policy), None
 
     if use_checkpoint:
         # prevent_cse=False: inside scan CSE cannot merge the recomputation with the forward.

@@ -1,14 +1,15 @@
 """Training losses: the next-token cross-entropy, over every token or a weighted (masked) subset.
 
     batch = token_batch(tokens, loss_mask, segment_ids, positions)   # [A, B, ...]: one optimizer step
-    loss = batch_loss(model, micro(batch, 0))                        # the step's loss = sum over micro-batches
+    loss = batch_loss(model, batch)          # the step's loss: A micro-batches, each layer runs them in turn
 
 The loss of one optimizer step is the **per-token** mean over the tokens that count, across all
 its micro-batches: every counted target weighs ``1 / (counted targets in the step)``, and each
 micro-batch contributes the weighted *sum* over its own targets. So gradient accumulation is
 exact: the sum over ``A`` micro-batches of ``B`` rows is the loss of one batch of ``A * B`` rows,
 whatever the number of counted tokens in each (a per-batch mean would give a micro-batch with
-few assistant tokens as much weight as one with many).
+few assistant tokens as much weight as one with many). A step's batch ``[A, B, ...]`` runs as
+that one batch, vertically (:mod:`~jaxascend.models.micro_batches`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import optax
 
 from jaxascend.models.blocked_loss import blocked_token_losses, chosen_loss
+from jaxascend.models.micro_batches import step_rows
 
 
 class TokenBatch(NamedTuple):
@@ -58,11 +60,6 @@ def as_token_batch(batch) -> TokenBatch:
     return batch if isinstance(batch, TokenBatch) else token_batch(batch)
 
 
-def micro_batch(batch: TokenBatch, index: int) -> TokenBatch:
-    """Micro-batch ``index`` of a step's batch ``[A, B, ...]``."""
-    return jax.tree.map(lambda x: x[index], batch)
-
-
 def token_losses(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """float32 ``[B, T]`` cross-entropy of each target ``tokens[:, 1:]`` given ``logits [B, T, V]``."""
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:])
@@ -80,19 +77,28 @@ def forward(model, batch: TokenBatch, layer_hook=None, table_hook=None) -> jax.A
 
 
 def target_losses(model, batch: TokenBatch, layer_hook=None, table_hook=None) -> jax.Array:
-    """float32 ``[B, T]`` cross-entropy of each target of one micro-batch, through the whole
-    logits or, by ``model.loss`` (:func:`models.blocked_loss.chosen_loss`), in blocks of tokens
-    and vocabulary that never hold them (hooks: see the models' ``__call__``)."""
+    """float32 ``[B, T]`` cross-entropy of each target of one micro-batch (``[A, B, T]`` of a
+    step's ``A`` micro-batches, run as one batch whose layers take them in turn:
+    :mod:`~jaxascend.models.micro_batches`), through the whole logits or, by ``model.loss``
+    (:func:`models.blocked_loss.chosen_loss`), in blocks of tokens and vocabulary that never hold
+    them (hooks: see the models' ``__call__``)."""
+    micro_batches = batch.tokens.shape[0] if batch.tokens.ndim == 3 else 1
+    if batch.tokens.ndim == 3:
+        batch = TokenBatch(*(step_rows(x) for x in batch))
     inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
-    hidden = model.hidden_states(inputs, batch.positions, layer_hook, table_hook, batch.segment_ids)
+    hidden = model.hidden_states(inputs, batch.positions, layer_hook, table_hook, batch.segment_ids,
+                                 micro_batches=micro_batches)
     head = model.output_head(table_hook)
     if chosen_loss(model.loss, targets.shape[0], targets.shape[1], head.vocab_size) == "blocked":
-        return blocked_token_losses(model.head_input(hidden), head, targets)
-    return token_losses(model.logits(hidden, table_hook), batch.tokens)
+        losses = blocked_token_losses(model.head_input(hidden), head, targets)
+    else:
+        losses = token_losses(model.logits(hidden, table_hook), batch.tokens)
+    return losses.reshape((micro_batches, -1) + losses.shape[1:]) if micro_batches > 1 else losses
 
 
 def batch_loss(model, batch: TokenBatch, layer_hook=None, table_hook=None) -> jax.Array:
-    """The weighted sum of one micro-batch's target losses (its share of the step's loss)."""
+    """The weighted sum of the target losses of one micro-batch (its share of the step's loss)
+    or of a step's micro-batches ``[A, B, ...]`` (the step's loss)."""
     return jnp.sum(target_losses(model, batch, layer_hook, table_hook) * batch.weights)
 
 

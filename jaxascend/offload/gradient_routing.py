@@ -2,9 +2,9 @@
 
 * ``instant``: each layer's gradient (each block of a large token table, per use) leaves for the
   sink inside the backward pass (:func:`~jaxascend.offload.step.make_offload_step`); the forward
-  reads the weights the plan's :class:`~jaxascend.offload.compute_weights.ComputeWeights` serve;
-* ``accumulate``: ``train.grad_accum > 1``, the micro-batches' gradients summed in float32, each
-  summed leaf sent at the end (:func:`~jaxascend.offload.step.make_accumulating_offload_step`);
+  reads the weights the plan's :class:`~jaxascend.offload.compute_weights.ComputeWeights` serve.
+  With ``train.grad_accum: A`` each layer runs the step's ``A`` micro-batches in turn and sends
+  their summed gradient once (:mod:`jaxascend.models.micro_batches`);
 * ``post_backward``: the ZeRO-Infinity-style ablation, the whole tree and then a scan
   (:func:`~jaxascend.offload.post_backward_check.make_full_gradient_step`).
 
@@ -21,13 +21,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxascend.config import ModelConfig
-from jaxascend.models import TokenBatch, as_token_batch, batch_loss, layer_stack_key, micro_batch, token_table_path
+from jaxascend.models import TokenBatch, as_token_batch, batch_loss, layer_stack_key, token_table_path
 from jaxascend.offload.compute_weights import ComputeWeights
 from jaxascend.offload.partition import DataParallel
 from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
 from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.state_layout import TableLayout
-from jaxascend.offload.step import SinkRouting, make_accumulating_offload_step, make_offload_eval, make_offload_step
+from jaxascend.offload.step import SinkRouting, make_offload_eval, make_offload_step
 from jaxascend.offload.step_plan import StepPlan
 
 
@@ -61,11 +61,7 @@ class GradientRouting:
         dp = data_parallel
         whole_layers = weights.whole_layers() if dp is not None and weights.source is not None else None
         if plan.gradients == "post_backward":  # ablation: full tree, then a scan
-            fwd_bwd = PostBackwardCheckedStep(make_full_gradient_step(graphdef, rest, plan.grad_accum, batch_loss),
-                                              state)
-        elif plan.gradients == "accumulate":
-            fwd_bwd = make_accumulating_offload_step(graphdef, rest, routing, sink.handle, batch_loss,
-                                                     data_parallel=dp)
+            fwd_bwd = PostBackwardCheckedStep(make_full_gradient_step(graphdef, rest, batch_loss), state)
         else:
             fwd_bwd = make_offload_step(graphdef, rest, routing, sink.handle, batch_loss, source=weights.source,
                                         data_parallel=dp, whole_layers=whole_layers)
@@ -74,14 +70,12 @@ class GradientRouting:
         return cls(plan, fwd_bwd, evaluate, dp)
 
     def step_input(self, tokens) -> TokenBatch:
-        """The batch a step's forward/backward takes: one micro-batch ``[B, ...]`` without
-        accumulation, else all ``[A, B, ...]``; in a data-parallel run, this process's rows."""
+        """The batch a step's forward/backward takes: its ``A`` micro-batches ``[A, B, ...]``; in a
+        data-parallel run, this process's rows of each."""
         batch = as_token_batch(tokens)
-        accumulating = self.plan.grad_accum > 1
-        micro = batch if accumulating else micro_batch(batch, 0)
         if self.data_parallel is not None:  # the global batch: this process computes its rows
-            micro = self.data_parallel.shard_rows(micro, axis=1 if accumulating else 0)
-        return micro
+            batch = self.data_parallel.shard_rows(batch, axis=1)
+        return batch
 
     def eval_input(self, batch: TokenBatch) -> TokenBatch:
         return self.data_parallel.shard_rows(batch) if self.data_parallel is not None else batch

@@ -97,8 +97,8 @@ class DataParallel:
         return jax.make_array_from_process_local_data(self.replicated, np.asarray(x))
 
     def shard_rows(self, batch, axis: int = 0):
-        """A global batch (a pytree, the same on every process, rows on ``axis``: 1 for the
-        micro-batches ``[A, B, ...]`` of an accumulating step) as global arrays of which this
+        """A global batch (a pytree, the same on every process, rows on ``axis``: 1 for a
+        step's micro-batches ``[A, B, ...]``) as global arrays of which this
         process supplies its contiguous block of rows."""
         rows, part = jax.tree.leaves(batch)[0].shape[axis], self.partition
         if rows % self.devices:

@@ -42,7 +42,7 @@ def _kept(levers: list[Lever], short: int) -> tuple[Lever, ...]:
 
 def host_levers(cfg: Config, model_cfg: ModelConfig, plan, replan: Replan) -> tuple[Lever, ...]:
     """What each host-memory setting would save: the weights on SSD, remat, a smaller batch or
-    sequence, no gradient accumulation, an arena of exactly the plan's size."""
+    sequence, fewer micro-batches per step, an arena of exactly the plan's size."""
     variants = []
     if plan.params == "resident" and plan.streamable:
         variants.append(("offload.params: ssd", _section(cfg, "offload", params="ssd"), model_cfg))
@@ -56,7 +56,8 @@ def host_levers(cfg: Config, model_cfg: ModelConfig, plan, replan: Replan) -> tu
     if data.seq_len > 1:
         variants.append((f"data.seq_len: {data.seq_len // 2}", _section(cfg, "data", seq_len=data.seq_len // 2), model_cfg))
     if cfg.train.grad_accum > 1:
-        variants.append(("train.grad_accum: 1", _section(cfg, "train", grad_accum=1), model_cfg))
+        half = cfg.train.grad_accum // 2
+        variants.append((f"train.grad_accum: {half}", _section(cfg, "train", grad_accum=half), model_cfg))
     if cfg.offload.arena_bytes is not None:
         variants.append(("offload.arena_bytes unset (the arena plan's own size)",
                          _section(cfg, "offload", arena_bytes=None), model_cfg))
@@ -64,10 +65,6 @@ def host_levers(cfg: Config, model_cfg: ModelConfig, plan, replan: Replan) -> tu
     for setting, variant, variant_model in variants:
         planned = replan(variant, variant_model)
         levers.append(Lever(setting, plan.host_peak - planned.host_peak, planned.host_peak))
-        if setting == "train.grad_accum: 1" and plan.params == "resident" and planned.streamable:
-            # without accumulation the weights may stream from SSD too
-            peak = replan(_section(variant, "offload", params="ssd"), variant_model).host_peak
-            levers.append(Lever("train.grad_accum: 1 with offload.params: ssd", plan.host_peak - peak, peak))
     return _kept(levers, plan.host_peak - (plan.host_limit or 0))
 
 

@@ -21,7 +21,8 @@ Host memory is predicted part by part (bytes, for one process):
   with its float32 scores and softmax, growing with T squared; one layer's MLP; the logits and
   head), or twice the largest resident leaf (held again while the run starts and while an
   update fills its new copy; measured), whichever is larger;
-* ``gradient accumulator``: ``train.grad_accum > 1`` only.
+  With ``train.grad_accum: A`` the activations are the step's ``A * B`` rows' and a layer's
+  phase one micro-batch's (its micro-batches run one after another, models.micro_batches).
 
 The total is checked against ``offload.host_memory_budget`` when set, else against what the
 machine can give (``MemAvailable`` or the memory cgroup's headroom, see machine_limits, plus
@@ -297,7 +298,7 @@ def _export_itemsize(cfg: Config, model_cfg: ModelConfig) -> int:
 
 
 def _step_parts(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> tuple[dict, str]:
-    """The forward/backward's parts (activations, temporaries, the accumulator) and its peak phase."""
+    """The forward/backward's parts (activations, temporaries) and its peak phase."""
     memory = step_memory(cfg, model_cfg, layout)
     resident = [leaf for leaf in layout.leaves if not leaf.streamed]
     # The largest resident leaf, twice more: while the run starts (the weights loaded, the initial
@@ -305,8 +306,6 @@ def _step_parts(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> t
     # peaks before its first step, with about two copies of the tied table beside the step's own).
     optimizer_leaf = 2 * max((leaf.size * leaf.dtype.itemsize for leaf in resident), default=0)
     parts = {"activations": memory.activations, "temporaries": max(memory.working, optimizer_leaf)}
-    if memory.accumulator:
-        parts["gradient accumulator"] = memory.accumulator
     return parts, memory.phase
 
 

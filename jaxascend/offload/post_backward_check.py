@@ -8,14 +8,13 @@ optimizer (here: copied into the SSD store by ``OffloadedAdamState.write_grads``
 does the same check on the fly inside the gradient sink, with no tree and no temporaries;
 this module brings the old way back so the difference can be measured.
 
-    step = make_full_gradient_step(graphdef, rest, grad_accum, loss_fn)
+    step = make_full_gradient_step(graphdef, rest, loss_fn)
     loss, grads = step(params, tokens, loss_scale)        # the full tree, compute dtype
     sumsq, nonfinite = post_backward_stats(grads)         # eager ops, one leaf at a time
     state.write_grads(grads); del grads
 
-The gradients are those the sink would have received, bit for bit (the same differentiation,
-and for ``grad_accum > 1`` the same fp32 accumulation and cast as
-:func:`jaxascend.offload.step.make_accumulating_offload_step`).
+The gradients are those the sink would have received, bit for bit (the same differentiation;
+a step of ``A`` micro-batches runs them vertically, :mod:`jaxascend.models.micro_batches`).
 """
 
 from __future__ import annotations
@@ -27,13 +26,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-def make_full_gradient_step(graphdef: nnx.GraphDef, rest: nnx.State, grad_accum: int, loss_fn: Callable) -> Any:
+def make_full_gradient_step(graphdef: nnx.GraphDef, rest: nnx.State, loss_fn: Callable) -> Any:
     """A jitted ``step(params, tokens, loss_scale) -> (loss, grads)``: ``grads`` is the gradient
     of ``loss * loss_scale`` in the parameters' (compute) dtype; ``loss`` is unscaled.
 
-    ``tokens`` is one micro-batch when ``grad_accum == 1``, else ``A`` of them (gradients summed
-    over the micro-batches in float32, then cast: ``loss_fn`` gives each micro-batch's share of
-    the step's per-token mean, see :mod:`jaxascend.models.losses`).
+    ``tokens``: the step's batch ``[A, B, ...]`` (each layer runs the ``A`` micro-batches in
+    turn, their gradient summed in float32: :mod:`jaxascend.models.micro_batches`).
     ``loss_fn(model, tokens, layer_hook)`` is called with ``layer_hook=None``.
     """
 
@@ -45,19 +43,8 @@ def make_full_gradient_step(graphdef: nnx.GraphDef, rest: nnx.State, grad_accum:
 
     @jax.jit
     def step(params, tokens, loss_scale):
-        if grad_accum == 1:
-            (_, loss), grads = grad_fn(params, tokens, loss_scale)
-            return loss, grads
-
-        def micro(acc, micro_tokens):
-            (_, loss), g = grad_fn(params, micro_tokens, loss_scale)
-            return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        acc, losses = jax.lax.scan(micro, zeros, tokens)
-        # Each micro-batch's loss is its share of the step's per-token mean (models.losses): summed.
-        grads = jax.tree.map(lambda a, p: a.astype(p.dtype), acc, params)
-        return losses.sum(), grads
+        (_, loss), grads = grad_fn(params, tokens, loss_scale)
+        return loss, grads
 
     return step
 

@@ -30,7 +30,7 @@ from flax import nnx
 
 from jaxascend.models import loss_sum_and_count
 from jaxascend.native import host_callbacks
-from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward, sink_share
+from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward
 from jaxascend.offload.param_source import fetch_layer
 
 
@@ -170,6 +170,8 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
                       loss_fn, source=None, data_parallel=None, whole_layers=None) -> Any:
     """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)`` (with ``step.lower``).
 
+    ``tokens``: the step's ``A`` micro-batches ``[A, B, ...]``, which each layer runs in turn
+    (:mod:`jaxascend.models.micro_batches`), its gradient sent once per step.
     ``loss_fn(model, tokens, layer_hook)`` returns the scalar loss of one batch (with a tied table
     in the routing: ``loss_fn(model, tokens, layer_hook, table_hook)``, passing ``table_hook`` to
     the model, and the sink must sum 2 arrivals of that tensor). ``stats`` maps each
@@ -183,8 +185,8 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
 
     ``data_parallel``: a :class:`~jaxascend.offload.partition.DataParallel` over the processes of
     a job. The step then runs under ``shard_map``: ``params`` are replicated global arrays,
-    ``tokens`` a batch of global arrays sharded by rows, each gradient is reduce-scattered so the
-    sink gets this process's slice, and the loss and statistics are the job's (summed). With a
+    ``tokens`` the step's micro-batches ``[A, B, ...]`` as global arrays sharded by rows (axis
+    1), each gradient is reduce-scattered so the sink gets this process's slice, and the loss and statistics are the job's (summed). With a
     ``source`` too, it serves this process's slice of each layer, and ``whole_layers`` (one
     ``jax.ShapeDtypeStruct`` per stacked leaf) are the layers the slices are all-gathered into.
     """
@@ -218,7 +220,8 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     if data_parallel is None:
         jitted = partial(jax.jit, static_argnames="bit_dtypes")(local_step)
         return _OffloadStep(jitted, routing, use_bits=not host_callbacks())
-    sharded = data_parallel.batch_step(local_step, scalars=1)
+    # the step's micro-batches [A, B, ...]: each process computes its rows (axis 1) of every one
+    sharded = data_parallel.batch_step(local_step, batch_axis=1, scalars=1)
     return _OffloadStep(lambda params, tokens, scale, bit_dtypes=(): sharded(params, tokens, scale), routing,
                         use_bits=False)
 
@@ -400,64 +403,3 @@ def total_stats(stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     sumsq = sum(jnp.sum(s[..., 0]) for s in stats.values())
     nonfinite = sum(jnp.sum(s[..., 1]) for s in stats.values())
     return sumsq, nonfinite
-
-
-def make_accumulating_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
-                                   loss_fn, data_parallel=None) -> Any:
-    """Gradient accumulation with the sink: ``step(params, batch[A, ...], loss_scale)``.
-
-    ``loss_fn`` gives each micro-batch's share of the step's loss (the per-token weights of
-    :func:`jaxascend.models.token_batch` sum to 1 over the whole step), so the ``A``
-    micro-batches' gradients are summed, exactly as one batch of ``A * B`` rows would be, in a
-    float32 accumulator (4 B/param in the device memory kind; on a CPU-only machine that is host
-    RAM), cast to the compute dtype and sent to the sink leaf by leaf, layer by layer. Only ``grad_accum > 1`` pays for
-    the accumulator; a single micro-batch uses :func:`make_offload_step`.
-
-    ``data_parallel``: as for :func:`make_offload_step`, the micro-batches' rows (axis 1) are
-    split over the shards; each accumulates its rows' gradients, and each summed leaf is
-    reduce-scattered (or, over one process's devices, all-reduced and sent by the first) on its
-    way to the sink.
-    """
-    routes = routing.by_key()
-    scatter = data_parallel.scatter if data_parallel is not None else None
-
-    def sink_one(g, layer, tensor):
-        return sink_share(g, layer, sink=sink, tensor=tensor, scatter=scatter)
-
-    def scaled_loss(params, tokens, loss_scale):
-        loss = loss_fn(nnx.merge(graphdef, params, rest), tokens, None)
-        return loss * loss_scale.astype(loss.dtype), loss
-
-    grad_fn = jax.value_and_grad(scaled_loss, has_aux=True)
-
-    def send(key, g):
-        route = routes[key]
-        layers = route.layers or (routing.table_blocks if key == routing.table_key else 1)
-        if layers == 1:
-            return sink_one(g, 0, route.tensor)
-        g = g.reshape((layers, -1) + g.shape[1:]) if not route.layers else g  # a table's blocks of rows
-        return jax.lax.map(lambda xs: sink_one(xs[0], xs[1], route.tensor), (g, jnp.arange(layers, dtype=jnp.int32)))
-
-    def local_step(params, tokens, loss_scale):
-        def micro(acc, micro_tokens):
-            (_, loss), g = grad_fn(params, micro_tokens, loss_scale)
-            return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g), loss
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        acc, losses = jax.lax.scan(micro, zeros, tokens)
-        stats = {}
-        flat, _ = jax.tree_util.tree_flatten_with_path(acc)
-        dtypes = [p.dtype for p in jax.tree.leaves(params)]
-        for (path, a), dtype in zip(flat, dtypes):
-            stacked = _first_key(path) == routing.stack_key
-            key = _layer_key(path) if stacked else jax.tree_util.keystr(path)
-            stats[key] = send(key, a.astype(dtype))
-        # Each micro-batch's loss is its share of the step's per-token mean (models.losses): summed.
-        loss = losses.sum()
-        if scatter is not None:  # each shard's rows' share of the job's
-            loss = jax.lax.psum(loss, scatter.axis)
-        return loss, stats
-
-    if data_parallel is None:
-        return jax.jit(local_step)
-    return data_parallel.batch_step(local_step, batch_axis=1, scalars=1)

@@ -35,9 +35,10 @@ the pinned host memory kind, within 15%); the whole plan is then checked against
 (``scripts/bench_plan.py``, docs/bench_plan.md). On a GPU backend the saved arrays keep the
 compute dtype, so these figures are an upper bound there.
 
-``train.grad_accum > 1`` adds the accumulating step's float32 accumulator and the whole-tree
-gradient of a micro-batch (:data:`ACCUMULATE_BYTES_PER_PARAM`, fitted the same way: 10.6, 10.3
-and 9.7 B/param more than the single micro-batch step at 0.5B, 1.2B and 7.6B parameters).
+``train.grad_accum: A`` runs the step's ``A`` micro-batches vertically (models.micro_batches):
+what the backward keeps and the head phase count the step's ``A * B`` rows, a layer's phases one
+micro-batch of ``B`` rows, plus that layer's weights widened to float32 and their float32
+gradient sum (:data:`MICRO_BATCH_WEIGHT_BYTES`). No whole-model accumulator exists.
 """
 
 from __future__ import annotations
@@ -49,14 +50,15 @@ from jaxascend.config import Config, ModelConfig
 from jaxascend.models import LOSS_CHUNK_ELEMENTS, chosen_loss, scores_held, table_blocks
 from jaxascend.offload.layout import OffloadLayout
 
-# The accumulating step (train.grad_accum > 1): float32 accumulator (4 B/param) plus a
-# micro-batch's whole gradient tree and the stack it differentiates, as XLA's CPU backend holds them.
-ACCUMULATE_BYTES_PER_PARAM = 10.0
+# A layer running A > 1 micro-batches: its weights widened to float32 (4 B) and the float32 sum of
+# their gradient over the micro-batches (4 B), per parameter of one layer.
+MICRO_BATCH_WEIGHT_BYTES = 8
 
 
 @dataclass(frozen=True)
 class Counts:
-    """The element counts the terms multiply, for one micro-batch of one process."""
+    """The element counts the terms multiply, for some rows of one process (a micro-batch, or
+    the step's micro-batches together)."""
 
     hidden: int = 0  # tokens x hidden_size
     mlp: int = 0  # tokens x intermediate_size
@@ -139,19 +141,21 @@ class StepMemory:
     activations: int  # what the backward keeps, all layers
     working: int  # the largest working set on top of it
     phase: str  # which: "attention", "mlp" or "head"
-    accumulator: int = 0  # train.grad_accum > 1
 
 
-def step_counts(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> tuple[Counts, Counts]:
-    """(the counts of one layer, the counts of the head phase) of ``cfg``'s micro-batch."""
-    tokens = cfg.data.batch_size * cfg.data.seq_len
+def step_counts(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout,
+                rows: int | None = None) -> tuple[Counts, Counts]:
+    """(the counts of one layer, the counts of the head phase) of ``rows`` rows of ``cfg``'s
+    length (None: one micro-batch, ``data.batch_size``)."""
+    rows = cfg.data.batch_size if rows is None else rows
+    tokens = rows * cfg.data.seq_len
     heads = model_cfg.num_attention_heads
     layer_weights = sum(leaf.layer_elements for leaf in layout.leaves if leaf.stacked)
     # the largest table differentiated whole (a large tied table is computed in blocks of rows)
     whole = max((leaf.size for leaf in layout.leaves
                  if not leaf.stacked and len(leaf.shape) == 2 and leaf.row_blocks == 1), default=0)
     layer = Counts(hidden=tokens * model_cfg.hidden_size, mlp=tokens * model_cfg.intermediate_size,
-                   scores=cfg.data.batch_size * heads * scores_held(model_cfg.attention, cfg.data.seq_len),
+                   scores=rows * heads * scores_held(model_cfg.attention, cfg.data.seq_len),
                    weights=layer_weights)
     head = Counts(hidden=layer.hidden, vocab=tokens * model_cfg.vocab_size, weights=whole)
     return layer, head
@@ -160,13 +164,17 @@ def step_counts(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> t
 def step_memory(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> StepMemory:
     """The activations and the peak working set of one step of ``cfg`` (see the module's doc)."""
     terms = REMAT[model_cfg.remat]
-    layer, head = step_counts(cfg, model_cfg, layout)
-    blocked = chosen_loss(model_cfg.loss, cfg.data.batch_size, cfg.data.seq_len, model_cfg.vocab_size) == "blocked"
+    micro_batches = cfg.train.grad_accum
+    rows = micro_batches * cfg.data.batch_size  # the step's rows, all micro-batches
+    layer, _ = step_counts(cfg, model_cfg, layout)
+    step_layer, head = step_counts(cfg, model_cfg, layout, rows)
+    blocked = chosen_loss(model_cfg.loss, rows, cfg.data.seq_len, model_cfg.vocab_size) == "blocked"
     head_bytes = blocked_head_bytes(model_cfg, head) if blocked else HEAD.bytes(head)
-    phases = {"attention": terms.attention.bytes(layer), "mlp": terms.mlp.bytes(layer), "head": head_bytes}
+    widened = MICRO_BATCH_WEIGHT_BYTES * layer.weights if micro_batches > 1 else 0
+    phases = {"attention": terms.attention.bytes(layer) + widened, "mlp": terms.mlp.bytes(layer) + widened,
+              "head": head_bytes}
     phase = max(phases, key=phases.get)
-    accumulator = int(ACCUMULATE_BYTES_PER_PARAM * layout.num_parameters) if cfg.train.grad_accum > 1 else 0
     # Blockwise attention keeps no scores for the backward (it recomputes them from q, k, v).
     dense = scores_held(model_cfg.attention, cfg.data.seq_len) == cfg.data.seq_len ** 2
-    saved = layer if dense else dataclasses.replace(layer, scores=0)
-    return StepMemory(model_cfg.num_hidden_layers * terms.saved.bytes(saved), phases[phase], phase, accumulator)
+    saved = step_layer if dense else dataclasses.replace(step_layer, scores=0)
+    return StepMemory(model_cfg.num_hidden_layers * terms.saved.bytes(saved), phases[phase], phase)

@@ -26,7 +26,7 @@ from jaxascend.models import DTYPES, is_large_table
 from jaxascend.native import host_callbacks
 from jaxascend.offload.partition import Partition
 
-Gradients = Literal["instant", "accumulate", "post_backward"]
+Gradients = Literal["instant", "post_backward"]
 WeightSource = Literal["arrays", "host", "ssd"]
 
 
@@ -45,8 +45,8 @@ class StepPlan:
 
     engine: Literal["offload", "in-memory"]
     weights: Literal["resident", "ssd"]  # where the layer stack's compute weights live
-    gradients: Gradients  # instant: each layer's gradient leaves in the backward; accumulate: A > 1
-    grad_accum: int
+    gradients: Gradients  # instant: each layer's gradient leaves in the backward (once per step, whatever A)
+    grad_accum: int  # A: each layer runs the step's A micro-batches in turn (models.micro_batches)
     overlap: bool  # the optimizer of step t beside step t+1's forward/backward
     overlap_refused: Optional[str] = None  # why an asked-for overlap is off
     partition: Optional[Partition] = None  # None: one device; (0, 1): this process's devices; (i, P): a job
@@ -62,8 +62,7 @@ class StepPlan:
         notes = list(choices)
         partition = _partition(cfg, model_cfg, job, notes)
         weights = "ssd" if cfg.offload.enabled and cfg.offload.params == "ssd" else "resident"
-        gradients: Gradients = ("post_backward" if cfg.offload.post_backward_overflow_check
-                                else "accumulate" if cfg.train.grad_accum > 1 else "instant")
+        gradients: Gradients = "post_backward" if cfg.offload.post_backward_overflow_check else "instant"
         refused = None
         if cfg.offload.enabled and cfg.offload.overlap:
             refused = overlap_refusal(cfg) or _data_parallel_overlap_refusal(partition, weights)
@@ -107,8 +106,6 @@ class StepPlan:
 
 def overlap_refusal(cfg: Config) -> Optional[str]:
     """Why a run with ``offload.overlap`` runs its steps one after the other (None: it overlaps)."""
-    if cfg.train.grad_accum > 1:
-        return "train.grad_accum > 1 (the accumulating step takes the whole layer stack as an input)"
     if cfg.offload.post_backward_overflow_check:
         return "offload.post_backward_overflow_check (the ablation differentiates the whole tree)"
     if cfg.offload.fp32_grad_buffer:
@@ -124,8 +121,6 @@ def partition_refusal(cfg: Config, model_cfg: ModelConfig, one_process: bool = F
     (``one_process``) over the devices of one process."""
     if cfg.offload.params == "ssd" and one_process:
         return "offload.params: ssd (each device would read every layer from the one SSD state)"
-    if cfg.train.grad_accum > 1 and cfg.offload.params == "ssd":
-        return "train.grad_accum > 1 with offload.params: ssd (the accumulating step takes the whole layer stack)"
     if cfg.offload.post_backward_overflow_check or cfg.offload.fp32_grad_buffer:
         return "the ablation switches (post_backward_overflow_check, fp32_grad_buffer) are single-process"
     if model_cfg.vocab_size and is_large_table(jax.ShapeDtypeStruct((model_cfg.vocab_size, model_cfg.hidden_size),

@@ -117,8 +117,10 @@ def test_post_backward_check_with_fp16_accumulation_and_clipping(tmp_path, corpu
     on, on_metrics, _ = train(tmp_path, corpus, "on16", *extra, *ALL_ON)
     assert off_metrics[0]["grad_norm"] > 0.5  # the clip is active
     np.testing.assert_allclose(on.losses, off.losses, rtol=1e-5)
+    # Both run the micro-batches vertically, but the ablation differentiates the whole tree in one
+    # program and the sink path per leaf: XLA fuses (and rounds) float16 work differently in each.
     np.testing.assert_allclose([m["grad_norm"] for m in on_metrics], [m["grad_norm"] for m in off_metrics],
-                               rtol=1e-5)
+                               rtol=1e-4)
     assert [m["loss_scale"] for m in on_metrics] == [m["loss_scale"] for m in off_metrics]
 
 
