@@ -150,8 +150,9 @@ class DocumentIndex:
             group = int(np.searchsorted(layout.starts, row, side="right")) - 1
             lo = row - int(layout.starts[group])
             columns = [f.name for f in record_fields(self.cfg)]
-            rows = cache.reader.rows(layout, group, lo, lo + end - first, columns)
-            cache.block, cache.first, cache.values = block, first, {c: rows.column(c).to_pylist() for c in columns}
+            cache.values = {}  # the last block's values go before the next block's come
+            cache.values = cache.reader.rows(layout, group, lo, lo + end - first, columns)
+            cache.block, cache.first = block, first
         k = i - cache.first
         return {name: values[k] for name, values in cache.values.items()}
 

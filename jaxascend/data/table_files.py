@@ -5,7 +5,7 @@
         ...
     layout = table.layout                                # rows (and offsets) of every group seen
     reader = TableRows()
-    rows = reader.rows(layout, group=3, lo=0, hi=500, columns=["text"])   # a pyarrow Table
+    rows = reader.rows(layout, group=3, lo=0, hi=500, columns=["text"])   # {"text": [str, ...]}
 
 A *group* is the unit a file is read in: a Parquet row group (read in batches of about
 ``_BATCH_BYTES``, so even a huge row group is never held whole) or an Arrow record batch (read
@@ -55,8 +55,15 @@ class Table(Protocol):
     def close(self) -> None: ...
 
 
+def release_unused() -> None:
+    """Hands Arrow's freed memory back to the system: its allocator (mimalloc) keeps freed pages
+    otherwise, and the RSS of a pass over a file would grow by tens of MiB past what is in use."""
+    pa.default_memory_pool().release_unused()
+
+
 def _unreadable(path: str, what: str, err: Exception) -> ValueError:
-    return ValueError(f"{path}: not a readable {what} file ({str(err).splitlines()[0] if str(err) else err!r})")
+    """A one-line error: ``"<path>: <what> (<pyarrow's first line>)"``."""
+    return ValueError(f"{path}: {what} ({str(err).splitlines()[0] if str(err) else repr(err)})")
 
 
 class _ParquetTable:
@@ -65,29 +72,35 @@ class _ParquetTable:
         try:
             self._file = pq.ParquetFile(path, buffer_size=_BUFFER_BYTES, pre_buffer=False)
         except (pa.ArrowException, OSError) as err:
-            raise _unreadable(path, "Parquet", err) from None
+            raise _unreadable(path, "not a readable Parquet file", err) from None
         meta = self._file.metadata
         self.schema = self._file.schema_arrow
         rows = tuple(meta.row_group(g).num_rows for g in range(meta.num_row_groups))
         self.layout = TableLayout(path, "parquet", rows)
+        self._batch_rows_of: dict[tuple[str, ...], int] = {}
 
     def _batch_rows(self, columns: list[str]) -> int:
         """Rows per decoded batch: about ``_BATCH_BYTES`` of the columns read (by the footer's sizes)."""
-        meta, total = self._file.metadata, 0
         wanted = tuple(columns)
-        for g in range(meta.num_row_groups):
-            group = meta.row_group(g)
-            total += sum(group.column(c).total_uncompressed_size for c in range(group.num_columns)
-                         if group.column(c).path_in_schema.split(".")[0] in wanted)
-        per_row = max(1, total // max(1, meta.num_rows))
-        return int(np.clip(_BATCH_BYTES // per_row, 1, 1 << 16))
+        if wanted not in self._batch_rows_of:
+            meta, total = self._file.metadata, 0
+            for g in range(meta.num_row_groups):
+                group = meta.row_group(g)
+                total += sum(group.column(c).total_uncompressed_size for c in range(group.num_columns)
+                             if group.column(c).path_in_schema.split(".")[0] in wanted)
+            per_row = max(1, total // max(1, meta.num_rows))
+            self._batch_rows_of[wanted] = int(np.clip(_BATCH_BYTES // per_row, 1, 1 << 16))
+        return self._batch_rows_of[wanted]
 
     def group_batches(self, group: int, columns: list[str]) -> Iterator[pa.RecordBatch]:
         try:
-            yield from self._file.iter_batches(batch_size=self._batch_rows(columns), row_groups=[group],
-                                               columns=columns)
+            for batch in self._file.iter_batches(batch_size=self._batch_rows(columns), row_groups=[group],
+                                                 columns=columns, use_threads=False):
+                yield batch
+                del batch
+                release_unused()
         except (pa.ArrowException, OSError) as err:
-            raise _unreadable(self.path, f"Parquet (row group {group})", err) from None
+            raise _unreadable(self.path, f"row group {group} could not be read", err) from None
 
     def scan(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
         for group in range(len(self.layout.group_rows)):
@@ -119,7 +132,7 @@ class _ArrowTable:
                 self.schema = self._stream.schema
         except (pa.ArrowException, OSError) as err:
             self.close()
-            raise _unreadable(path, "Arrow IPC", err) from None
+            raise _unreadable(path, "not a readable Arrow IPC file", err) from None
         if self._file_reader is None and any(pa.types.is_dictionary(f.type) for f in self.schema):
             self.close()
             raise ValueError(f"{path}: an Arrow IPC stream with dictionary-encoded columns, which is not read; "
@@ -145,8 +158,10 @@ class _ArrowTable:
                     break
                 rows.append(batch.num_rows)
                 yield batch.select(columns)
+                del batch
+                release_unused()
         except (pa.ArrowException, OSError) as err:
-            raise _unreadable(self.path, f"Arrow IPC (record batch {len(rows)})", err) from None
+            raise _unreadable(self.path, f"record batch {len(rows)} could not be read", err) from None
         finally:  # also when the caller stops early: the layout holds the groups seen
             self.layout = TableLayout(self.path, self.layout.kind, tuple(rows),
                                       tuple(offsets[:len(rows)]) if self._file_reader is None else ())
@@ -159,7 +174,7 @@ class _ArrowTable:
                 self._source.seek(self.layout.group_offsets[group])
                 batch = pa.ipc.read_record_batch(pa.ipc.read_message(self._source), self.schema)
         except (pa.ArrowException, OSError) as err:
-            raise _unreadable(self.path, f"Arrow IPC (record batch {group})", err) from None
+            raise _unreadable(self.path, f"record batch {group} could not be read", err) from None
         yield batch.select(columns)
 
     def close(self) -> None:
@@ -183,9 +198,9 @@ def _reopen(layout: TableLayout) -> Table:
 class TableRows:
     """Reads rows of one group at a time, holding one open file and that group's reader.
 
-    ``rows(layout, group, lo, hi, columns)`` returns rows ``lo..hi`` of ``group`` (a pyarrow
-    Table); a call that starts at or after where the last one stopped, in the same group,
-    continues decoding from there, any other call restarts at the group's start.
+    ``rows(layout, group, lo, hi, columns)`` returns rows ``lo..hi`` of ``group`` (each column's
+    values as a Python list); a call that starts at or after where the last one stopped, in the
+    same group, continues decoding from there, any other call restarts at the group's start.
     """
 
     def __init__(self):
@@ -208,7 +223,7 @@ class TableRows:
         self._batches = self._table.group_batches(group, columns)
         self._held, self._held_start = None, 0
 
-    def rows(self, layout: TableLayout, group: int, lo: int, hi: int, columns: list[str]) -> pa.Table:
+    def rows(self, layout: TableLayout, group: int, lo: int, hi: int, columns: list[str]) -> dict[str, list]:
         if self._key != (layout.path, group, tuple(columns)) or lo < self._held_start:
             self._start(layout, group, columns)
         parts = []
@@ -223,8 +238,14 @@ class TableRows:
                 start = max(lo, self._held_start)
                 parts.append(self._held.slice(start - self._held_start, min(hi, end) - start))
             if end >= hi:
-                return pa.Table.from_batches(parts, schema=self._held.schema)
+                break
             self._held, self._held_start = None, end
+            release_unused()
+        table = pa.Table.from_batches(parts, schema=self._held.schema)
+        values = {name: table.column(name).to_pylist() for name in columns}
+        del table, parts
+        release_unused()
+        return values
 
 
 # ----------------------------------------------------------------------------- column facts

@@ -168,6 +168,14 @@ def test_a_malformed_chat_row_names_the_file_and_row(tmp_path, byte_template):
     assert str(err.value) == f"{path}: row 4: message 2 has role 'robot'; allowed roles: system, user, assistant, tool"
 
 
+def test_a_file_named_arrow_that_is_not_is_refused_by_name(tmp_path):
+    path = tmp_path / "d.arrow"
+    path.write_text("text, not Arrow")
+    with pytest.raises(ValueError, match=rf"^{path}: not a readable Arrow IPC file \(") as err:
+        build_document_index(_cfg(tmp_path, "text"))
+    assert "\n" not in str(err.value)
+
+
 def test_an_arrow_stream_with_dictionary_columns_is_refused(tmp_path):
     table = pa.table({"text": pa.array(["a", "b", "a"]).dictionary_encode()})
     path = tmp_path / "d.arrow"
@@ -213,7 +221,7 @@ def test_a_multi_group_parquet_file_is_read_one_group_at_a_time(tmp_path, counte
 
     def rows(self, layout, group, lo, hi, columns):
         out = real_rows(self, layout, group, lo, hi, columns)
-        held.append(out.num_rows)
+        held.append(len(out["text"]))
         return out
 
     table_files.TableRows.rows = rows
