@@ -7,10 +7,11 @@ One synthetic corpus (documents of random words, ~4 KiB on average, with an ``id
 ``source`` column beside ``text``) is written once as JSONL and as Parquet (row groups of
 ``--row-group-mb``), both generated piece by piece. Each run is a child process that builds a
 ``BatchStream`` (data.format: text) over one of the files and takes batches until the epoch
-ends, so the whole file passes through (byte tokenizer: the reading is measured, not a BPE); the child's RSS is sampled from outside
-(``bench_child.run_sampled_child``: the process tree's RSS and its ``VmHWM``). The contenders
-alternate run by run; the report gives the median and range of tokens/s (batches taken after the
-index is built), index seconds and peak RSS. Prints one JSON object and writes
+ends, so the whole file passes through (byte tokenizer: the reading is measured, not a BPE);
+the child's RSS is sampled from outside (``bench_child.run_sampled_child``: the process tree's
+RSS and its ``VmHWM``). The contenders alternate run by run; the report gives the median and
+range of tokens/s (batches taken after the index is built), index seconds, peak RSS and (the
+child's own reading) the RSS after its imports. Prints one JSON object and writes
 ``docs/bench_data.json`` and ``docs/bench_data.png`` (``--out`` changes the stem).
 """
 
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -82,6 +84,7 @@ def child(args: argparse.Namespace) -> None:
     from jaxascend.data import BatchStream, load_tokenizer
 
     tokenizer = load_tokenizer("byte")  # cheap: the reading, not a BPE, is measured
+    imported_rss = psutil.Process().memory_info().rss  # python, numpy, pyarrow, jaxascend.data
     progress.write("imported\n")
     cfg = DataConfig(paths=[args.child], seq_len=args.seq_len, batch_size=args.batch_size)
     start = time.perf_counter()
@@ -95,7 +98,8 @@ def child(args: argparse.Namespace) -> None:
     read_s = time.perf_counter() - start
     tokens = batches * args.batch_size * (args.seq_len + 1)
     Path(args.result).write_text(json.dumps({
-        "index_s": index_s, "read_s": read_s, "batches": batches, "tokens": tokens,
+        "imported_rss_mib": imported_rss / MIB, "index_s": index_s, "read_s": read_s, "batches": batches,
+        "tokens": tokens,
         "tokens_per_s": tokens / read_s, "documents": stream.num_documents, "bytes": stream.index.total_bytes}))
     progress.write("done\n")
 
@@ -119,10 +123,7 @@ def run_contender(name: str, path: Path, repeat: int, args: argparse.Namespace) 
     run = run_sampled_child(cmd, str(work / "no-cache-files"), lines, work / "log.txt", steps=3, cwd=REPO,
                             interval=0.05, timeout=args.timeout, finish=True, env=env)
     out = json.loads(result.read_text())
-    # RSS just after the imports (python, numpy, pyarrow, jaxascend.data): the first sample after
-    # the child said so; RSS only grows from there.
-    baseline = next((s[1] for s in run.samples if s[0] >= run.first_step_at), 0)
-    out.update(contender=name, repeat=repeat, peak_rss_mib=run.peak_rss / MIB, imported_rss_mib=baseline / MIB,
+    out.update(contender=name, repeat=repeat, peak_rss_mib=run.peak_rss / MIB,
                rss_trace=[(s[0], round(s[1] / MIB, 1)) for s in run.samples])
     return out
 
