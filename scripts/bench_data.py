@@ -204,7 +204,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "scripts"))
     from bench_context import simd_flags
     from bench_scale import cpu_model
-    from jaxascend.config.values import parse_bytes
+    from jaxascend.config import parse_bytes
 
     folder = Path(args.dir)
     start = time.perf_counter()

@@ -3,7 +3,7 @@
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     stream = make_batch_stream(cfg.data, tokenizer)   # per next(): int32 [B, T+1] (text) or a PackedBatch
 
-* :func:`~jaxascend.data.discovery.discover_files` / :func:`build_document_index` -- documents of UTF-8
+* :func:`~jaxascend.data.discovery.discover_files` / :func:`~jaxascend.data.documents.build_document_index` -- documents of UTF-8
   text, ``.jsonl``, Parquet and Arrow files, ``datasets`` folders and directories (``@stdlib``:
   Python's standard library), indexed, read lazily (table files a group of rows at a time);
 * :class:`ByteTokenizer` / :class:`HFTokenizer` / :func:`load_tokenizer` -- byte-level or a
@@ -25,7 +25,6 @@ Imports only :mod:`jaxascend.config`.
 
 from jaxascend.data.chat_templates import load_chat_template
 from jaxascend.data.discovery import missing_paths
-from jaxascend.data.documents import build_document_index
 from jaxascend.data.eval_data import eval_batches
 from jaxascend.data.example_packing import make_batch_stream
 from jaxascend.data.packing import BatchStream
@@ -33,7 +32,7 @@ from jaxascend.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, ha
                                        tokenizer_folder, write_hf_tokenizer)
 
 __all__ = [
-    "BatchStream", "ByteTokenizer", "HFTokenizer", "Tokenizer", "build_document_index", "eval_batches",
+    "BatchStream", "ByteTokenizer", "HFTokenizer", "Tokenizer", "eval_batches",
     "has_tokenizer_files", "load_chat_template", "load_tokenizer", "make_batch_stream", "missing_paths",
     "tokenizer_folder", "write_hf_tokenizer",
 ]

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from jaxascend.config import DataConfig
-from jaxascend.data import (BatchStream, ByteTokenizer, build_document_index, jsonl_files, load_tokenizer,
-                            write_hf_tokenizer)
+from jaxascend.data import BatchStream, ByteTokenizer, jsonl_files, load_tokenizer, write_hf_tokenizer
 from jaxascend.data.discovery import discover_files
+from jaxascend.data.documents import build_document_index
 
 TOK = ByteTokenizer()
 

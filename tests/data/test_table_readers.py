@@ -10,7 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from jaxascend.config import DataConfig
-from jaxascend.data import BatchStream, ByteTokenizer, build_document_index, documents, eval_batches, table_files
+from jaxascend.data import BatchStream, ByteTokenizer, documents, eval_batches, table_files
+from jaxascend.data.documents import build_document_index
 from jaxascend.data.example_packing import ExampleStream
 from jaxascend.data.examples import ExampleSource
 from tests.data.conftest import write_jsonl
