@@ -16,8 +16,15 @@ from jaxascend.data.example_packing import ExampleStream
 from jaxascend.data.examples import ExampleSource
 from tests.data.conftest import write_jsonl
 
-datasets = pytest.importorskip("datasets", reason="the datasets package writes the datasets fixtures")
-datasets.disable_progress_bars()
+
+def _datasets():
+    """The ``datasets`` package (the test extra), which writes the datasets fixtures; the tests that
+    need it are skipped, with this reason, where it is not installed."""
+    datasets = pytest.importorskip("datasets", reason="the datasets package (pip install -e '.[test]') writes "
+                                                      "the datasets fixtures")
+    datasets.disable_progress_bars()
+    return datasets
+
 
 BYTE = ByteTokenizer()
 N = 45
@@ -43,15 +50,15 @@ WRITERS = {  # (folder, records) -> the path to put in data.paths
     "jsonl": lambda d, r: write_jsonl(d / "d.jsonl", r),
     "parquet_pyarrow": lambda d, r: pq.write_table(pa.Table.from_pylist(r), d / "d.parquet", row_group_size=7)
     or d / "d.parquet",
-    "parquet_datasets": lambda d, r: datasets.Dataset.from_list(r).to_parquet(str(d / "d.parquet"), batch_size=10)
+    "parquet_datasets": lambda d, r: _datasets().Dataset.from_list(r).to_parquet(str(d / "d.parquet"), batch_size=10)
     and d / "d.parquet",
     "arrow_file_pyarrow": lambda d, r: _write_arrow(d / "d.arrow", r, stream=False),
     "arrow_stream_pyarrow": lambda d, r: _write_arrow(d / "d.arrow", r, stream=True),
-    "datasets_folder": lambda d, r: datasets.Dataset.from_list(r).save_to_disk(str(d / "ds"), num_shards=2)
+    "datasets_folder": lambda d, r: _datasets().Dataset.from_list(r).save_to_disk(str(d / "ds"), num_shards=2)
     or d / "ds",
-    "dataset_dict_one_split": lambda d, r: datasets.DatasetDict(
-        {"train": datasets.Dataset.from_list(r)}).save_to_disk(str(d / "dd")) or d / "dd",
-    "folder_with_a_datasets_folder": lambda d, r: datasets.Dataset.from_list(r).save_to_disk(
+    "dataset_dict_one_split": lambda d, r: _datasets().DatasetDict(
+        {"train": _datasets().Dataset.from_list(r)}).save_to_disk(str(d / "dd")) or d / "dd",
+    "folder_with_a_datasets_folder": lambda d, r: _datasets().Dataset.from_list(r).save_to_disk(
         str(d / "parent" / "ds")) or d / "parent",
 }
 
@@ -114,6 +121,7 @@ def test_text_and_tables_mix_and_max_documents_counts_rows(tmp_path):
 # ----------------------------------------------------------------------------- refusals
 
 def test_a_dataset_dict_of_several_splits_asks_for_one(tmp_path):
+    datasets = _datasets()
     ds = datasets.Dataset.from_list(RECORDS["text"])
     datasets.DatasetDict({"train": ds, "test": ds.select(range(3))}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(ValueError, match=rf"^{tmp_path / 'dd'} is a datasets DatasetDict with the splits train, test; "
