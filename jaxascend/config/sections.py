@@ -15,11 +15,13 @@ from jaxascend.config.values import ConfigError, DType, check_range, parse_bytes
 class DataConfig:
     """Where text comes from, how it is tokenized and packed into batches."""
 
-    # Files or directories of .txt / .jsonl (and, for the tiny default, .py) files.
-    # "@stdlib" stands for the running Python's standard library folder.
+    # Files or directories of UTF-8 text (.txt; for the tiny default, .py), .jsonl, .parquet and
+    # .arrow files, and Hugging Face datasets folders (save_to_disk). "@stdlib" stands for the
+    # running Python's standard library folder.
     paths: list[str] = field(default_factory=list)
-    include: list[str] = field(default_factory=lambda: ["*.txt", "*.jsonl"])  # globs inside directories
-    text_field: str = "text"  # JSONL field holding the text
+    # globs inside directories (a datasets folder met there is taken whole, whatever they say)
+    include: list[str] = field(default_factory=lambda: ["*.txt", "*.jsonl", "*.parquet", "*.arrow"])
+    text_field: str = "text"  # JSONL field / table column holding the text
     # "auto": the model folder's tokenizer when model.path is set, else "byte"; "byte"; "model"
     # (model.path's); or a local Hugging Face tokenizer folder.
     tokenizer: str = "auto"
@@ -27,8 +29,8 @@ class DataConfig:
     batch_size: int = 8
     seed: int = 0
     max_documents: Optional[int] = None  # cap on documents read (None: all)
-    # "text": documents packed back to back, every token trained on; "prompt_completion": JSONL
-    # records with prompt_field / completion_field; "chat": JSONL records whose messages_field is
+    # "text": documents packed back to back, every token trained on; "prompt_completion": records
+    # (JSONL lines, table rows) with prompt_field / completion_field; "chat": records whose messages_field is
     # a list of {"role", "content"} (OpenAI / Hugging Face form), rendered with the tokenizer's
     # chat template or the chat_template file. For those two the loss covers the completion /
     # assistant tokens only, unless train_on_prompt.
