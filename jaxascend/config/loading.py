@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from jaxascend.config.sections import Config
-from jaxascend.config.values import ConfigError
+from jaxascend.config.values import ConfigError, did_you_mean
 
 
 def _type_name(tp) -> str:
@@ -98,7 +98,7 @@ def _build(cls, data: Any, prefix: str):
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            raise ConfigError(f"{full}: unknown key (allowed: {', '.join(names)})")
+            raise ConfigError(f"{full}: unknown key{did_you_mean(str(key), names)} (allowed: {', '.join(names)})")
         kwargs[key] = _coerce(value, hints[key], full)
     try:
         return cls(**kwargs)
@@ -128,8 +128,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"--set {key!r}: expected section.field (e.g. train.steps)")
         section, fld = parts
         if section not in {f.name for f in dataclasses.fields(Config)}:
-            allowed = ", ".join(f.name for f in dataclasses.fields(Config))
-            raise ConfigError(f"{section}: unknown section (allowed: {allowed})")
+            names = [f.name for f in dataclasses.fields(Config)]
+            raise ConfigError(f"{section}: unknown section{did_you_mean(section, names)} (allowed: {', '.join(names)})")
         data.setdefault(section, {})
         if data[section] is None:
             data[section] = {}

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import difflib
 import re
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the field and what is allowed."""
+
+
+def did_you_mean(name: str, allowed: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the allowed name closest to a misspelt ``name`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(name, list(allowed), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 _BYTE_UNITS = {
