@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
@@ -104,6 +105,11 @@ class OptimizerConfig:
     b2: float = 0.95  # Adam's second-moment decay
     eps: float = 1e-8  # added to sqrt(v) in Adam's denominator
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay, times the learning rate; see weight_decay_mask
+    # Which parameters weight_decay applies to: "default" (all but biases and norm weights, the
+    # parameters named *.bias and *.scale), "default_no_embed" (also not the embeddings,
+    # *.embedding), "all", or a regular expression searched in each parameter's dotted path (e.g.
+    # layers.mlp.up_proj.kernel): the parameters it matches decay, the others do not.
+    weight_decay_mask: str = "default"
     grad_clip_norm: Optional[float] = 1.0  # None: no clipping
     # Loss scaling: "dynamic" scales fp16 compute only (bf16/fp32 need none), "always" scales any
     # dtype, "none" never. Overflowing steps are skipped and the scale multiplied by backoff.
@@ -136,6 +142,7 @@ class OptimizerConfig:
         check_range("optimizer.b2", self.b2, lo=0, hi=1, hi_open=True)
         check_range("optimizer.eps", self.eps, lo=0, lo_open=True)
         check_range("optimizer.weight_decay", self.weight_decay, lo=0)
+        check_decay_mask(self.weight_decay_mask)
         check_range("optimizer.grad_clip_norm", self.grad_clip_norm, lo=0, lo_open=True)
         check_range("optimizer.loss_scale_init", self.loss_scale_init, lo=0, lo_open=True)
         check_range("optimizer.loss_scale_growth", self.loss_scale_growth, lo=1)
@@ -145,6 +152,23 @@ class OptimizerConfig:
         if self.loss_scale_max < self.loss_scale_min:
             raise ConfigError(f"optimizer.loss_scale_max: {self.loss_scale_max} is below "
                               f"optimizer.loss_scale_min={self.loss_scale_min}")
+
+
+WEIGHT_DECAY_MASKS = ("default", "default_no_embed", "all")  # besides a regular expression
+
+
+def check_decay_mask(rule: str) -> None:
+    """Refuses an ``optimizer.weight_decay_mask`` that is neither a named rule nor a regular expression."""
+    if rule in WEIGHT_DECAY_MASKS:
+        return
+    try:
+        re.compile(rule)
+    except re.error as err:
+        raise ConfigError(f"optimizer.weight_decay_mask: {rule!r} is neither one of {', '.join(WEIGHT_DECAY_MASKS)} "
+                          f"nor a regular expression ({err})") from None
+    if not rule:
+        raise ConfigError(f"optimizer.weight_decay_mask: empty; expected one of {', '.join(WEIGHT_DECAY_MASKS)} or a "
+                          "regular expression of parameter paths")
 
 
 PARAM_PLACEMENTS = ("auto", "resident", "ssd")
