@@ -17,6 +17,7 @@ import psutil
 from tqdm import tqdm
 
 from jaxascend import console
+from jaxascend.reporting import Reporter
 
 GIB = 2**30
 
@@ -54,11 +55,14 @@ class MetricsLog:
     ``resumed_from``: the step the run continues from (0: a fresh start). Records of later steps
     (written before the run was interrupted, and about to be written again) move to
     ``metrics.superseded.jsonl``, so ``metrics.jsonl`` always holds one curve. ``enabled=False``
-    (the processes of a job other than process 0) writes nothing.
+    (the processes of a job other than process 0) writes nothing. ``reporter``: where each record
+    goes too (TensorBoard, W&B: ``train.report_to``).
     """
 
-    def __init__(self, out_dir: Path, resumed_from: int = 0, enabled: bool = True):
+    def __init__(self, out_dir: Path, resumed_from: int = 0, enabled: bool = True,
+                 reporter: Optional[Reporter] = None):
         self._file: Optional[TextIO] = None
+        self._reporter = reporter
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -71,6 +75,8 @@ class MetricsLog:
         if self._file is not None:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()
+            if self._reporter is not None:
+                self._reporter.write(record)
 
     def close(self) -> None:
         if self._file is not None:

@@ -35,6 +35,7 @@ from jaxascend.metrics import MetricsLog, format_bytes, peak_rss_bytes, summary_
 from jaxascend.models import count_params
 from jaxascend.offload import JobShape, OffloadEngine, StepPlan, write_timeline_png
 from jaxascend.preparation import PreparedRun, prepare_run
+from jaxascend.reporting import Reporter
 from jaxascend.resuming import resume_point, with_schedule
 from jaxascend.stopping import StopSignals
 from jaxascend.training_loop import LoopSettings, TrainingLoop, tokens_per_step
@@ -175,7 +176,9 @@ def _run(cfg: Config, group) -> TrainResult:
     with StopSignals(cfg.train.stop_signals, newest=lambda: _newest_checkpoint(point.directory)) as signals:
         engine = _build(r)
         with engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
-                MetricsLog(r.out_dir, resumed_from=point.step, enabled=r.main) as log, \
+                Reporter(cfg.train.report_to, r.out_dir, run_config=cfg.to_dict(), resumed_from=point.step,
+                         enabled=r.main) as reporter, \
+                MetricsLog(r.out_dir, resumed_from=point.step, enabled=r.main, reporter=reporter) as log, \
                 MemorySampler(engine.shard_files, interval=0.2) as memory:
             if r.main:
                 (r.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -184,7 +187,7 @@ def _run(cfg: Config, group) -> TrainResult:
             loop = TrainingLoop(_loop_settings(r, ckpt), engine, ckpt, log, memory, signals)
             throughput, final_eval = loop.train(stream, losses)
             ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
-            _save_and_sample(r, engine, samples)
+            _save_and_sample(r, engine, samples, reporter)
             report = engine.report()
             shard_files = engine.shard_files()
             if r.main:
@@ -291,8 +294,9 @@ def _remove_offload_files(cfg: Config, shard_files: list[str]) -> str:
     return f"removed from {cfg.offload.dir} (the final checkpoint holds the state; offload.keep_files keeps them)"
 
 
-def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts]) -> None:
-    """The run's weights (``params.safetensors``, an export) and its answers to ``eval.sample_prompts``."""
+def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts], reporter: Reporter) -> None:
+    """The run's weights (``params.safetensors``, an export) and its answers to ``eval.sample_prompts``
+    (``samples.json``, the terminal, and TensorBoard / W&B as text)."""
     cfg = r.cfg
     if cfg.export.save_params or cfg.export.enabled:  # fp32 master weights, one tensor at a time
         with engine.exported_weights() as weights:  # a job's other processes serve their slices
@@ -301,8 +305,10 @@ def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts]) 
     if samples is not None:  # the trained model answers eval.sample_prompts (on process 0)
         with engine.sampled_weights() as weights:  # a job's other processes serve their slices
             if weights is not None:
-                _write_samples(samples.generate(r.origin.model_config, weights, r.prepared.tokenizer,
-                                                stream_layers=r.streamed), r.out_dir)
+                results = samples.generate(r.origin.model_config, weights, r.prepared.tokenizer,
+                                           stream_layers=r.streamed)
+                _write_samples(results, r.out_dir)
+                reporter.samples(results, r.last)
 
 def _write_timeline(data: Optional[dict], out_dir: Path) -> None:
     """The last update's timeline (which thread did what, when): timeline.json, and timeline.png

@@ -14,7 +14,7 @@ Every problem (unknown key, wrong type, out-of-range value, missing file) raises
 """
 
 from jaxascend.config.field_docs import sections_help
-from jaxascend.config.loading import check_param_placement, load_config
+from jaxascend.config.loading import check_param_placement, check_report_backends, load_config
 from jaxascend.config.model import LAYER_TYPES, ModelConfig, ROPE_TYPES, validate_rope_scaling
 from jaxascend.config.sections import (CheckpointConfig, Config, DataConfig, DistributedConfig, OffloadConfig,
                                        OptimizerConfig, TrainConfig)
@@ -23,5 +23,5 @@ from jaxascend.config.values import ConfigError, parse_bytes
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "LAYER_TYPES",
     "ModelConfig", "OffloadConfig", "OptimizerConfig", "ROPE_TYPES", "TrainConfig", "check_param_placement",
-    "load_config", "parse_bytes", "sections_help", "validate_rope_scaling",
+    "check_report_backends", "load_config", "parse_bytes", "sections_help", "validate_rope_scaling",
 ]

@@ -4,6 +4,7 @@ coercion with one-line errors, and the checks that need several sections at once
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import types
@@ -13,7 +14,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from jaxascend.config.sections import Config
+from jaxascend.config.sections import REPORT_BACKENDS, Config
 from jaxascend.config.values import ConfigError, did_you_mean
 
 
@@ -56,7 +57,8 @@ def _coerce(value: Any, tp, name: str) -> Any:
     if origin is Literal:
         if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+        close = did_you_mean(value, [str(a) for a in typing.get_args(tp)]) if isinstance(value, str) else ""
+        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}{close}")
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):  # a single path is a list of one
@@ -147,8 +149,18 @@ def config_from_dict(data: dict, inputs: bool = True) -> Config:
     return cfg
 
 
+def check_report_backends(report_to: list[str]) -> None:
+    """Refuses a ``train.report_to`` entry whose package is not installed (one line naming the pip command)."""
+    for name in report_to:
+        module, pip = REPORT_BACKENDS[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"train.report_to: {name!r} needs the {module} package, which is not installed: {pip}")
+
+
 def check_inputs_exist(cfg: Config) -> None:
-    """Refuses data, held-out data, a chat template or a tokenizer folder that is not on disk."""
+    """Refuses data, held-out data, a chat template or a tokenizer folder that is not on disk, and
+    a ``train.report_to`` whose package is not installed."""
+    check_report_backends(cfg.train.report_to)
     for p in cfg.data.paths:
         if p != "@stdlib" and not os.path.exists(os.path.expanduser(p)):
             raise ConfigError(f"data.paths: {p!r} does not exist")

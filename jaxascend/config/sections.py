@@ -339,6 +339,10 @@ class DistributedConfig:
                               f"num_processes={self.num_processes}")
 
 
+# train.report_to -> (the module it writes with, how to install it)
+REPORT_BACKENDS = {"tensorboard": ("tensorboardX", "pip install tensorboardX"),
+                   "wandb": ("wandb", "pip install wandb (or pip install -e '.[wandb]')")}
+
 # The signals a run can be told to stop on (train.stop_signals); all of them by default.
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP")
 
@@ -364,9 +368,16 @@ class TrainConfig:
     # Signals that stop the run at the end of the step in flight, with a checkpoint of that step
     # (exit status 128 + the signal); a second SIGINT abandons the step in flight.
     stop_signals: list[str] = field(default_factory=lambda: list(STOP_SIGNALS))
+    # Where the figures go besides metrics.jsonl (process 0 only): "tensorboard" (event files in
+    # <out_dir>/tensorboard), "wandb" (a W&B run in <out_dir>/wandb, if wandb is installed; project
+    # WANDB_PROJECT, online or offline as WANDB_MODE says). Every metrics.jsonl field, the held-out
+    # loss and the end-of-run samples (as text).
+    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
 
     def __post_init__(self):
         self.resume = validate_resume(self.resume)
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ConfigError(f"train.report_to: each of {', '.join(REPORT_BACKENDS)} at most once, got {self.report_to!r}")
         unknown = [s for s in self.stop_signals if s not in STOP_SIGNALS]
         if unknown or len(set(self.stop_signals)) != len(self.stop_signals):
             raise ConfigError(f"train.stop_signals: expected some of {', '.join(STOP_SIGNALS)} (each once), got "
