@@ -14,14 +14,11 @@ annotation's, however it is wrapped.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import inspect
 import io
 import re
 import textwrap
-import tokenize
 import types
 import typing
 from dataclasses import dataclass
@@ -84,6 +81,10 @@ def default_label(field: dataclasses.Field) -> str:
 @functools.lru_cache(maxsize=None)
 def field_comments(cls: type) -> dict[str, str]:
     """``{field name: its comments as one line}`` from ``cls``'s source (see the module doc)."""
+    import ast  # here, not at the top: the CLIs' --help imports this module and needs neither
+    import inspect
+    import tokenize
+
     source = textwrap.dedent(inspect.getsource(cls))
     comments: dict[int, str] = {}  # line -> comment text
     code_lines: set[int] = set()  # lines holding something other than a comment
@@ -125,7 +126,7 @@ def section_fields(cls: type, prefix: str) -> list[SectionDoc]:
 
 def _summary(cls: type) -> str:
     """The first paragraph of ``cls``'s docstring as one line of plain text (no reST markup)."""
-    text = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())
+    text = " ".join(textwrap.dedent(cls.__doc__ or "").strip().split("\n\n")[0].split())
     return re.sub(r":\w+:`~?([^`]*)`|``([^`]*)``", lambda m: m.group(1) or m.group(2), text)
 
 
