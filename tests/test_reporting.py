@@ -3,9 +3,7 @@ TensorBoard (read back with tensorboard's own reader) and W&B (offline); only pr
 backend whose package is missing is refused in one line naming the pip command."""
 
 import json
-import os
 
-import numpy as np
 import pytest
 
 from jaxascend.config import ConfigError, load_config

@@ -3,8 +3,6 @@ the step functions) to the last logging point, evaluations left out, and worded 
 
 import time
 
-import pytest
-
 from jaxascend.config import load_config
 from jaxascend.metrics import SteadyRate, Throughput, describe_rate
 from jaxascend.trainer import run

@@ -19,14 +19,13 @@ import functools
 import io
 import re
 import textwrap
-import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal, Union
 
 import yaml
 
 from jaxascend.config.sections import Config
+from jaxascend.config.values import type_text
 
 
 @dataclass(frozen=True)
@@ -50,18 +49,7 @@ class SectionDoc:
 
 def type_label(tp) -> str:
     """A short spelling of an annotation: ``int``, ``'a' | 'b'``, ``float | null``, ``list[str]``."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " | ".join(type_label(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"list[{type_label(typing.get_args(tp)[0])}]"
-    if tp is type(None):
-        return "null"
-    if tp is Any:
-        return "any"
-    return getattr(tp, "__name__", str(tp))
+    return type_text(tp, words=False)
 
 
 def default_label(field: dataclasses.Field) -> str:

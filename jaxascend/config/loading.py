@@ -15,23 +15,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from jaxascend.config.sections import REPORT_BACKENDS, Config
-from jaxascend.config.values import ConfigError, did_you_mean
-
-
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    if tp is type(None):
-        return "null"
-    if tp is Any:
-        return "any value"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true/false",
-            dict: "a mapping"}.get(tp, getattr(tp, "__name__", str(tp)))
+from jaxascend.config.values import ConfigError, did_you_mean, type_text
 
 
 def _coerce(value: Any, tp, name: str) -> Any:
@@ -53,18 +37,18 @@ def _coerce(value: Any, tp, name: str) -> Any:
                 return _coerce(value, arg, name)
             except ConfigError:
                 continue
-        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{name}: expected {type_text(tp)}, got {value!r}")
     if origin is Literal:
         if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
         close = did_you_mean(value, [str(a) for a in typing.get_args(tp)]) if isinstance(value, str) else ""
-        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}{close}")
+        raise ConfigError(f"{name}: expected {type_text(tp)}, got {value!r}{close}")
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):  # a single path is a list of one
             value = [value]
         if not isinstance(value, list):
-            raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{name}: expected {type_text(tp)}, got {value!r}")
         return [_coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
@@ -86,7 +70,7 @@ def _coerce(value: Any, tp, name: str) -> Any:
             return value
     elif dataclasses.is_dataclass(tp):
         return _build(tp, value, name)
-    raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{name}: expected {type_text(tp)}, got {value!r}")
 
 
 def _build(cls, data: Any, prefix: str):

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import jax
 
 from jaxascend.config import ConfigError
+from jaxascend.hf import tree_path_to_dotted
 
 NO_DECAY_NAMES = ("bias", "scale")  # Flax's bias, and every norm's weight
 EMBEDDING_NAMES = ("embedding",)
@@ -49,15 +50,9 @@ def decays(rule: str, path: str) -> bool:
 def param_path(key_path) -> str:
     """A ``jax.tree_util`` key path as a dotted parameter path; an ``nnx.Variable``'s own
     ``.value`` at the end is left out."""
-    names = []
-    for key in key_path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                names.append(str(getattr(key, attr)))
-                break
-    if names and names[-1] == "value" and isinstance(key_path[-1], jax.tree_util.GetAttrKey):
-        names.pop()
-    return ".".join(names)
+    if key_path and isinstance(key_path[-1], jax.tree_util.GetAttrKey) and key_path[-1].name == "value":
+        key_path = key_path[:-1]
+    return tree_path_to_dotted(key_path)
 
 
 def leaf_decay(rule: str, paths: Sequence[str]) -> tuple[bool, ...]:
