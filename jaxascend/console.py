@@ -27,10 +27,13 @@ import warnings
 from typing import Callable, Iterator, TextIO
 
 _terminal: TextIO | None = None  # the real stderr while one_line_output is active
-# gloo's connection line, and absl-format info/warning lines of XLA's preemption notifier and
-# sync manager ("W1203 07:45:00.123456  1234 preemption_notifier.cc:89] ...").
+# gloo's connection line, and the info/warning lines of XLA's preemption notifier and sync manager
+# ("Cancelled call to retrieve preemption notice. This is expected upon program shutdown."), as absl
+# writes them ("W1203 07:45:00.123456  1234 preemption_notifier.cc:89] ...") or TSL's own logging
+# ("2026-12-03 07:45:00.123456: W external/xla/.../preemption_notifier.cc:89] ...").
 _RUNTIME_NOISE = re.compile(rb"^(?:\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
-                            rb"|[IW]\d{4} [\d:.]+\s+\d+ (?:preemption_notifier|preemption_sync_manager)\.cc:\d+\])")
+                            rb"|(?:[IW]\d{4} [\d:.]+\s+\d+ |\d{4}-\d\d-\d\d [\d:.]+: [IW] )"
+                            rb"\S*?\b(?:preemption_notifier|preemption_sync_manager)\.cc:\d+\])")
 
 
 def debugging() -> bool:

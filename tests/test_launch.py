@@ -155,6 +155,8 @@ RUNTIME_LINES = [
     b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
     b"W1203 07:45:00.123456    4242 preemption_notifier.cc:89] SIGTERM caught at 2026-12-03T07:45:00\n",
     b"I0000 00:00:1733212345.123456   12345 preemption_sync_manager.cc:170] Shutting down PreemptionSyncManager...\n",
+    b"2026-12-03 07:45:00.123456: W external/xla/xla/tsl/distributed_runtime/preemption/preemption_notifier.cc:89] "
+    b"Cancelled call to retrieve preemption notice. This is expected upon program shutdown.\n",
 ]
 
 
