@@ -273,9 +273,13 @@ def test_a_signal_to_the_launcher_stops_every_child_and_what_they_started(tmp_pa
         signal.signal(signal.SIGINT, lambda *_: sys.exit(130))  # a stop on SIGINT, as jaxascend.train's
         if {ignore_term}:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        sub = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
-                                "signal.signal(signal.SIGINT, lambda *_: sys.exit(130)); time.sleep(60)"])
-        write_pid(os.path.join({str(tmp_path)!r}, f"sub{{RANK}}"), sub.pid)
+        # the grandchild writes its pid once its handler is installed: a signal before would kill it
+        # by Python's default SIGINT handling, not stop it (under load its start-up takes a while)
+        ready = os.path.join({str(tmp_path)!r}, f"sub{{RANK}}")
+        sub = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time; "
+                                "signal.signal(signal.SIGINT, lambda *_: sys.exit(130)); "
+                                f"open({{ready + '.tmp'!r}}, 'w').write(str(os.getpid()) + chr(10)); "
+                                f"os.replace({{ready + '.tmp'!r}}, {{ready!r}}); time.sleep(60)"])
         write_pid(os.path.join({str(tmp_path)!r}, f"pid{{RANK}}"))
         time.sleep(60)
     """)
