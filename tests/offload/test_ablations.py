@@ -215,7 +215,7 @@ def test_post_backward_stats_match_the_sinks(tmp_path):
     def loss_fn(m, t, hook):
         return next_token_loss(m(t[:, :-1], layer_hook=hook), t)
 
-    loss, grads = make_full_gradient_step(graphdef, rest, 1, loss_fn)(params, tokens, jnp.float32(8.0))
+    loss, grads = make_full_gradient_step(graphdef, rest, loss_fn)(params, tokens, jnp.float32(8.0))
     # The memory the ablation brings back: the whole tree, 2 B/param in the compute dtype.
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     assert sum(g.nbytes for g in jax.tree.leaves(grads)) == 2 * sum(p.size for p in jax.tree.leaves(params))
