@@ -85,7 +85,7 @@ class ComputeWeights:
     def put_all(self, leaves: list) -> None:
         """Takes every leaf a sequential update emitted (this process's slices in a job)."""
         if self._partitioned:  # every process's slices make the whole (replicated) weights again
-            leaves = self._dp.gather(leaves, self.full_shapes, [leaf.stacked for leaf in self._state.leaves])
+            leaves = self._dp.gather(leaves, self.full_shapes, [leaf.layers for leaf in self._state.leaves])
         elif self._dp is not None:  # the whole weights, as the next step's replicated input
             leaves = [self._dp.replicate(x) for x in leaves]
         self._leaves = list(leaves)
@@ -97,7 +97,7 @@ class ComputeWeights:
             return new
         indices = sorted(new)
         full = self._dp.gather([np.asarray(new[i]) for i in indices], [self.full_shapes[i] for i in indices],
-                               [self._state.leaves[i].stacked for i in indices])
+                               [self._state.leaves[i].layers for i in indices])
         return dict(zip(indices, full))
 
     def restore(self, leaves: list) -> None:

@@ -33,9 +33,11 @@ from jaxascend.offload.step_plan import StepPlan
 
 def sink_routing(plan: StepPlan, params, model_cfg: ModelConfig, table: TableLayout) -> SinkRouting:
     """Tensor ids of every leaf; with instant gradients each use of the token table (the lookup
-    and, tied, the head) sends its gradient block by block and the sink sums the uses."""
+    and, tied, the head) sends its gradient block by block and the sink sums the uses. Data
+    parallel, a table not in blocks is sent whole once, its uses summed by the backward: its
+    head use would otherwise be reduce-scattered beside the layers' (collective_order)."""
     uses = ()
-    if plan.table_per_use:
+    if plan.table_per_use and (table.large or plan.partition is None):
         uses = ("lookup",) + (("head",) if model_cfg.tie_word_embeddings else ())
     return SinkRouting.for_params(params, layer_stack_key(model_cfg.arch), token_table_path(model_cfg.arch), uses,
                                   table.blocks, table_as_bits=table.large)

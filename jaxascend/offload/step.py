@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxascend.models import loss_sum_and_count
 from jaxascend.native import host_callbacks
+from jaxascend.offload.collective_order import after, after_each, offload_leaves_on_backward, token_of
 from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward
 from jaxascend.offload.param_source import fetch_layer
 
@@ -122,9 +123,9 @@ def _layer_key(path) -> str:
 class _SinkHooks:
     """The identities that send each leaf's gradient to the sink in the backward pass: the
     top-level leaves wrapped before the model is assembled, each layer's inside the scan, each
-    block of each use of the token table as the model computes it."""
+    block of each use of the token table as the model computes it. One set per trace of the step."""
 
-    def __init__(self, routing: SinkRouting, sink: int, scatter):
+    def __init__(self, routing: SinkRouting, sink: int, scatter=None):
         self.routing, self.sink, self.scatter = routing, sink, scatter
         self.routes = routing.by_key()
 
@@ -166,6 +167,60 @@ class _SinkHooks:
         return hook
 
 
+class _OrderedSinkHooks(_SinkHooks):
+    """The hooks of a data-parallel step, whose gradients are reduce-scattered on their way to
+    the sink: every collective of the backward in one order (:mod:`~jaxascend.offload.collective_order`).
+
+    The loops order themselves: the head's blocks before the layers (which need the head's input
+    gradient), the layers one after another (each layer's leaves in a chain), the lookup's blocks
+    after the layers. The top-level leaves (final norm, a separate head, position embeddings, a
+    token table not sent by blocks) are one group, sent in a chain once every one of their
+    gradients exists and once the table's blocks have passed back the group's token (the lookup
+    is the backward's last loop), so none of them runs beside a loop's collectives."""
+
+    def __init__(self, routing: SinkRouting, sink: int, scatter):
+        super().__init__(routing, sink, scatter)
+        self.token = None  # the top-level group's, which every table block passes back in the backward
+
+    def _group(self, keys, xs, probes, layer=0, order=None):
+        return offload_leaves_on_backward(xs, probes, sink=self.sink, tensors=[self.routes[k].tensor for k in keys],
+                                          layer=layer, scatter=self.scatter, order=order)
+
+    def top_leaves(self, params, probes):
+        routing = self.routing
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: x is None)
+        keys = [jax.tree_util.keystr(path) for path, _ in flat]
+        chosen = [i for i, (path, x) in enumerate(flat) if x is not None and not routing.is_stacked(path)
+                  and not (keys[i] == routing.table_key and routing.table_uses)]
+        sent, self.token = self._group([keys[i] for i in chosen], [flat[i][1] for i in chosen],
+                                       [probes[keys[i]] for i in chosen])
+        leaves = [x for _, x in flat]
+        for i, x in zip(chosen, sent):
+            leaves[i] = x
+        return treedef.unflatten(leaves)
+
+    def layer_hook(self, probes, layer_weights):
+        def hook(layer_params, index):
+            flat, treedef = jax.tree_util.tree_flatten_with_path(layer_weights(layer_params, index))
+            keys = ["layer:" + jax.tree_util.keystr(path) for path, _ in flat]
+            sent, _ = self._group(keys, [x for _, x in flat], [probes[k][index] for k in keys], layer=index)
+            return treedef.unflatten(sent)
+
+        return hook
+
+    def table_hook(self, probes, table_block):
+        routing = self.routing
+
+        def hook(block, use, index):  # after the layers' or the head's input gradient; passes the token back
+            probe = probes[f"{routing.table_key}|{use}"]
+            (sent,), _ = self._group([routing.table_key], [table_block(block)],
+                                     [probe[index] if routing.table_blocks > 1 else probe], layer=index,
+                                     order=self.token)
+            return sent
+
+        return hook
+
+
 def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
                       loss_fn, source=None, data_parallel=None, whole_layers=None) -> Any:
     """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)`` (with ``step.lower``).
@@ -195,9 +250,11 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
         raise ValueError(f"offload step: the parameter source serves {len(source.specs)} leaves, the layer "
                          f"stack has {len(stacked_keys)}")
     abstract, gather = _stack_shapes(routing, source, data_parallel, whole_layers)
-    hooks = _SinkHooks(routing, sink, data_parallel.scatter if data_parallel is not None else None)
 
     def scaled_loss(probes, params, tokens, loss_scale, bit_dtypes):
+        # Data parallel: every collective of the backward in one order (see _OrderedSinkHooks).
+        hooks = (_SinkHooks(routing, sink) if data_parallel is None else
+                 _OrderedSinkHooks(routing, sink, data_parallel.scatter))
         if abstract is not None:
             params = _with_abstract_stack(params, abstract)
         layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, dict(bit_dtypes), gather)
@@ -213,17 +270,15 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
 
     def local_step(params, tokens, loss_scale, bit_dtypes=()):
         (_, loss), stats = grad_of_probes(routing.probes(), params, tokens, loss_scale, bit_dtypes)
-        if data_parallel is not None:  # each process's loss is its rows' share of the job's
-            loss = jax.lax.psum(loss, data_parallel.scatter.axis)
+        if data_parallel is not None:  # each process's loss is its rows' share of the job's: the last collective
+            loss = jax.lax.psum(after(loss, token_of(stats)), data_parallel.scatter.axis)
         return loss, stats
 
     if data_parallel is None:
         jitted = partial(jax.jit, static_argnames="bit_dtypes")(local_step)
         return _OffloadStep(jitted, routing, use_bits=not host_callbacks())
     # the step's micro-batches [A, B, ...]: each process computes its rows (axis 1) of every one
-    sharded = data_parallel.batch_step(local_step, batch_axis=1, scalars=1)
-    return _OffloadStep(lambda params, tokens, scale, bit_dtypes=(): sharded(params, tokens, scale), routing,
-                        use_bits=False)
+    return _OffloadStep(data_parallel.batch_step(local_step, batch_axis=1, scalars=1), routing, use_bits=False)
 
 
 def _stack_shapes(routing: SinkRouting, source, data_parallel, whole_layers):
@@ -244,9 +299,10 @@ def _stack_shapes(routing: SinkRouting, source, data_parallel, whole_layers):
         return abstract, None
     axis = data_parallel.scatter.axis
 
-    def gather(values):
-        return [jax.lax.all_gather(x.reshape(-1), axis, tiled=True)[:math.prod(w.shape)].reshape(w.shape)
-                for x, w in zip(values, layers)]
+    def gather(values):  # one leaf after the other (collective_order)
+        whole = after_each([x.reshape(-1) for x in values], None,
+                           lambda x: jax.lax.all_gather(x, axis, tiled=True))
+        return [x[:math.prod(w.shape)].reshape(w.shape) for x, w in zip(whole, layers)]
 
     return abstract, gather
 
@@ -311,10 +367,10 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
 
     def summed(params, batch):
         loss_sum, count = local(params, batch)
-        return jax.lax.psum(loss_sum, axis), jax.lax.psum(count, axis)
+        loss_sum = jax.lax.psum(loss_sum, axis)
+        return loss_sum, jax.lax.psum(after(count, token_of(loss_sum)), axis)  # one after the other
 
-    sharded = data_parallel.batch_step(summed)
-    return _OffloadStep(lambda params, batch, bit_dtypes=(): sharded(params, batch), routing, use_bits=False)
+    return _OffloadStep(data_parallel.batch_step(summed), routing, use_bits=False)
 
 
 def _stacked_spec(layers: int, layer: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
@@ -339,18 +395,19 @@ class _OffloadStep:
         self._routing = routing
         self._use_bits = use_bits
 
-    def _args(self, params):
+    def _args(self, params) -> tuple[Any, dict]:
         if not self._use_bits:
-            return params, ()
-        return stacked_as_bits(params, self._routing)
+            return params, {}
+        params, bit_dtypes = stacked_as_bits(params, self._routing)
+        return params, {"bit_dtypes": bit_dtypes}
 
     def __call__(self, params, *args):
-        params, bit_dtypes = self._args(params)
-        return self._jitted(params, *args, bit_dtypes=bit_dtypes)
+        params, bits = self._args(params)
+        return self._jitted(params, *args, **bits)
 
     def lower(self, params, *args):
-        params, bit_dtypes = self._args(params)
-        return self._jitted.lower(params, *args, bit_dtypes=bit_dtypes)
+        params, bits = self._args(params)
+        return self._jitted.lower(params, *args, **bits)
 
 
 def stacked_as_bits(params, routing: SinkRouting) -> tuple[Any, tuple[tuple[str, str], ...]]:

@@ -19,10 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-import jax
-
 from jaxascend.config import Config, ConfigError, ModelConfig
-from jaxascend.models import DTYPES, is_large_table
 from jaxascend.native import host_callbacks
 from jaxascend.offload.partition import Partition
 
@@ -123,9 +120,6 @@ def partition_refusal(cfg: Config, model_cfg: ModelConfig, one_process: bool = F
         return "offload.params: ssd (each device would read every layer from the one SSD state)"
     if cfg.offload.post_backward_overflow_check or cfg.offload.fp32_grad_buffer:
         return "the ablation switches (post_backward_overflow_check, fp32_grad_buffer) are single-process"
-    if model_cfg.vocab_size and is_large_table(jax.ShapeDtypeStruct((model_cfg.vocab_size, model_cfg.hidden_size),
-                                                                  DTYPES[model_cfg.dtype])):
-        return "a token table computed in blocks (a large vocabulary) is not supported yet"
     return None
 
 

@@ -101,7 +101,7 @@ class WeightReaders:
         process's slices."""
         leaves = self._state.leaves
         return JobReads(self._dp, lambda index, layer: read_slice(leaves[index], layer).reshape(-1),
-                        self._weights.full_shapes, [leaf.stacked for leaf in leaves])
+                        self._weights.full_shapes, [leaf.layers for leaf in leaves], [leaf.stacked for leaf in leaves])
 
     def _reader(self, value: Callable, purpose: str):
         """``read(path, layer)`` by our parameter path: ``value(leaf, layer)`` of that leaf's layout."""
