@@ -51,7 +51,7 @@ from jaxascend.offload.partition import DataParallel, Partition, local_value
 from jaxascend.offload.ssd_adamw import ssd_adamw_state
 from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.state_layout import StateLayoutOptions, TableLayout, checkpoint_slot_requests
-from jaxascend.offload.step import SinkRouting, total_stats
+from jaxascend.offload.step import SinkRouting, bit_leaves, total_stats
 from jaxascend.offload.step_plan import StepPlan
 from jaxascend.offload.timeline import StepTimeline
 from jaxascend.offload.update_runner import OverlappedUpdates, SequentialUpdates, UpdateRunner
@@ -104,7 +104,8 @@ class OffloadEngine:
             leaves = self._init_state(params, master, paths, model_cfg)
             del params
             self.weights = ComputeWeights(plan, self.state, leaves, [x.shape for x in jax.tree.leaves(full_spec)],
-                                          self.data_parallel)
+                                          self.data_parallel,
+                                          bits=bit_leaves(routing, [leaf.dtype for leaf in self.state.leaves]))
             del leaves
             self.routing = GradientRouting.build(plan, self.graphdef, self.rest, routing, self.state, self.weights,
                                                  self.data_parallel)

@@ -222,7 +222,7 @@ class _OrderedSinkHooks(_SinkHooks):
 
 
 def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
-                      loss_fn, source=None, data_parallel=None, whole_layers=None) -> Any:
+                      loss_fn, source=None, data_parallel=None, whole_layers=None, bit_dtypes=()) -> Any:
     """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)`` (with ``step.lower``).
 
     ``tokens``: the step's ``A`` micro-batches ``[A, B, ...]``, which each layer runs in turn
@@ -243,13 +243,16 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     ``tokens`` the step's micro-batches ``[A, B, ...]`` as global arrays sharded by rows (axis
     1), each gradient is reduce-scattered so the sink gets this process's slice, and the loss and statistics are the job's (summed). With a
     ``source`` too, it serves this process's slice of each layer, and ``whole_layers`` (one
-    ``jax.ShapeDtypeStruct`` per stacked leaf) are the layers the slices are all-gathered into.
+    ``jax.ShapeDtypeStruct`` per stacked leaf) are the layers the slices are all-gathered into;
+    ``bit_dtypes`` (``((key, float dtype name), ...)``, see :func:`bit_leaves`) are the leaves
+    ``params`` holds as raw ``uint16`` bits (on one process the step views them so itself).
     """
     stacked_keys = [r.key for r in routing.routes if r.layers]
     if source is not None and len(source.specs) != len(stacked_keys):
         raise ValueError(f"offload step: the parameter source serves {len(source.specs)} leaves, the layer "
                          f"stack has {len(stacked_keys)}")
     abstract, gather = _stack_shapes(routing, source, data_parallel, whole_layers)
+    bit_dtypes = tuple(bit_dtypes)
 
     def scaled_loss(probes, params, tokens, loss_scale, bit_dtypes):
         # Data parallel: every collective of the backward in one order (see _OrderedSinkHooks).
@@ -278,24 +281,25 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
         jitted = partial(jax.jit, static_argnames="bit_dtypes")(local_step)
         return _OffloadStep(jitted, routing, use_bits=not host_callbacks())
     # the step's micro-batches [A, B, ...]: each process computes its rows (axis 1) of every one
-    return _OffloadStep(data_parallel.batch_step(local_step, batch_axis=1, scalars=1), routing, use_bits=False)
+    step = partial(local_step, bit_dtypes=bit_dtypes)
+    return _OffloadStep(data_parallel.batch_step(step, batch_axis=1, scalars=1), routing, use_bits=False)
 
 
 def _stack_shapes(routing: SinkRouting, source, data_parallel, whole_layers):
     """(the layer stack's abstract leaves, the gather of fetched slices or None) of a step whose
     stack is read through ``source``: the model sees whole layers; in a job the source serves
-    this process's slice of each, all-gathered inside the step into ``whole_layers``."""
+    this process's slice of each (``whole_layers`` given), all-gathered inside the step into them."""
     if source is None:
         return None, None
-    if data_parallel is None:
+    if whole_layers is None:
         layers = list(source.specs)
-    elif whole_layers is None or len(whole_layers) != len(source.specs):
-        raise ValueError("offload step: a job's parameter source serves slices; give whole_layers, one per leaf")
+    elif data_parallel is None or len(whole_layers) != len(source.specs):
+        raise ValueError("offload step: whole_layers are a job's, one per leaf the parameter source serves")
     else:
         layers = list(whole_layers)
     shapes = iter(layers)
     abstract = tuple(_stacked_spec(r.layers, next(shapes)) if r.layers else None for r in routing.routes)
-    if data_parallel is None:
+    if whole_layers is None:
         return abstract, None
     axis = data_parallel.scatter.axis
 
@@ -339,7 +343,7 @@ def _weight_hooks(routing: SinkRouting, source, stacked_keys: list[str], float_d
 
 
 def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, source=None,
-                      data_parallel=None, whole_layers=None) -> Any:
+                      data_parallel=None, whole_layers=None, bit_dtypes=()) -> Any:
     """A jitted ``evaluate(params, batch) -> (sum of the counted targets' losses, their count)``
     on the compute params, forward only: nothing is differentiated, so no gradient reaches the
     sink and the optimizer state is not read. ``params`` and ``source`` are as for
@@ -366,7 +370,7 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     axis = data_parallel.scatter.axis
 
     def summed(params, batch):
-        loss_sum, count = local(params, batch)
+        loss_sum, count = local(params, batch, tuple(bit_dtypes))
         loss_sum = jax.lax.psum(loss_sum, axis)
         return loss_sum, jax.lax.psum(after(count, token_of(loss_sum)), axis)  # one after the other
 
@@ -408,6 +412,24 @@ class _OffloadStep:
     def lower(self, params, *args):
         params, bits = self._args(params)
         return self._jitted.lower(params, *args, **bits)
+
+
+def bit_leaves(routing: SinkRouting, dtypes) -> dict[int, Any]:
+    """Leaf index -> float dtype of the leaves the step takes as raw bits (see
+    :func:`stacked_as_bits`): the layer stack's 16-bit float leaves and a large token table whose
+    uses send their blocks; ``dtypes``: each leaf's compute dtype, in leaf order."""
+    out = {}
+    for route, dtype in zip(routing.routes, dtypes):
+        dtype = jnp.dtype(dtype)
+        as_bits = route.layers or (route.key == routing.table_key and routing.table_as_bits)
+        if as_bits and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+            out[route.tensor] = dtype
+    return out
+
+
+def bit_dtypes_of(routing: SinkRouting, bits: dict[int, Any]) -> tuple[tuple[str, str], ...]:
+    """:func:`bit_leaves` as the step's static ``bit_dtypes``: ``((leaf key, dtype name), ...)``."""
+    return tuple((r.key, jnp.dtype(bits[r.tensor]).name) for r in routing.routes if r.tensor in bits)
 
 
 def stacked_as_bits(params, routing: SinkRouting) -> tuple[Any, tuple[tuple[str, str], ...]]:

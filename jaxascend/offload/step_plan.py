@@ -160,9 +160,9 @@ def _partition(cfg: Config, model_cfg: ModelConfig, job: JobShape, notes: list[s
 
 
 def _data_parallel_overlap_refusal(partition: Optional[Partition], weights: str) -> Optional[str]:
-    if partition is None or (partition.count > 1 and weights == "ssd"):
+    # A job's overlapped step serves each process's slice of every layer (from SSD, or from host
+    # buffers the update writes in place) and all-gathers it in the step: no collective runs off
+    # the trainer's thread.
+    if partition is None or partition.count > 1:
         return None
-    if partition.count > 1:
-        return ("data parallelism with resident weights (they are all-gathered after the step; a job with "
-                "offload.params: ssd overlaps)")
     return "data parallelism over one process's devices"

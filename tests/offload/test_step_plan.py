@@ -34,11 +34,11 @@ CASES = {
                        (False, None, "instant", "ssd", None)),
     "ablation": (["model.remat=full", "offload.post_backward_overflow_check=true"], SINGLE,
                  (False, "offload.post_backward_overflow_check", "post_backward", "arrays", None)),
-    "job-resident": (["model.remat=full"], JOB,
-                     (False, "data parallelism with resident weights", "instant", "arrays", Partition(1, 2))),
+    "job-resident": (["model.remat=full"], JOB, (True, None, "instant", "host", Partition(1, 2))),
+    "job-resident-no-overlap": (["model.remat=full", "offload.overlap=false"], JOB,
+                                (False, None, "instant", "arrays", Partition(1, 2))),
     "job-ssd": (["model.remat=full", "offload.params=ssd"], JOB, (True, None, "instant", "ssd", Partition(1, 2))),
-    "job-accum": (["model.remat=full", "train.grad_accum=2"], JOB,
-                  (False, "data parallelism with resident weights", "instant", "arrays", Partition(1, 2))),
+    "job-accum": (["model.remat=full", "train.grad_accum=2"], JOB, (True, None, "instant", "host", Partition(1, 2))),
     "job-ssd-accum": (["model.remat=full", "offload.params=ssd", "train.grad_accum=2"], JOB,
                       (True, None, "instant", "ssd", Partition(1, 2))),
     "devices-resident": (["model.remat=full"], DEVICES,
@@ -88,7 +88,7 @@ def test_what_a_job_cannot_run_is_refused_by_name(overrides, vocab, message):
 
 def test_a_job_runs_a_token_table_in_blocks():
     plan = _plan("model.hidden_size=128", "model.remat=full", job=JOB, vocab=151936)  # 19.4M elements: 16 blocks
-    assert plan.partition == Partition(1, 2) and not any("table" in n for n in plan.notes)
+    assert plan.partition == Partition(1, 2) and not plan.notes
 
 
 def test_choices_made_before_are_notes_too():
