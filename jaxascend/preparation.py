@@ -142,7 +142,7 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     sized = dataclasses.replace(model_cfg, vocab_size=vocabulary_size(cfg, model_cfg, inputs.tokenizer))
     # offload.params auto -> resident or ssd; host memory and disk by part (the runtime part
     # measured here, after the tokenizer and the data index; estimated for those not read).
-    cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete)
+    cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete, processes=job.processes)
     step = StepPlan.resolve(cfg, sized, job, choices=plan.choices)
     return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, plan, step,
                        inputs.assumed)
