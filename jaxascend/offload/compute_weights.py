@@ -140,11 +140,14 @@ class ComputeWeights:
         self._leaves = [self._replicated(i, x) for i, x in enumerate(leaves)]
 
     def whole(self, new: dict[int, Any]) -> dict[int, Any]:
-        """A job's updated top-level leaves (an overlapped update's, by leaf index) whole and
-        replicated, from every process's slices; as they are for one process."""
-        if not new or not self._partitioned:
+        """An overlapped update's new top-level leaves (by leaf index) as the step takes them:
+        a job's whole and replicated, from every process's slices (one process's devices:
+        replicated); as they are for one device."""
+        if not new or self._dp is None:
             return new
         indices = sorted(new)
+        if not self._partitioned:
+            return {i: self._replicated(i, new[i]) for i in indices}
         return dict(zip(indices, self._gather(indices, [new[i] for i in indices])))
 
     def _gather(self, indices: list[int], slices: list) -> list:

@@ -90,7 +90,7 @@ class OffloadEngine:
             raise ValueError("OffloadEngine: the plan is the in-memory engine's (offload.enabled: false)")
         self.cfg = cfg
         self.compute_dtype = model_cfg.dtype
-        self.data_parallel = DataParallel(plan.partition) if plan.partition is not None else None
+        self.data_parallel = DataParallel(plan.partition, plan.local_devices) if plan.partition is not None else None
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         table = TableLayout.of(params, model_cfg)
         routing = sink_routing(plan, params, model_cfg, table)

@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxascend.offload.grad_sink import GradientScatter
 
-AXIS = "data"
+AXIS = "data"  # the processes of a job: the state is split over them
+LOCAL = "local"  # the devices of one process
 
 
 @dataclass(frozen=True)
@@ -71,27 +72,38 @@ class Partition:
 
 class DataParallel:
     """The job's mesh and the few collectives the engine needs outside the step: replicated
-    inputs, row-sharded batches, the all-gather of updated params. Either a job of processes
-    with one device each (``partition.count`` > 1: each owns its slice of the state), or one
-    process with several devices (``partition`` ``(0, 1)``: it owns the whole state; the
-    devices share the batch rows and the first sends each summed gradient)."""
+    inputs, row-sharded batches, the all-gather of updated params.
 
-    def __init__(self, partition: Partition):
-        devices = jax.devices()
-        local = jax.local_device_count()
-        if partition.count > 1 and (len(devices) != partition.count or local != 1):
-            raise ValueError(f"data parallel: a job of {partition.count} processes runs one device per process; "
-                             f"this job has {len(devices)} devices, {local} in this process")
-        if partition.count == 1 and len(devices) < 2:
+    The mesh is ``[processes, devices per process]`` (axes :data:`AXIS` and :data:`LOCAL`): the
+    rows are split over every device, the state over the processes (``partition``: this
+    process's slice; ``(0, 1)``: one process owns it whole). A layer's gradient is reduce-scattered
+    over the processes and summed over each process's devices, and the first device of each
+    process sends its slice to the process's sink and fetches the layers the parameter source
+    serves (:meth:`GradientScatter.first_device`)."""
+
+    def __init__(self, partition: Partition, local_devices: Optional[int] = None):
+        """``local_devices``: the devices of each process the step uses (default: all of them;
+        1: the first of each)."""
+        local = jax.local_device_count() if local_devices is None else int(local_devices)
+        by_process: dict[int, list] = {}
+        for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+            by_process.setdefault(device.process_index, []).append(device)
+        if len(by_process) != partition.count or any(len(d) < local for d in by_process.values()):
+            raise ValueError(f"data parallel: a job of {partition.count} process(es) with {local} device(s) each; "
+                             f"this one has {len(by_process)} process(es) with "
+                             f"{sorted({len(d) for d in by_process.values()})} devices")
+        if partition.count * local < 2:
             raise ValueError("data parallel: one process needs several devices to share the rows")
         self.partition = partition
-        self.devices = len(devices)
-        self.scatter = GradientScatter(AXIS, self.devices, to_first=partition.count == 1)
-        self.mesh = Mesh(np.array(devices), (AXIS,))
+        self.local_devices = local
+        self.devices = partition.count * local
+        self.scatter = GradientScatter(AXIS, partition.count, local=LOCAL if local > 1 else None)
+        grid = np.array([by_process[p][:local] for p in sorted(by_process)])  # [processes, local]
+        self.mesh = Mesh(grid, (AXIS, LOCAL))
         self.replicated = NamedSharding(self.mesh, P())
         self.rows = NamedSharding(self.mesh, P(AXIS))
         self._columns = NamedSharding(self.mesh, P(None, AXIS))
-        self._gathers: dict = {}  # (shape, stacked) -> the jitted gather of one tensor
+        self._gathers: dict = {}  # (shape, layers) -> the jitted gather of one tensor
         self._broadcast = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, AXIS), mesh=self.mesh,
                                                 in_specs=P(AXIS), out_specs=P(), check_vma=False))
 
@@ -215,8 +227,8 @@ class JobReads:
 
 
 def _rows_spec(axis: int) -> P:
-    """Sharded over the processes (devices) on ``axis``, whole on the axes before it."""
-    return P(*([None] * axis), AXIS)
+    """Sharded over every device (process-major) on ``axis``, whole on the axes before it."""
+    return P(*([None] * axis), (AXIS, LOCAL))
 
 
 def local_value(x) -> np.ndarray:

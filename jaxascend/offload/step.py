@@ -251,7 +251,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     if source is not None and len(source.specs) != len(stacked_keys):
         raise ValueError(f"offload step: the parameter source serves {len(source.specs)} leaves, the layer "
                          f"stack has {len(stacked_keys)}")
-    abstract, gather = _stack_shapes(routing, source, data_parallel, whole_layers)
+    abstract, fetch = _stack_shapes(routing, source, data_parallel, whole_layers)
     bit_dtypes = tuple(bit_dtypes)
 
     def scaled_loss(probes, params, tokens, loss_scale, bit_dtypes):
@@ -260,7 +260,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
                  _OrderedSinkHooks(routing, sink, data_parallel.scatter))
         if abstract is not None:
             params = _with_abstract_stack(params, abstract)
-        layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, dict(bit_dtypes), gather)
+        layer_weights, table_block = _weight_hooks(routing, fetch, stacked_keys, dict(bit_dtypes))
         model = nnx.merge(graphdef, hooks.top_leaves(params, probes), rest)
         layer_hook = hooks.layer_hook(probes, layer_weights)
         if routing.table_uses:
@@ -274,7 +274,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     def local_step(params, tokens, loss_scale, bit_dtypes=()):
         (_, loss), stats = grad_of_probes(routing.probes(), params, tokens, loss_scale, bit_dtypes)
         if data_parallel is not None:  # each process's loss is its rows' share of the job's: the last collective
-            loss = jax.lax.psum(after(loss, token_of(stats)), data_parallel.scatter.axis)
+            loss = jax.lax.psum(after(loss, token_of(stats)), data_parallel.scatter.axes)
         return loss, stats
 
     if data_parallel is None:
@@ -286,9 +286,12 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
 
 
 def _stack_shapes(routing: SinkRouting, source, data_parallel, whole_layers):
-    """(the layer stack's abstract leaves, the gather of fetched slices or None) of a step whose
-    stack is read through ``source``: the model sees whole layers; in a job the source serves
-    this process's slice of each (``whole_layers`` given), all-gathered inside the step into them."""
+    """(the layer stack's abstract leaves, ``fetch(index)`` of one layer's whole weights) of a
+    step whose stack is read through ``source`` (else ``(None, None)``): the model sees whole
+    layers. Data parallel, the first device of each process fetches and its devices share the
+    bytes; in a job the source serves this process's slice of each layer (``whole_layers``
+    given), all-gathered inside the step into them. Each leaf's collectives follow the previous
+    leaf's (collective_order)."""
     if source is None:
         return None, None
     if whole_layers is None:
@@ -299,30 +302,43 @@ def _stack_shapes(routing: SinkRouting, source, data_parallel, whole_layers):
         layers = list(whole_layers)
     shapes = iter(layers)
     abstract = tuple(_stacked_spec(r.layers, next(shapes)) if r.layers else None for r in routing.routes)
-    if whole_layers is None:
-        return abstract, None
-    axis = data_parallel.scatter.axis
+    scatter = data_parallel.scatter if data_parallel is not None else None
+    shared = scatter is not None and scatter.local is not None
 
-    def gather(values):  # one leaf after the other (collective_order)
-        whole = after_each([x.reshape(-1) for x in values], None,
-                           lambda x: jax.lax.all_gather(x, axis, tiled=True))
+    def read(index):
+        return fetch_layer(source.handle, index, source.specs)
+
+    def collect(x):  # one leaf: from the first device of the process, then from every process
+        if shared:
+            x = jax.lax.all_gather(x, scatter.local)[0]
+        if whole_layers is not None:
+            x = jax.lax.all_gather(x.reshape(-1), scatter.axis, tiled=True)
+        return x
+
+    def fetch(index):
+        if not shared and whole_layers is None:
+            return read(index)
+        if shared:
+            values = scatter.first_device(lambda: tuple(read(index)),
+                                          lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in source.specs))
+        else:
+            values = read(index)
+        whole = after_each(list(values), None, collect)
         return [x[:math.prod(w.shape)].reshape(w.shape) for x, w in zip(whole, layers)]
 
-    return abstract, gather
+    return abstract, fetch
 
 
-def _weight_hooks(routing: SinkRouting, source, stacked_keys: list[str], float_dtypes: dict[str, str],
-                  gather=None):
+def _weight_hooks(routing: SinkRouting, fetch, stacked_keys: list[str], float_dtypes: dict[str, str]):
     """``(layer_weights(layer_params, index), table_block(block))``: a layer's real weights
-    inside the scan (fetched from the parameter source, or its slice back from raw bits) and a
-    token-table block back from raw bits; what both the training step and the evaluation use.
-    ``gather``: the whole layers from the fetched slices (a job, see :func:`_stack_shapes`)."""
+    inside the scan (``fetch(index)``: from the parameter source, see :func:`_stack_shapes`; or
+    its slice back from raw bits) and a token-table block back from raw bits; what both the
+    training step and the evaluation use."""
 
     def layer_weights(layer_params, index):
         fetched = {}
-        if source is not None:  # this layer's weights, read from SSD ahead of the ask
-            values = fetch_layer(source.handle, index, source.specs)
-            fetched = dict(zip(stacked_keys, gather(values) if gather is not None else values))
+        if fetch is not None:  # this layer's weights, read from SSD (host buffers) ahead of the ask
+            fetched = dict(zip(stacked_keys, fetch(index)))
 
         def one(path, x):
             key = "layer:" + jax.tree_util.keystr(path)
@@ -353,13 +369,13 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     ``data_parallel``: each process evaluates its rows of the batch (the job's global arrays);
     the sums are the job's (``whole_layers`` as for :func:`make_offload_step`)."""
     stacked_keys = [r.key for r in routing.routes if r.layers]
-    abstract, gather = _stack_shapes(routing, source, data_parallel, whole_layers)
+    abstract, fetch = _stack_shapes(routing, source, data_parallel, whole_layers)
 
     def local(params, batch, bit_dtypes=()):
         if abstract is not None:
             params = _with_abstract_stack(params, abstract)
         float_dtypes = dict(bit_dtypes)
-        layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, float_dtypes, gather)
+        layer_weights, table_block = _weight_hooks(routing, fetch, stacked_keys, float_dtypes)
         table_hook = (lambda block, use, index: table_block(block)) if routing.table_key in float_dtypes else None
         model = nnx.merge(graphdef, params, rest)
         return loss_sum_and_count(model, batch, layer_weights, table_hook)
@@ -367,7 +383,7 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     if data_parallel is None:
         return _OffloadStep(partial(jax.jit, static_argnames="bit_dtypes")(local), routing,
                             use_bits=not host_callbacks())
-    axis = data_parallel.scatter.axis
+    axis = data_parallel.scatter.axes
 
     def summed(params, batch):
         loss_sum, count = local(params, batch, tuple(bit_dtypes))
