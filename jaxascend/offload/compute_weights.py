@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxascend.offload.param_source import ParamSource
 from jaxascend.offload.partition import DataParallel, local_value
-from jaxascend.offload.state import OffloadedAdamState
+from jaxascend.offload.state import OffloadedAdamState, to_default_device
 from jaxascend.offload.step_plan import StepPlan
 
 
@@ -158,8 +158,12 @@ class ComputeWeights:
                                [self._state.leaves[i].layers for i in indices])
 
     def restore(self, leaves: list) -> None:
-        """The compute params of a restored checkpoint, whole (a host-served stack into its buffers)."""
+        """The compute params of a restored checkpoint, whole (a host-served stack into its buffers).
+        One device's are placed as an update places its new leaves (uncommitted): a restored
+        array committed to its device would make the next step compile once more."""
         leaves = list(leaves)
+        if self._dp is None:
+            leaves = [None if x is None else to_default_device(np.asarray(x)) for x in leaves]
         for index, buf in self.host.items():
             np.copyto(buf, self._host_buffer(self._state.leaves[index], np.asarray(leaves[index])))
             leaves[index] = None

@@ -35,6 +35,11 @@ class WeightReaders:
         self._index = {path: i for i, path in enumerate(paths)}
 
     @property
+    def paths(self) -> list[tuple[str, ...]]:
+        """Our parameter path of every leaf, in the state's leaf order (what the readers take)."""
+        return list(self._index)
+
+    @property
     def _is_reader(self) -> bool:
         return not self._partitioned or self._dp.partition.index == 0
 
