@@ -25,7 +25,7 @@ def _parse(text: str) -> dict[str, dict[str, tuple[str, list[str], list[str]]]]:
     for line in text.splitlines():
         header = _HEADER.match(line)
         if header and "=" not in line.split("{")[0].split("(")[0]:
-            current = comps.setdefault(header.group(1), {})
+            current = comps.setdefault("ENTRY" if line.startswith("ENTRY") else header.group(1), {})
             continue
         if line.strip() == "}":
             current = None
@@ -45,7 +45,8 @@ def _parse(text: str) -> dict[str, dict[str, tuple[str, list[str], list[str]]]]:
 
 def unordered_collectives(text: str) -> list[tuple[str, str, str]]:
     """``(computation, a, b)`` for every pair of collective-bearing instructions of one
-    computation that no data path orders (empty: every collective runs one at a time)."""
+    computation (``ENTRY``: the program's own) that no data path orders (empty: every
+    collective runs one at a time)."""
     comps = _parse(text)
     bearing: dict[str, bool] = {}
 
