@@ -7,6 +7,11 @@ then hand the same error back to the caller, which the CLI prints as one ``error
 small in-memory buffer (dropped at the end), jaxascend's own log records and Python warnings
 become one-line ``note: ...`` messages, and :func:`terminal` is where the progress bar, notes and
 errors go. ``JAXASCEND_DEBUG=1`` turns all of it off and shows everything, tracebacks included.
+
+The native runtime of a job writes to the process's own file descriptors, past ``sys.stderr``:
+gloo's ``[Gloo] Rank 0 is connected to 1 peer ranks...`` and XLA's preemption notifier's info and
+warning lines, in every job. :func:`runtime_noise` recognises them; ``jaxascend.launch`` leaves
+them out of the children's forwarded output (all of it under ``JAXASCEND_DEBUG=1``).
 """
 
 from __future__ import annotations
@@ -16,16 +21,30 @@ import gc
 import io
 import logging
 import os
+import re
 import sys
 import warnings
 from typing import Callable, Iterator, TextIO
 
 _terminal: TextIO | None = None  # the real stderr while one_line_output is active
+# gloo's connection line, and the info/warning lines of XLA's preemption notifier and sync manager
+# ("Cancelled call to retrieve preemption notice. This is expected upon program shutdown."), as absl
+# writes them ("W1203 07:45:00.123456  1234 preemption_notifier.cc:89] ...") or TSL's own logging
+# ("2026-12-03 07:45:00.123456: W external/xla/.../preemption_notifier.cc:89] ...").
+_RUNTIME_NOISE = re.compile(rb"^(?:\[Gloo\] Rank \d+ is connected to \d+ peer ranks"
+                            rb"|(?:[IW]\d{4} [\d:.]+\s+\d+ |\d{4}-\d\d-\d\d [\d:.]+: [IW] )"
+                            rb"\S*?\b(?:preemption_notifier|preemption_sync_manager)\.cc:\d+\])")
 
 
 def debugging() -> bool:
     """True when ``JAXASCEND_DEBUG`` asks for full tracebacks and library output."""
     return bool(os.environ.get("JAXASCEND_DEBUG"))
+
+
+def runtime_noise(line: bytes) -> bool:
+    """Whether ``line`` (as a child process wrote it) is one of the native runtime's lines that
+    every job prints (see the module doc); never under ``JAXASCEND_DEBUG``."""
+    return not debugging() and _RUNTIME_NOISE.match(line) is not None
 
 
 def terminal() -> TextIO:

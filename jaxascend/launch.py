@@ -13,7 +13,9 @@ reads ``JAX_COORDINATOR_ADDRESS`` itself but not the other two: the program pass
 
 The children's stdout and stderr come out on the launcher's, line by line (``\\r`` ends a line
 too, so progress bars move); with N > 1, lines of process ``i > 0`` start with ``[i] ``
-(process 0 is the one that logs). When a child exits non-zero or is killed by a signal, the
+(process 0 is the one that logs). The lines the native runtime prints in every job (gloo's
+``[Gloo] Rank 0 is connected ...``, XLA's preemption notifier's info and warnings:
+:func:`jaxascend.console.runtime_noise`) are left out, unless ``JAXASCEND_DEBUG=1``. When a child exits non-zero or is killed by a signal, the
 others get SIGTERM, then SIGKILL after ``--grace-seconds``, and the launcher exits with that
 child's status (128 + signal when killed) after one line on stderr,
 ``error: process 1 exited with status 3: <its last stderr line>``. SIGINT, SIGTERM, SIGUSR1 or
@@ -161,6 +163,8 @@ class _Pipe:
         self.pending = rest
 
     def _forward(self, piece: bytes) -> None:
+        if self.at_line_start and console.runtime_noise(piece):
+            return  # a whole line of the runtime's (its line end included)
         self.sink.write(self.prefix + piece if self.at_line_start else piece)
         self.at_line_start = piece.endswith((b"\n", b"\r"))
         self.ended_with_cr = piece.endswith(b"\r")

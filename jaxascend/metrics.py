@@ -6,6 +6,7 @@ where the (few) host<->device syncs happen.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -17,6 +18,7 @@ import psutil
 from tqdm import tqdm
 
 from jaxascend import console
+from jaxascend.reporting import Reporter
 
 GIB = 2**30
 
@@ -54,11 +56,14 @@ class MetricsLog:
     ``resumed_from``: the step the run continues from (0: a fresh start). Records of later steps
     (written before the run was interrupted, and about to be written again) move to
     ``metrics.superseded.jsonl``, so ``metrics.jsonl`` always holds one curve. ``enabled=False``
-    (the processes of a job other than process 0) writes nothing.
+    (the processes of a job other than process 0) writes nothing. ``reporter``: where each record
+    goes too (TensorBoard, W&B: ``train.report_to``).
     """
 
-    def __init__(self, out_dir: Path, resumed_from: int = 0, enabled: bool = True):
+    def __init__(self, out_dir: Path, resumed_from: int = 0, enabled: bool = True,
+                 reporter: Optional[Reporter] = None):
         self._file: Optional[TextIO] = None
+        self._reporter = reporter
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -71,6 +76,8 @@ class MetricsLog:
         if self._file is not None:
             self._file.write(json.dumps(record, sort_keys=True) + "\n")
             self._file.flush()
+            if self._reporter is not None:
+                self._reporter.write(record)
 
     def close(self) -> None:
         if self._file is not None:
@@ -126,16 +133,67 @@ class Progress:
         self._bar.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class SteadyRate:
+    """Tokens per second over the steps after the one that compiled (``first``..``last``)."""
+
+    tokens_per_s: float
+    first: int  # the first step measured
+    last: int
+    compiled: int  # the step left out: the invocation's first, which compiled the step functions
+
+    def describe(self) -> str:
+        """``"982 (steps 2-10; step 1 compiled)"``."""
+        steps = f"step {self.first}" if self.first == self.last else f"steps {self.first}-{self.last}"
+        return f"{self.tokens_per_s:,.0f} ({steps}; step {self.compiled} compiled)"
+
+
+def describe_rate(rate: Optional[SteadyRate], compiled: int) -> str:
+    """The summary's tokens/s: :meth:`SteadyRate.describe`, or why there is none (``compiled``:
+    the invocation's only step)."""
+    if rate is None:
+        return f"not measured: this run's only step ({compiled}) compiled the step functions"
+    return rate.describe()
+
+
 class Throughput:
-    """Tokens per second between two logging points, measured on the host clock."""
+    """Tokens per second on the host clock: between two logging points (:meth:`rate`, the
+    progress bar's), and from the end of the invocation's first step, which compiles the step
+    functions, to the last logging point (:meth:`steady`, the summary's), evaluations left out."""
 
     def __init__(self):
         self._t0 = time.perf_counter()
         self._start = self._t0
         self._tokens = 0
+        self._total = 0  # tokens of every step added
+        self._compiled: Optional[tuple[int, float, int]] = None  # (step, time, total tokens) at its end
+        self._mark: Optional[tuple[int, float, int, float]] = None  # the same at the last logging point, and
+        self._excluded = 0.0  # the seconds since the compiled step that were not training (up to it)
 
     def add(self, tokens: int) -> None:
         self._tokens += tokens
+        self._total += tokens
+
+    def compiled(self, step: int) -> None:
+        """The invocation's first step (``step``) has finished: the steady measure starts here."""
+        self._compiled = (step, time.perf_counter(), self._total)
+
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` of the window were no training (a held-out evaluation)."""
+        self._excluded += seconds
+
+    def mark(self, step: int) -> None:
+        """A logging point after ``step`` (its result fetched): the steady measure ends here so far."""
+        self._mark = (step, time.perf_counter(), self._total, self._excluded)
+
+    def steady(self) -> Optional[SteadyRate]:
+        """Tokens/s from the end of the compiled step to the last :meth:`mark`; None without a step
+        after the compiled one."""
+        if self._compiled is None or self._mark is None or self._mark[0] <= self._compiled[0]:
+            return None
+        (first, t0, tokens0), (last, t1, tokens1, excluded) = self._compiled, self._mark
+        seconds = max(t1 - t0 - excluded, 1e-9)
+        return SteadyRate((tokens1 - tokens0) / seconds, first + 1, last, first)
 
     def rate(self) -> float:
         """Tokens/s since the last call; resets the window."""

@@ -20,7 +20,10 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jaxascend.plan", description=__doc__.splitlines()[0])
+    from jaxascend.config import sections_help  # no JAX: --help stays fast
+
+    parser = argparse.ArgumentParser(prog="python -m jaxascend.plan", description=__doc__.splitlines()[0],
+                                     epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/qwen2.5-3b.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override one config field (repeatable), e.g. --set offload.params=ssd")

@@ -21,10 +21,11 @@ from typing import Any, Optional
 from jaxascend.config import Config, ConfigError, ModelConfig
 from jaxascend.data import (eval_batches, has_tokenizer_files, load_tokenizer, make_batch_stream, missing_paths,
                             tokenizer_folder)
-from jaxascend.hf import model_config_from_hf
+from jaxascend.hf import model_config_from_hf, param_plan
 from jaxascend.models import TokenBatch, token_batch
 from jaxascend.offload import JobShape, RunPlan, StepPlan
 from jaxascend.offload import resolve as plan_resolve
+from jaxascend.optim import check_decay_rule
 
 
 def resolve_model_config(cfg: Config) -> ModelConfig:
@@ -140,6 +141,8 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     inputs = read_inputs(cfg) if inputs is None else inputs
     model_cfg = inputs.model_cfg
     sized = dataclasses.replace(model_cfg, vocab_size=vocabulary_size(cfg, model_cfg, inputs.tokenizer))
+    opt = cfg.optimizer  # a weight_decay_mask regex that matches no parameter is refused here
+    check_decay_rule(opt.weight_decay_mask, [m.dotted for m in param_plan(sized)], opt.weight_decay)
     # offload.params auto -> resident or ssd; host memory and disk by part (the runtime part
     # measured here, after the tokenizer and the data index; estimated for those not read).
     cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete, processes=job.processes)

@@ -13,8 +13,12 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jaxascend.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/tiny.yaml")
+    from jaxascend.config import sections_help  # no JAX: --help stays fast
+
+    parser = argparse.ArgumentParser(prog="python -m jaxascend.train", epilog=sections_help(),
+                                     description="Trains or fine-tunes a model as a YAML run config says.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/tiny.yaml (see configs/)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override one config field (repeatable), e.g. --set train.steps=20")
     return parser.parse_args(argv)

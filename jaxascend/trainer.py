@@ -31,10 +31,11 @@ from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, ex
                           load_hf_model, save_params)
 from jaxascend.generation import SamplePrompts
 from jaxascend.in_memory_engine import InMemoryEngine
-from jaxascend.metrics import MetricsLog, format_bytes, peak_rss_bytes, summary_table
+from jaxascend.metrics import MetricsLog, describe_rate, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.models import count_params
 from jaxascend.offload import JobShape, OffloadEngine, StepPlan, write_timeline_png
 from jaxascend.preparation import PreparedRun, prepare_run
+from jaxascend.reporting import Reporter
 from jaxascend.resuming import resume_point, with_schedule
 from jaxascend.stopping import StopSignals
 from jaxascend.training_loop import LoopSettings, TrainingLoop, tokens_per_step
@@ -54,7 +55,10 @@ class TrainResult:
     num_params: int
     peak_rss_bytes: int
     peak_page_cache_bytes: int  # page cache held by the offload files (buffered I/O hides memory there)
-    tokens_per_s: float
+    # Tokens per second after the invocation's first step (which compiles the step functions),
+    # evaluations left out; None when the invocation ran one step. tokens_per_s_steps: the steps
+    # measured; tokens_per_s_with_compile: over every step, the wall clock from the loop's start.
+    tokens_per_s: Optional[float]
     engine: str  # "in-memory" or "offload"
     skipped_steps: int  # overflowed steps (fp16), state untouched
     arena_capacity_bytes: int
@@ -71,6 +75,8 @@ class TrainResult:
     steps_this_run: int = 0  # steps this invocation ran (skipped ones included)
     state_dtype: str = "float32"  # how the optimizer's moments were stored (optimizer.state_dtype)
     offload_files: str = "none"  # removed at the end (the final checkpoint holds the state), or kept
+    tokens_per_s_steps: Optional[list[int]] = None  # [first, last] step of tokens_per_s
+    tokens_per_s_with_compile: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +181,9 @@ def _run(cfg: Config, group) -> TrainResult:
     with StopSignals(cfg.train.stop_signals, newest=lambda: _newest_checkpoint(point.directory)) as signals:
         engine = _build(r)
         with engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
-                MetricsLog(r.out_dir, resumed_from=point.step, enabled=r.main) as log, \
+                Reporter(cfg.train.report_to, r.out_dir, run_config=cfg.to_dict(), resumed_from=point.step,
+                         enabled=r.main) as reporter, \
+                MetricsLog(r.out_dir, resumed_from=point.step, enabled=r.main, reporter=reporter) as log, \
                 MemorySampler(engine.shard_files, interval=0.2) as memory:
             if r.main:
                 (r.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -184,7 +192,7 @@ def _run(cfg: Config, group) -> TrainResult:
             loop = TrainingLoop(_loop_settings(r, ckpt), engine, ckpt, log, memory, signals)
             throughput, final_eval = loop.train(stream, losses)
             ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
-            _save_and_sample(r, engine, samples)
+            _save_and_sample(r, engine, samples, reporter)
             report = engine.report()
             shard_files = engine.shard_files()
             if r.main:
@@ -192,9 +200,12 @@ def _run(cfg: Config, group) -> TrainResult:
     offload_files = _remove_offload_files(cfg, shard_files) if prepared.step.engine == "offload" else "none"
     start = point.step
     tokens = (r.last - start) * tokens_per_step(cfg)
+    steady = throughput.steady()
     result = TrainResult(steps=len(losses), losses=losses, num_params=r.num_params,
                          peak_rss_bytes=peak_rss_bytes(), peak_page_cache_bytes=memory.peak_page_cache,
-                         tokens_per_s=tokens / max(throughput.elapsed(), 1e-9), engine=engine.name,
+                         tokens_per_s=steady.tokens_per_s if steady else None,
+                         tokens_per_s_steps=[steady.first, steady.last] if steady else None,
+                         tokens_per_s_with_compile=tokens / max(throughput.elapsed(), 1e-9), engine=engine.name,
                          skipped_steps=report.skipped_steps,
                          arena_capacity_bytes=report.arena_capacity_bytes or 0,
                          arena_high_water_bytes=report.arena_high_water_bytes or 0,
@@ -207,7 +218,7 @@ def _run(cfg: Config, group) -> TrainResult:
                          offload_files=offload_files)
     if r.main:
         (r.out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
-        print(_summary(result, report))
+        print(_summary(result, report, describe_rate(steady, start + 1)))
     return result
 
 
@@ -272,7 +283,7 @@ def _finished_result(cfg: Config, point) -> TrainResult:
     """What a run that had nothing left to do reports (it wrote nothing)."""
     losses = list(point.meta.get("losses", []))
     return TrainResult(steps=len(losses), losses=losses, num_params=0, peak_rss_bytes=peak_rss_bytes(),
-                       peak_page_cache_bytes=0, tokens_per_s=0.0, engine="offload" if cfg.offload.enabled else "in-memory",
+                       peak_page_cache_bytes=0, tokens_per_s=None, engine="offload" if cfg.offload.enabled else "in-memory",
                        skipped_steps=0, arena_capacity_bytes=0, arena_high_water_bytes=0, ssd_bytes_read=0,
                        ssd_bytes_written=0, out_dir=cfg.train.out_dir, offload_files="untouched")
 
@@ -291,8 +302,9 @@ def _remove_offload_files(cfg: Config, shard_files: list[str]) -> str:
     return f"removed from {cfg.offload.dir} (the final checkpoint holds the state; offload.keep_files keeps them)"
 
 
-def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts]) -> None:
-    """The run's weights (``params.safetensors``, an export) and its answers to ``eval.sample_prompts``."""
+def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts], reporter: Reporter) -> None:
+    """The run's weights (``params.safetensors``, an export) and its answers to ``eval.sample_prompts``
+    (``samples.json``, the terminal, and TensorBoard / W&B as text)."""
     cfg = r.cfg
     if cfg.export.save_params or cfg.export.enabled:  # fp32 master weights, one tensor at a time
         with engine.exported_weights() as weights:  # a job's other processes serve their slices
@@ -301,8 +313,10 @@ def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts]) 
     if samples is not None:  # the trained model answers eval.sample_prompts (on process 0)
         with engine.sampled_weights() as weights:  # a job's other processes serve their slices
             if weights is not None:
-                _write_samples(samples.generate(r.origin.model_config, weights, r.prepared.tokenizer,
-                                                stream_layers=r.streamed), r.out_dir)
+                results = samples.generate(r.origin.model_config, weights, r.prepared.tokenizer,
+                                           stream_layers=r.streamed)
+                _write_samples(results, r.out_dir)
+                reporter.samples(results, r.last)
 
 def _write_timeline(data: Optional[dict], out_dir: Path) -> None:
     """The last update's timeline (which thread did what, when): timeline.json, and timeline.png
@@ -321,7 +335,7 @@ def _write_samples(results: list[dict], out_dir: Path) -> None:
         print(f"> {r['prompt']}\n{r['completion']}")
 
 
-def _summary(r: TrainResult, report: EngineReport) -> str:
+def _summary(r: TrainResult, report: EngineReport, rate: str) -> str:
     processes, devices = report.data_parallel_processes, report.data_parallel_devices
     rows = [
         ("engine", r.engine + (f" (data parallel over {processes} processes"
@@ -333,7 +347,7 @@ def _summary(r: TrainResult, report: EngineReport) -> str:
         ("loss first -> last", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),
         *([("held-out loss (perplexity)", f"{r.eval_loss:.4f} ({math.exp(min(r.eval_loss, 700.0)):.2f})")]
           if r.eval_loss is not None else []),
-        ("tokens/s", f"{r.tokens_per_s:,.0f}"),
+        ("tokens/s", rate),
         ("peak host memory (RSS)", f"{format_bytes(r.peak_rss_bytes)} ({r.peak_rss_bytes / r.num_params:.1f} B/param)"),
         ("peak page cache of offload files", format_bytes(r.peak_page_cache_bytes)),
     ]

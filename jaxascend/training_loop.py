@@ -92,6 +92,9 @@ class TrainingLoop:
                 batch = step_batch([next(stream) for _ in range(cfg.train.grad_accum)])
                 pending.append(self.engine.step(batch))
                 throughput.add(tokens_per_step(cfg))
+                if step == self.s.start + 1:  # SYNC: this step compiled; the summary's tokens/s starts after it
+                    pending[-1] = pending[-1].fetched()
+                    throughput.compiled(step)
                 kill_point("step_end")  # tests: a signal at the step boundary
                 stopping, clock_due = self._boundary()
                 evaluating = bool(held_out) and (step == self.s.last or (cfg.eval.every_steps > 0
@@ -103,9 +106,11 @@ class TrainingLoop:
                 fetched = [result.fetched() for result in pending]  # SYNC: the steps dispatched since the last log
                 pending.clear()
                 losses.extend(result.loss for result in fetched)
+                throughput.mark(step)
                 record = self._record(step, fetched[-1], throughput, stream)
                 if evaluating:  # SYNC: the held-out loss on the weights after this step's update
                     final_eval = evaluate(self.engine, held_out)
+                    throughput.exclude(final_eval["eval_seconds"])
                     record.update(final_eval)
                 self.log.write(record)
                 progress.update(1, record)

@@ -65,6 +65,11 @@ def cases() -> dict[str, dict]:
     for seq in (1024, 4096):
         out[f"qwen0.5B-{seq}-blocked"] = {"shape": "0.5B", "checkpoint": "0.5B", "steps": 2, "sets": QWEN + [
             f"data.seq_len={seq}", "offload.params=resident", "model.attention=blockwise", "model.loss=blocked"]}
+    # vertical micro-batches: the layer boundaries of all A x B rows, one micro-batch's layer
+    out["tiny-512-full-a4"] = {"shape": "tiny", "steps": 3, "sets": TINY + [
+        "data.seq_len=512", "data.batch_size=4", "train.grad_accum=4", "model.remat=full", "model.attention=dense"]}
+    out["qwen0.5B-512-ssd-a8"] = {"shape": "0.5B", "checkpoint": "0.5B", "steps": 2, "sets": QWEN + [
+        "data.seq_len=512", "offload.params=ssd", "train.grad_accum=8"]}
     return out
 
 

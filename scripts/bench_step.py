@@ -388,6 +388,7 @@ def run_round(k: int, contenders: list[str], args, work: Path) -> dict:
         print(f"round {k}: disk {result['disk']}", file=sys.stderr)
     for mode in order:
         result[mode] = run_deepspeed(args, round_dir) if mode == "deepspeed" else run_jaxascend(mode, args, round_dir)
+        result[mode]["load_avg"] = list(os.getloadavg())  # the machine is shared: how busy it was
         print(f"round {k}, A={args.grad_accum}: {mode} step {statistics.median(result[mode]['periods']):.2f} s, "
               f"peak RSS {result[mode]['peak_rss_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
     shutil.rmtree(round_dir, ignore_errors=True)

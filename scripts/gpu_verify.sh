@@ -5,7 +5,8 @@
 #      round trip through it (scripts/gpu_check.sh);
 #   2. the pytest files whose code paths differ on a GPU: pinned arena, the gradient sink's
 #      device->host path inside a GPU backward pass, instant offload on the real models, the
-#      "offload" remat policy (device -> pinned_host activations);
+#      "offload" remat policy (device -> pinned_host activations), vertical micro-batches
+#      (train.grad_accum: each layer's A micro-batches in turn, their gradient summed in float32);
 #   3. a short offloaded training run with the compute params on the GPU;
 #   4. the same run with offload.params: ssd (the parameter source's host callback feeding each
 #      layer to the device) against the resident run: the losses must be equal;
@@ -36,7 +37,9 @@ bash scripts/gpu_check.sh 256 2>&1 | tee "$out/pinned_check.txt"
 echo "== pytest on the GPU backend"
 $py -m pytest -p no:cacheprovider -q -rs tests/ssd/test_arena.py tests/offload/test_grad_sink.py tests/offload/test_step.py \
     "tests/models/test_models.py::test_remat_policy_matches_no_remat" \
-    "tests/offload/test_streamed_params.py::test_streamed_weights_match_resident_bit_for_bit" 2>&1 | tee "$out/pytest.txt" | tail -25
+    "tests/offload/test_streamed_params.py::test_streamed_weights_match_resident_bit_for_bit" \
+    "tests/offload/test_vertical_micro_batches.py::test_vertical_micro_batches_equal_one_batch_of_all_rows" \
+    2>&1 | tee "$out/pytest.txt" | tail -25
 echo "== offloaded training, compute params on the GPU"
 rm -rf /tmp/gpu_run
 $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=20 --set train.log_every=5 --set optimizer.warmup_steps=5 \

@@ -55,8 +55,10 @@ def test_int_widens_to_float(data_file, tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("model.hiden_size=4", r"^model\.hiden_size: unknown key \(allowed: path, arch,"),
+        ("model.hiden_size=4", r"^model\.hiden_size: unknown key; did you mean 'hidden_size'\? \(allowed: path, arch,"),
+        ("optimiser.b1=0.8", r"^optimiser: unknown section; did you mean 'optimizer'\? \(allowed: model, data,"),
         ("nosuch.x=1", r"^nosuch: unknown section \(allowed: model, data,"),
+        ("model.zzz=1", r"^model\.zzz: unknown key \(allowed: path, arch,"),
         ("train.steps=abc", r"^train\.steps: expected an integer, got 'abc'$"),
         ("train.steps=1.5", r"^train\.steps: expected an integer, got 1\.5$"),
         ("train.steps=0", r"^train\.steps: must be >= 1, got 0$"),

@@ -151,6 +151,32 @@ def test_a_line_end_split_between_two_reads_is_one_line_end():
     assert pipe.last_line == "c"
 
 
+RUNTIME_LINES = [
+    b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+    b"W1203 07:45:00.123456    4242 preemption_notifier.cc:89] SIGTERM caught at 2026-12-03T07:45:00\n",
+    b"I0000 00:00:1733212345.123456   12345 preemption_sync_manager.cc:170] Shutting down PreemptionSyncManager...\n",
+    b"2026-12-03 07:45:00.123456: W external/xla/xla/tsl/distributed_runtime/preemption/preemption_notifier.cc:89] "
+    b"Cancelled call to retrieve preemption notice. This is expected upon program shutdown.\n",
+]
+
+
+def test_the_runtimes_lines_of_every_job_are_left_out(monkeypatch):
+    monkeypatch.delenv("JAXASCEND_DEBUG", raising=False)
+    out = io.TextIOWrapper(io.BytesIO())
+    pipe = _Pipe(io.BytesIO(), _Sink(out), b"[1] ")
+    kept = [b"loss 3.2\n", b"E1203 07:45:00.123456    4242 preemption_notifier.cc:95] an error stays\n",
+            b"note: [Gloo] Rank 0 is connected ... quoted is no runtime line\n"]
+    pipe.feed(b"".join(RUNTIME_LINES[:2] + kept[:1] + RUNTIME_LINES[2:] + kept[1:]))
+    pipe.feed(b"")
+    assert out.buffer.getvalue() == b"".join(b"[1] " + line for line in kept)
+    monkeypatch.setenv("JAXASCEND_DEBUG", "1")  # everything, as printed
+    out = io.TextIOWrapper(io.BytesIO())
+    pipe = _Pipe(io.BytesIO(), _Sink(out), b"")
+    pipe.feed(b"".join(RUNTIME_LINES))
+    pipe.feed(b"")
+    assert out.buffer.getvalue() == b"".join(RUNTIME_LINES)
+
+
 def test_large_output_on_both_pipes_does_not_deadlock(tmp_path):
     # Each child fills one pipe, then the other, in turns: a launcher reading one pipe at a time
     # would wait on it forever while the child waits on the other, full one.
@@ -247,9 +273,13 @@ def test_a_signal_to_the_launcher_stops_every_child_and_what_they_started(tmp_pa
         signal.signal(signal.SIGINT, lambda *_: sys.exit(130))  # a stop on SIGINT, as jaxascend.train's
         if {ignore_term}:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        sub = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
-                                "signal.signal(signal.SIGINT, lambda *_: sys.exit(130)); time.sleep(60)"])
-        write_pid(os.path.join({str(tmp_path)!r}, f"sub{{RANK}}"), sub.pid)
+        # the grandchild writes its pid once its handler is installed: a signal before would kill it
+        # by Python's default SIGINT handling, not stop it (under load its start-up takes a while)
+        ready = os.path.join({str(tmp_path)!r}, f"sub{{RANK}}")
+        sub = subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time; "
+                                "signal.signal(signal.SIGINT, lambda *_: sys.exit(130)); "
+                                f"open({{ready + '.tmp'!r}}, 'w').write(str(os.getpid()) + chr(10)); "
+                                f"os.replace({{ready + '.tmp'!r}}, {{ready!r}}); time.sleep(60)"])
         write_pid(os.path.join({str(tmp_path)!r}, f"pid{{RANK}}"))
         time.sleep(60)
     """)
@@ -353,3 +383,4 @@ def test_two_processes_psum_over_jax_distributed(tmp_path):
     proc = run_cli("--nproc", "2", "--grace-seconds", "2", "--", str(child), timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(line for line in proc.stdout.splitlines() if "psum" in line) == ["[1] psum 2 3", "psum 2 3"]
+    assert "[Gloo]" not in proc.stdout + proc.stderr  # gloo's connection lines are left out

@@ -27,7 +27,7 @@ def test_importing_the_config_loads_no_jax(code):
     assert _loaded_heavy(code) == []
 
 
-@pytest.mark.parametrize("cli", ["jaxascend.train", "jaxascend.plan"])
+@pytest.mark.parametrize("cli", ["jaxascend.train", "jaxascend.plan", "jaxascend.config"])
 def test_help_imports_no_jax(cli):
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", cli, "--help"],
                           capture_output=True, text=True, timeout=120)

@@ -36,6 +36,8 @@ def test_readme_import_resolves(module, name):
 @pytest.mark.parametrize("module", sorted(set(re.findall(r"python -m (jaxascend[\w.]*)", README))))
 def test_readme_cli_module_has_main(module):
     mod = importlib.import_module(module)
+    if hasattr(mod, "__path__"):  # a package runs its __main__ module
+        mod = importlib.import_module(module + ".__main__")
     assert callable(getattr(mod, "main", None)), f"README: `python -m {module}` has no main()"
 
 

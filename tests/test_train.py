@@ -44,6 +44,11 @@ def test_cli_has_a_pulse(tmp_path, corpus):
     for r in lines:
         assert np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["peak_rss_bytes"] > 0
     assert "loss first -> last" in proc.stdout
+    # The summary's tokens/s leaves out the first step, which compiled, and says so.
+    assert any(line.startswith("tokens/s ") and line.endswith("(step 2; step 1 compiled)")
+               for line in proc.stdout.splitlines()), proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens_per_s"] > 0 and summary["tokens_per_s_steps"] == [2, 2]
     assert (out / "summary.json").exists() and (out / "config.yaml").exists()
     # Every choice the user did not ask for is one note line on stderr, and the plan records it.
     notes = proc.stderr.strip().splitlines()

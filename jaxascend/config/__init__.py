@@ -8,17 +8,20 @@ Every problem (unknown key, wrong type, out-of-range value, missing file) raises
 * :mod:`~jaxascend.config.values` -- :class:`ConfigError`, byte sizes, range checks, dtype names;
 * :mod:`~jaxascend.config.model` -- :class:`ModelConfig` and the RoPE scaling checks;
 * :mod:`~jaxascend.config.sections` -- the other sections and :class:`Config`;
-* :mod:`~jaxascend.config.loading` -- YAML, ``--set`` overrides, coercion, cross-section checks.
+* :mod:`~jaxascend.config.loading` -- YAML, ``--set`` overrides, coercion, cross-section checks;
+* :mod:`~jaxascend.config.field_docs` -- every field's type, default and meaning, from the source
+  (``python -m jaxascend.config`` prints them).
 """
 
-from jaxascend.config.loading import check_param_placement, load_config
+from jaxascend.config.field_docs import sections_help
+from jaxascend.config.loading import check_param_placement, check_report_backends, load_config
 from jaxascend.config.model import LAYER_TYPES, ModelConfig, ROPE_TYPES, validate_rope_scaling
 from jaxascend.config.sections import (CheckpointConfig, Config, DataConfig, DistributedConfig, OffloadConfig,
                                        OptimizerConfig, TrainConfig)
 from jaxascend.config.values import ConfigError, parse_bytes
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "LAYER_TYPES", "ModelConfig",
-    "OffloadConfig", "OptimizerConfig", "ROPE_TYPES", "TrainConfig", "check_param_placement", "load_config",
-    "parse_bytes", "validate_rope_scaling",
+    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "LAYER_TYPES",
+    "ModelConfig", "OffloadConfig", "OptimizerConfig", "ROPE_TYPES", "TrainConfig", "check_param_placement",
+    "check_report_backends", "load_config", "parse_bytes", "sections_help", "validate_rope_scaling",
 ]

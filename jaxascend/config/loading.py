@@ -4,6 +4,7 @@ coercion with one-line errors, and the checks that need several sections at once
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import types
@@ -13,24 +14,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from jaxascend.config.sections import Config
-from jaxascend.config.values import ConfigError
-
-
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    if tp is type(None):
-        return "null"
-    if tp is Any:
-        return "any value"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true/false",
-            dict: "a mapping"}.get(tp, getattr(tp, "__name__", str(tp)))
+from jaxascend.config.sections import REPORT_BACKENDS, Config
+from jaxascend.config.values import ConfigError, did_you_mean, type_text
 
 
 def _coerce(value: Any, tp, name: str) -> Any:
@@ -52,17 +37,18 @@ def _coerce(value: Any, tp, name: str) -> Any:
                 return _coerce(value, arg, name)
             except ConfigError:
                 continue
-        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{name}: expected {type_text(tp)}, got {value!r}")
     if origin is Literal:
         if value in typing.get_args(tp) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+        close = did_you_mean(value, [str(a) for a in typing.get_args(tp)]) if isinstance(value, str) else ""
+        raise ConfigError(f"{name}: expected {type_text(tp)}, got {value!r}{close}")
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):  # a single path is a list of one
             value = [value]
         if not isinstance(value, list):
-            raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{name}: expected {type_text(tp)}, got {value!r}")
         return [_coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
@@ -84,7 +70,7 @@ def _coerce(value: Any, tp, name: str) -> Any:
             return value
     elif dataclasses.is_dataclass(tp):
         return _build(tp, value, name)
-    raise ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{name}: expected {type_text(tp)}, got {value!r}")
 
 
 def _build(cls, data: Any, prefix: str):
@@ -98,7 +84,7 @@ def _build(cls, data: Any, prefix: str):
     for key, value in data.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
-            raise ConfigError(f"{full}: unknown key (allowed: {', '.join(names)})")
+            raise ConfigError(f"{full}: unknown key{did_you_mean(str(key), names)} (allowed: {', '.join(names)})")
         kwargs[key] = _coerce(value, hints[key], full)
     try:
         return cls(**kwargs)
@@ -128,8 +114,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ConfigError(f"--set {key!r}: expected section.field (e.g. train.steps)")
         section, fld = parts
         if section not in {f.name for f in dataclasses.fields(Config)}:
-            allowed = ", ".join(f.name for f in dataclasses.fields(Config))
-            raise ConfigError(f"{section}: unknown section (allowed: {allowed})")
+            names = [f.name for f in dataclasses.fields(Config)]
+            raise ConfigError(f"{section}: unknown section{did_you_mean(section, names)} (allowed: {', '.join(names)})")
         data.setdefault(section, {})
         if data[section] is None:
             data[section] = {}
@@ -147,8 +133,18 @@ def config_from_dict(data: dict, inputs: bool = True) -> Config:
     return cfg
 
 
+def check_report_backends(report_to: list[str]) -> None:
+    """Refuses a ``train.report_to`` entry whose package is not installed (one line naming the pip command)."""
+    for name in report_to:
+        module, pip = REPORT_BACKENDS[name]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"train.report_to: {name!r} needs the {module} package, which is not installed: {pip}")
+
+
 def check_inputs_exist(cfg: Config) -> None:
-    """Refuses data, held-out data, a chat template or a tokenizer folder that is not on disk."""
+    """Refuses data, held-out data, a chat template or a tokenizer folder that is not on disk, and
+    a ``train.report_to`` whose package is not installed."""
+    check_report_backends(cfg.train.report_to)
     for p in cfg.data.paths:
         if p != "@stdlib" and not os.path.exists(os.path.expanduser(p)):
             raise ConfigError(f"data.paths: {p!r} does not exist")

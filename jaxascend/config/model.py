@@ -33,20 +33,21 @@ class ModelConfig:
     """Architecture and numerics of the model. Field names follow Hugging Face's config.json."""
 
     path: Optional[str] = None  # Hugging Face folder (config.json + safetensors); overrides the shape fields
+    # The model family (jaxascend.models): llama also serves Qwen2, Mistral, Qwen3 and Phi-3 through switches.
     arch: Literal["llama", "qwen2", "mistral", "gpt2", "gemma3", "qwen3", "phi3"] = "llama"
     vocab_size: int = 0  # 0: take it from the tokenizer
-    hidden_size: int = 256
-    intermediate_size: int = 688
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
+    hidden_size: int = 256  # width of the residual stream
+    intermediate_size: int = 688  # width of the MLP's hidden layer
+    num_hidden_layers: int = 4  # decoder layers (stacked along one axis, run under lax.scan)
+    num_attention_heads: int = 8  # query heads
+    num_key_value_heads: int = 4  # key/value heads (grouped-query attention); must divide the query heads
     head_dim: Optional[int] = None  # None: hidden_size // num_attention_heads
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = 1e-5  # RMSNorm eps (every family but GPT-2)
     layer_norm_epsilon: float = 1e-5  # GPT-2's LayerNorm eps
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # RoPE base
     rope_scaling: Optional[dict] = None  # HF rope_scaling, e.g. {rope_type: llama3, factor: 8.0, ...}
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 2048  # longest sequence the model takes (data.seq_len must fit)
+    tie_word_embeddings: bool = True  # the LM head is the token table (no separate lm_head.kernel)
     attention_bias: bool = False  # q/k/v bias (Qwen2)
     sliding_window: Optional[int] = None  # Mistral: a query sees at most this many keys (itself included)
     # Gemma 3: per layer, "sliding_attention" (sliding_window applies) or "full_attention".
@@ -55,19 +56,21 @@ class ModelConfig:
     # Gemma 3: RoPE base of the sliding layers (None: 10000); rope_theta and rope_scaling are the
     # full layers'. Scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
     rope_local_theta: Optional[float] = None
-    query_pre_attn_scalar: Optional[int] = None  # an int, as transformers requires
+    query_pre_attn_scalar: Optional[int] = None  # Gemma 3 (see above); an int, as transformers requires
     final_logit_softcapping: Optional[float] = None  # Gemma 3: logits = c * tanh(logits / c)
     # Phi-3 family: RoPE rotates the first int(head_dim * partial_rotary_factor) dims of each head.
     partial_rotary_factor: float = 1.0
     hidden_act: Optional[HiddenAct] = None  # None: the architecture's own (silu; gpt2: gelu_new)
     dtype: DType = "bfloat16"  # compute dtype of forward/backward
     param_dtype: DType = "float32"  # dtype the in-memory optimizer keeps parameters in
+    # Recomputation in the backward: none, full (each layer recomputed), dots / dots_no_batch (matmul
+    # outputs kept), offload (activations to pinned host memory on a GPU).
     remat: RematPolicy = "none"
     # "auto": blockwise attention (memory linear in the row length) for long rows, dense below.
     attention: AttentionImpl = "auto"
     # "auto": the head and loss in blocks (the logits never whole) for large batch x length x vocabulary.
     loss: LossImpl = "auto"
-    init_std: float = 0.02
+    init_std: float = 0.02  # standard deviation of the random init (runs from scratch)
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
@@ -15,34 +16,36 @@ from jaxascend.config.values import ConfigError, DType, check_range, parse_bytes
 class DataConfig:
     """Where text comes from, how it is tokenized and packed into batches."""
 
-    # Files or directories of .txt / .jsonl (and, for the tiny default, .py) files.
-    # "@stdlib" stands for the running Python's standard library folder.
+    # Files or directories of UTF-8 text (.txt; for the tiny default, .py), .jsonl, .parquet and
+    # .arrow files, and Hugging Face datasets folders (save_to_disk). "@stdlib" stands for the
+    # running Python's standard library folder.
     paths: list[str] = field(default_factory=list)
-    include: list[str] = field(default_factory=lambda: ["*.txt", "*.jsonl"])  # globs inside directories
-    text_field: str = "text"  # JSONL field holding the text
+    # globs inside directories (a datasets folder met there is taken whole, whatever they say)
+    include: list[str] = field(default_factory=lambda: ["*.txt", "*.jsonl", "*.parquet", "*.arrow"])
+    text_field: str = "text"  # JSONL field / table column holding the text
     # "auto": the model folder's tokenizer when model.path is set, else "byte"; "byte"; "model"
     # (model.path's); or a local Hugging Face tokenizer folder.
     tokenizer: str = "auto"
-    seq_len: int = 256
-    batch_size: int = 8
-    seed: int = 0
+    seq_len: int = 256  # tokens per row (each row holds seq_len + 1 tokens: inputs and shifted targets)
+    batch_size: int = 8  # rows per micro-batch (a job: in all, split over the processes)
+    seed: int = 0  # shuffles the documents (and the examples) each epoch
     max_documents: Optional[int] = None  # cap on documents read (None: all)
-    # "text": documents packed back to back, every token trained on; "prompt_completion": JSONL
-    # records with prompt_field / completion_field; "chat": JSONL records whose messages_field is
+    # "text": documents packed back to back, every token trained on; "prompt_completion": records
+    # (JSONL lines, table rows) with prompt_field / completion_field; "chat": records whose messages_field is
     # a list of {"role", "content"} (OpenAI / Hugging Face form), rendered with the tokenizer's
     # chat template or the chat_template file. For those two the loss covers the completion /
     # assistant tokens only, unless train_on_prompt.
     format: Literal["text", "prompt_completion", "chat"] = "text"
-    prompt_field: str = "prompt"
-    completion_field: str = "completion"
-    messages_field: str = "messages"
+    prompt_field: str = "prompt"  # prompt_completion: the JSONL field of the prompt
+    completion_field: str = "completion"  # prompt_completion: the JSONL field of the completion
+    messages_field: str = "messages"  # chat: the JSONL field of the list of messages
     chat_template: Optional[str] = None  # a Jinja template file; None: the tokenizer's own
-    train_on_prompt: bool = False
+    train_on_prompt: bool = False  # prompt_completion / chat: the loss covers every token, prompts included
     # Examples (prompt_completion, chat) are packed several to a row, attention kept inside each
     # example (segment ids) and positions restarting per example; false: one example per row,
     # padded. An example longer than a row (seq_len + 1 tokens) is truncated or dropped.
     packing: bool = True
-    overlong: Literal["truncate", "drop"] = "truncate"
+    overlong: Literal["truncate", "drop"] = "truncate"  # what becomes of an example longer than a row
 
     def __post_init__(self):
         check_range("data.seq_len", self.seq_len, lo=2)
@@ -74,9 +77,9 @@ class EvalConfig:
     # Prompts answered (greedy unless sample_temperature > 0) at the end of the run; with
     # data.format: chat each is sent as one user message through the chat template.
     sample_prompts: list[str] = field(default_factory=list)
-    sample_max_tokens: int = 64
-    sample_temperature: float = 0.0
-    sample_top_p: float = 1.0
+    sample_max_tokens: int = 64  # new tokens per sample prompt at most
+    sample_temperature: float = 0.0  # 0: greedy
+    sample_top_p: float = 1.0  # nucleus sampling mass, in (0, 1]
 
     def __post_init__(self):
         check_range("eval.every_steps", self.every_steps, lo=0)
@@ -91,32 +94,37 @@ class EvalConfig:
 class OptimizerConfig:
     """AdamW with an optional warmup + decay schedule and global-norm clipping."""
 
-    learning_rate: float = 3e-4
-    schedule: Literal["constant", "cosine", "linear"] = "cosine"
-    warmup_steps: int = 0
+    learning_rate: float = 3e-4  # peak learning rate (after the warmup)
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"  # the decay after the warmup
+    warmup_steps: int = 0  # linear warmup from 0 to learning_rate over this many steps
     # The schedule's length in steps (warmup included). None: train.steps of the run's first
     # start, recorded in its checkpoints, so a resumed run with a larger train.steps keeps it.
     decay_steps: Optional[int] = None
     min_lr_ratio: float = 0.1  # final lr = learning_rate * min_lr_ratio for cosine/linear
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    b1: float = 0.9  # Adam's first-moment decay
+    b2: float = 0.95  # Adam's second-moment decay
+    eps: float = 1e-8  # added to sqrt(v) in Adam's denominator
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay, times the learning rate; see weight_decay_mask
+    # Which parameters weight_decay applies to: "default" (all but biases and norm weights, the
+    # parameters named *.bias and *.scale), "default_no_embed" (also not the embeddings,
+    # *.embedding), "all", or a regular expression searched in each parameter's dotted path (e.g.
+    # layers.mlp.up_proj.kernel): the parameters it matches decay, the others do not.
+    weight_decay_mask: str = "default"
     grad_clip_norm: Optional[float] = 1.0  # None: no clipping
     # Loss scaling: "dynamic" scales fp16 compute only (bf16/fp32 need none), "always" scales any
     # dtype, "none" never. Overflowing steps are skipped and the scale multiplied by backoff.
     loss_scale: Literal["dynamic", "always", "none"] = "dynamic"
-    loss_scale_init: float = 2.0**15
-    loss_scale_growth: float = 2.0
-    loss_scale_backoff: float = 0.5
+    loss_scale_init: float = 2.0**15  # the first loss scale
+    loss_scale_growth: float = 2.0  # factor the scale grows by after loss_scale_growth_interval finite steps
+    loss_scale_backoff: float = 0.5  # factor the scale shrinks by after an overflow
     loss_scale_growth_interval: int = 2000  # finite steps in a row before the scale grows
-    loss_scale_min: float = 1.0
-    loss_scale_max: float = 2.0**24
+    loss_scale_min: float = 1.0  # the scale never goes below this
+    loss_scale_max: float = 2.0**24  # nor above this
     # How m and v are stored on SSD (the offloaded engine; the fp32 master weights stay fp32):
     # float32 (12 B/param of state), bfloat16 (8) or int8 (6 + 8/block: block-wise 8-bit codes
     # with a float32 scale per block of state_block elements, 256-2048).
     state_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
-    state_block: int = 2048
+    state_block: int = 2048  # int8 state: elements per scale block (a power of two, 256-2048)
     # How bfloat16/int8 moments are rounded: "stochastic" (v in both, and int8's m; seeded by
     # train.seed, the update count and the element; reproducible) or "nearest" even, under which
     # a moment stops following the gradients once a step changes it by less than half an ulp
@@ -134,6 +142,7 @@ class OptimizerConfig:
         check_range("optimizer.b2", self.b2, lo=0, hi=1, hi_open=True)
         check_range("optimizer.eps", self.eps, lo=0, lo_open=True)
         check_range("optimizer.weight_decay", self.weight_decay, lo=0)
+        check_decay_mask(self.weight_decay_mask)
         check_range("optimizer.grad_clip_norm", self.grad_clip_norm, lo=0, lo_open=True)
         check_range("optimizer.loss_scale_init", self.loss_scale_init, lo=0, lo_open=True)
         check_range("optimizer.loss_scale_growth", self.loss_scale_growth, lo=1)
@@ -143,6 +152,23 @@ class OptimizerConfig:
         if self.loss_scale_max < self.loss_scale_min:
             raise ConfigError(f"optimizer.loss_scale_max: {self.loss_scale_max} is below "
                               f"optimizer.loss_scale_min={self.loss_scale_min}")
+
+
+WEIGHT_DECAY_MASKS = ("default", "default_no_embed", "all")  # besides a regular expression
+
+
+def check_decay_mask(rule: str) -> None:
+    """Refuses an ``optimizer.weight_decay_mask`` that is neither a named rule nor a regular expression."""
+    if rule in WEIGHT_DECAY_MASKS:
+        return
+    try:
+        re.compile(rule)
+    except re.error as err:
+        raise ConfigError(f"optimizer.weight_decay_mask: {rule!r} is neither one of {', '.join(WEIGHT_DECAY_MASKS)} "
+                          f"nor a regular expression ({err})") from None
+    if not rule:
+        raise ConfigError(f"optimizer.weight_decay_mask: empty; expected one of {', '.join(WEIGHT_DECAY_MASKS)} or a "
+                          "regular expression of parameter paths")
 
 
 PARAM_PLACEMENTS = ("auto", "resident", "ssd")
@@ -158,7 +184,7 @@ class OffloadConfig:
     ``staging_bytes`` to be multiples of ``block_bytes`` (I/O addresses whole blocks).
     """
 
-    enabled: bool = False
+    enabled: bool = False  # true: the offloaded engine (state on SSD); false: the in-memory baseline
     # Shard files live here (locked while a run uses it); None: <train.out_dir>/offload. "{process}"
     # in it becomes the process number (a multi-process job: each process its own directory).
     dir: Optional[str] = None
@@ -249,7 +275,7 @@ class CheckpointConfig:
     dir: Optional[str] = None  # None: <train.out_dir>/checkpoints
     every_steps: int = 0  # 0: only at the end
     every_minutes: float = 0.0  # also once this many minutes of training passed since the last save; 0: off
-    keep_last: int = 2
+    keep_last: int = 2  # complete checkpoints kept (older ones are deleted)
     async_save: bool = True  # small items (params, meta) are written in the background
     compression: Literal["none", "zstd"] = "none"  # of the streamed optimizer-state arrays
     cleanup_partial: bool = True  # remove half-written saves (Orbax tmp dirs) when opening dir
@@ -290,11 +316,11 @@ class DistributedConfig:
     start, how soon a dead peer is noticed, and how long the end waits for the rest."""
 
     coordinator: Optional[str] = None  # "host:port" of process 0's coordination service
-    num_processes: Optional[int] = None
-    process_id: Optional[int] = None
-    initialization_timeout_seconds: int = 300
-    heartbeat_timeout_seconds: int = 100
-    shutdown_timeout_seconds: int = 300
+    num_processes: Optional[int] = None  # processes in the job
+    process_id: Optional[int] = None  # this process's index, 0 .. num_processes - 1
+    initialization_timeout_seconds: int = 300  # how long a process waits for the others at the start
+    heartbeat_timeout_seconds: int = 100  # how soon a dead peer is noticed
+    shutdown_timeout_seconds: int = 300  # how long the end waits for the rest
 
     def __post_init__(self):
         check_range("train.distributed.num_processes", self.num_processes, lo=1)
@@ -313,6 +339,10 @@ class DistributedConfig:
                               f"num_processes={self.num_processes}")
 
 
+# train.report_to -> (the module it writes with, how to install it)
+REPORT_BACKENDS = {"tensorboard": ("tensorboardX", "pip install tensorboardX"),
+                   "wandb": ("wandb", "pip install wandb (or pip install -e '.[wandb]')")}
+
 # The signals a run can be told to stop on (train.stop_signals); all of them by default.
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP")
 
@@ -320,10 +350,10 @@ STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP")
 class TrainConfig:
     """The loop: how long, how often to log, where outputs go."""
 
-    steps: int = 100
-    seed: int = 0
+    steps: int = 100  # optimizer steps of the whole run
+    seed: int = 0  # the init of a model from scratch, stochastic rounding of compressed state, sampling
     grad_accum: int = 1  # micro-batches per optimizer step
-    log_every: int = 10
+    log_every: int = 10  # a metrics.jsonl record (and a progress bar update of the figures) every N steps
     out_dir: str = "runs/default"  # metrics.jsonl and checkpoints go here
     progress: bool = True  # show a progress bar
     # "auto": newest complete checkpoint in checkpoint.dir (fresh start if none); "none": fresh
@@ -338,9 +368,16 @@ class TrainConfig:
     # Signals that stop the run at the end of the step in flight, with a checkpoint of that step
     # (exit status 128 + the signal); a second SIGINT abandons the step in flight.
     stop_signals: list[str] = field(default_factory=lambda: list(STOP_SIGNALS))
+    # Where the figures go besides metrics.jsonl (process 0 only): "tensorboard" (event files in
+    # <out_dir>/tensorboard), "wandb" (a W&B run in <out_dir>/wandb, if wandb is installed; project
+    # WANDB_PROJECT, online or offline as WANDB_MODE says). Every metrics.jsonl field, the held-out
+    # loss and the end-of-run samples (as text).
+    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
 
     def __post_init__(self):
         self.resume = validate_resume(self.resume)
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ConfigError(f"train.report_to: each of {', '.join(REPORT_BACKENDS)} at most once, got {self.report_to!r}")
         unknown = [s for s in self.stop_signals if s not in STOP_SIGNALS]
         if unknown or len(set(self.stop_signals)) != len(self.stop_signals):
             raise ConfigError(f"train.stop_signals: expected some of {', '.join(STOP_SIGNALS)} (each once), got "

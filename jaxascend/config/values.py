@@ -2,12 +2,46 @@
 
 from __future__ import annotations
 
+import difflib
 import re
-from typing import Any, Literal
+import types
+import typing
+from typing import Any, Iterable, Literal, Union
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the field and what is allowed."""
+
+
+# How type_text spells an annotation: in an error message's words, or as the field listing's code.
+_WORDS = {"literal": ("one of ", ", "), "union": " or ", "list": "a list of {}", "any": "any value",
+          "names": {int: "an integer", float: "a number", str: "a string", bool: "true/false", dict: "a mapping"}}
+_CODE = {"literal": ("", " | "), "union": " | ", "list": "list[{}]", "any": "any", "names": {}}
+
+
+def type_text(tp, words: bool = True) -> str:
+    """An annotation as an error message says it (``one of 'a', 'b'``, ``an integer or null``) or,
+    ``words`` False, as the field listing writes it (``'a' | 'b'``, ``int | null``, ``list[str]``)."""
+    spell = _WORDS if words else _CODE
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        lead, sep = spell["literal"]
+        return lead + sep.join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return spell["union"].join(type_text(a, words) for a in typing.get_args(tp))
+    if origin is list:
+        return spell["list"].format(type_text(typing.get_args(tp)[0], words))
+    if tp is type(None):
+        return "null"
+    if tp is Any:
+        return spell["any"]
+    return spell["names"].get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def did_you_mean(name: str, allowed: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the allowed name closest to a misspelt ``name`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(name, list(allowed), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 _BYTE_UNITS = {

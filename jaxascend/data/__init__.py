@@ -3,14 +3,16 @@
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     stream = make_batch_stream(cfg.data, tokenizer)   # per next(): int32 [B, T+1] (text) or a PackedBatch
 
-* :func:`~jaxascend.data.documents.discover_files` / :func:`build_document_index` -- documents of ``.txt`` / ``.jsonl``
-  files and directories (``@stdlib``: Python's standard library), indexed, read lazily;
+* :func:`~jaxascend.data.discovery.discover_files` / :func:`~jaxascend.data.documents.build_document_index` -- documents of UTF-8
+  text, ``.jsonl``, Parquet and Arrow files, ``datasets`` folders and directories (``@stdlib``:
+  Python's standard library), indexed, read lazily (table files a group of rows at a time);
 * :class:`ByteTokenizer` / :class:`HFTokenizer` / :func:`load_tokenizer` -- byte-level or a
   local Hugging Face tokenizer; :func:`has_tokenizer_files` / :func:`missing_paths` -- whether
   a tokenizer and the data are there at all (the planner can plan without them);
 * :class:`BatchStream` -- documents (``data.format: text``) packed into fixed-length rows in a
   seeded order, with a small JSON position to resume from;
-* :class:`~jaxascend.data.examples.ExampleSource` -- JSONL records (``prompt_completion`` or ``chat``), every one checked,
+* :class:`~jaxascend.data.examples.ExampleSource` -- records (``prompt_completion`` or ``chat``; JSONL
+  lines or table rows), every one checked,
   encoded to ids and a trained mask; :class:`~jaxascend.data.chat_templates.ChatTemplate` / :func:`load_chat_template` render chats;
 * :class:`~jaxascend.data.example_packing.ExampleStream` -- examples packed into rows (:class:`~jaxascend.data.example_packing.PackedBatch`: tokens, loss_mask,
   segment_ids, positions), seeded and resumable; :func:`make_batch_stream` picks the stream;
@@ -22,7 +24,7 @@ Imports only :mod:`jaxascend.config`.
 """
 
 from jaxascend.data.chat_templates import load_chat_template
-from jaxascend.data.documents import build_document_index, missing_paths
+from jaxascend.data.discovery import missing_paths
 from jaxascend.data.eval_data import eval_batches
 from jaxascend.data.example_packing import make_batch_stream
 from jaxascend.data.packing import BatchStream
@@ -30,7 +32,7 @@ from jaxascend.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, ha
                                        tokenizer_folder, write_hf_tokenizer)
 
 __all__ = [
-    "BatchStream", "ByteTokenizer", "HFTokenizer", "Tokenizer", "build_document_index", "eval_batches",
+    "BatchStream", "ByteTokenizer", "HFTokenizer", "Tokenizer", "eval_batches",
     "has_tokenizer_files", "load_chat_template", "load_tokenizer", "make_batch_stream", "missing_paths",
     "tokenizer_folder", "write_hf_tokenizer",
 ]

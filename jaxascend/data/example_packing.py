@@ -20,7 +20,8 @@ is never split), the rest of the row is padding. With ``packing: false`` each ex
 its own. An example longer than a row (T+1 tokens) is cut to its first T+1 tokens
 (``data.overlong: truncate``) or skipped (``drop``).
 
-Epoch ``e`` visits the examples in ``numpy.random.default_rng([seed, e])``'s permutation. Every
+Epoch ``e`` visits the examples in ``numpy.random.default_rng([seed, e])``'s permutation (table
+rows: in that rng's order by groups, :meth:`~jaxascend.data.documents.DocumentIndex.epoch_order`). Every
 batch starts at an example, so the state is the position of the next example (epoch, index in
 that epoch's order) plus the counters; a restored stream yields exactly the batches an
 uninterrupted one would have, also with another ``batch_size`` or ``seq_len`` from there on.
@@ -194,7 +195,7 @@ class ExampleStream:
 
     def _order_of(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:
-            self._order = np.random.default_rng([self.cfg.seed, epoch]).permutation(self.num_examples)
+            self._order = self.source.index.epoch_order(self.cfg.seed, epoch)
             self._order_epoch = epoch
         return self._order
 

@@ -6,7 +6,8 @@
     saved = stream.state()                             # small JSON-serialisable dict
 
 The token stream of an epoch is its documents (:mod:`jaxascend.data.documents`) in a seeded
-permutation, each framed as ``[bos] + tokens + [eos]`` (no bos if the tokenizer has none), cut
+order (:meth:`~jaxascend.data.documents.DocumentIndex.epoch_order`: a permutation, by groups
+for table rows), each framed as ``[bos] + tokens + [eos]`` (no bos if the tokenizer has none), cut
 into consecutive rows of ``seq_len + 1`` tokens; epochs follow each other without a gap. The
 position in that stream (epoch, document, token within the document) is the whole state, so a
 restored stream continues with exactly the batches an uninterrupted one would have produced, even
@@ -84,8 +85,8 @@ class BatchStream:
 
     Every ``next(stream)`` returns an int32 array ``[batch_size, seq_len + 1]``; ``state()`` is
     the position after the last batch returned, and ``BatchStream(cfg, tok, state)`` continues
-    from it. Epoch ``e`` visits the documents in ``numpy.random.default_rng([seed, e])``'s
-    permutation.
+    from it. Epoch ``e`` visits the documents in ``index.epoch_order(seed, e)``: the permutation
+    of ``numpy.random.default_rng([seed, e])``, or for table rows the same rng's order by groups.
     """
 
     def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, state: Optional[dict] = None):
@@ -141,7 +142,7 @@ class BatchStream:
 
     def _order_of(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:
-            self._order = np.random.default_rng([self.cfg.seed, epoch]).permutation(self.num_documents)
+            self._order = self.index.epoch_order(self.cfg.seed, epoch)
             self._order_epoch = epoch
         return self._order
 

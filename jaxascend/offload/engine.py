@@ -56,7 +56,7 @@ from jaxascend.offload.step_plan import StepPlan
 from jaxascend.offload.timeline import StepTimeline
 from jaxascend.offload.update_runner import OverlappedUpdates, SequentialUpdates, UpdateRunner
 from jaxascend.offload.weight_readers import WeightReaders
-from jaxascend.optim import AdamWSettings, LossScaleState, update_loss_scale
+from jaxascend.optim import AdamWSettings, LossScaleState, leaf_decay, update_loss_scale
 
 MasterReader = Callable[[tuple, Optional[int]], np.ndarray]
 
@@ -109,7 +109,9 @@ class OffloadEngine:
             del leaves
             self.routing = GradientRouting.build(plan, self.graphdef, self.rest, routing, self.state, self.weights,
                                                  self.data_parallel)
-            self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.schedule_length())
+            rule = cfg.optimizer.weight_decay_mask  # weight decay per leaf, by its path
+            decay = None if rule == "all" else leaf_decay(rule, [".".join(path) for path in paths])
+            self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.schedule_length(), decay)
             runner = OverlappedUpdates if plan.overlap else SequentialUpdates
             self.updates: UpdateRunner = runner(self.state, self.weights, self.settings)
             self.readers = WeightReaders(self.state, self.weights, paths, self.data_parallel, plan.partitioned,

@@ -7,8 +7,9 @@ scalars. The trainer's fast path, :func:`ssd_adamw_step`, skips optax's update t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from jax.experimental import io_callback
 
 from jaxascend.config import OptimizerConfig
 from jaxascend.offload.state import OffloadedAdamState
-from jaxascend.optim import AdamWSettings
+from jaxascend.optim import AdamWSettings, decay_mask
 
 
 class SsdAdamWState(NamedTuple):
@@ -53,13 +54,27 @@ def _host_update(state: OffloadedAdamState, count, state_id, scalars, grads, par
     return updates
 
 
+def _leaf_decay(mask: Any, params, state: OffloadedAdamState) -> Optional[tuple[bool, ...]]:
+    """``mask`` (a pytree of bools like ``params``, a function of ``params`` returning one, or
+    None) as one flag per leaf of ``state``, in its leaf order."""
+    if mask is None:
+        return None
+    flags = jax.tree.leaves(mask(params) if callable(mask) else mask)
+    if len(flags) != len(state.leaves):
+        raise ValueError(f"ssd_adamw: the weight decay mask has {len(flags)} leaves but the optimizer state was "
+                         f"laid out for {len(state.leaves)}")
+    return tuple(bool(flag) for flag in flags)
+
+
 def ssd_adamw(learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2: float = 0.999,
-              eps: float = 1e-8, weight_decay: float = 0.0, *,
+              eps: float = 1e-8, weight_decay: float = 0.0, mask: Any = None, *,
               state: OffloadedAdamState) -> optax.GradientTransformation:
     """``optax.adamw`` with fp32 master weights, m and v on SSD, updated by the fused kernel.
 
-    Same arithmetic as ``optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay)``
-    (``eps_root=0``, no Nesterov, decay on every leaf); chain it like any optax transformation,
+    Same arithmetic as ``optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay,
+    mask=mask)`` (``eps_root=0``, no Nesterov; ``mask``: a pytree of Python bools like the
+    parameters, or a function of them returning one, True where the decay applies; None: every
+    leaf; each leaf's kernel call gets its own decay); chain it like any optax transformation,
     e.g. after ``optax.clip_by_global_norm``. ``state`` lays out the parameters (see
     :class:`~jaxascend.offload.state.OffloadedAdamState`); ``init(params)`` writes the master
     weights from ``params`` (float32 or the compute dtype) and zero moments.
@@ -100,7 +115,8 @@ def ssd_adamw(learning_rate: Union[float, optax.Schedule], b1: float = 0.9, b2: 
         grads = state.layout.flatten(updates, "gradients")
         param_leaves = state.layout.flatten(params, "params")
         grads = [jnp.asarray(g).astype(leaf.dtype) for g, leaf in zip(grads, state.leaves)]
-        scalars = settings.hyperparams(opt_state.count).scalars()
+        leaf_settings = dataclasses.replace(settings, decay=_leaf_decay(mask, params, state))
+        scalars = leaf_settings.per_leaf(settings.hyperparams(opt_state.count).scalars())
         out_types = [jax.ShapeDtypeStruct(leaf.shape, jnp.float32) for leaf in state.leaves]
         new_updates = io_callback(functools.partial(_host_update, state), out_types, opt_state.count,
                                   opt_state.state_id, scalars, grads, param_leaves, ordered=True)
@@ -147,7 +163,8 @@ def adamw_on_ssd(cfg: OptimizerConfig, total_steps: int, state: OffloadedAdamSta
         raise ValueError(f"optimizer.state_dtype is {cfg.state_dtype!r} but the SSD state keeps "
                          f"{state.layout.state.dtype} moments; create it with that format")
     s = AdamWSettings.from_config(cfg, total_steps)
-    tx = ssd_adamw(s.learning_rate, s.b1, s.b2, s.eps, s.weight_decay, state=state)
+    mask = None if cfg.weight_decay_mask == "all" else functools.partial(decay_mask, cfg.weight_decay_mask)
+    tx = ssd_adamw(s.learning_rate, s.b1, s.b2, s.eps, s.weight_decay, mask, state=state)
     if cfg.grad_clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), tx)
     return tx

@@ -333,9 +333,10 @@ class OffloadedAdamState:
         """One AdamW update of the whole model; returns the new compute parameters as a pytree.
 
         ``hparams``: :class:`~jaxascend.optim.fused_adam.AdamHyperParams` (``count`` = updates applied
-        before this one; ``grad_scale`` = loss-scale unscale times clip factor) or its float32[10]
-        ``scalars()``. Gradients must have arrived since the last step (sink or
-        :meth:`write_grads`). ``put`` turns each filled host leaf into the returned array
+        before this one; ``grad_scale`` = loss-scale unscale times clip factor), its float32[10]
+        ``scalars()``, or one row of them per leaf (``[leaves, 10]``: a leaf's own weight decay,
+        :meth:`~jaxascend.optim.AdamWSettings.scalars` with a decay mask). Gradients must have
+        arrived since the last step (sink or :meth:`write_grads`). ``put`` turns each filled host leaf into the returned array
         (default: ``jax.device_put`` to the default device; e.g. ``lambda x: jax.device_put(x,
         sharding)``); the host leaf is dropped right after. ``skip=True`` (an overflowed step) touches nothing, forgets the
         received gradients and returns None.
@@ -376,7 +377,7 @@ class OffloadedAdamState:
         ``trace``: a list to append ``(what, begin, end, leaf index, layer)`` to for every chunk
         (``what``: "io wait", the pipeline handing out the chunk; "kernel", the fused update),
         in ``time.perf_counter`` seconds."""
-        scalars = kernel_scalars(hparams)
+        scalars = kernel_scalars(hparams, len(self.layout.leaves))
         self._check_open()
         if not self._initialized:
             raise ValueError("offloaded AdamW: the state has no master weights yet; call init(params) first")

@@ -104,14 +104,15 @@ def check_step_slots(layout: OffloadLayout, store: SsdStore) -> None:
                 f"OffloadedAdamState.arena_requests(params, cfg) to the arena plan or lower offload.chunk_bytes")
 
 
-def kernel_scalars(hparams) -> np.ndarray:
-    """The kernel's float32[10] operand from an :class:`AdamHyperParams` or the array itself."""
+def kernel_scalars(hparams, leaves: int) -> np.ndarray:
+    """The kernel's float32[10] operand from an :class:`AdamHyperParams` or the array itself, or
+    one row per leaf, float32[leaves, 10] (:meth:`AdamWSettings.scalars` with a decay mask)."""
     if isinstance(hparams, AdamHyperParams):
         hparams = hparams.scalars()
     scalars = np.ascontiguousarray(np.asarray(hparams), dtype=np.float32)
-    if scalars.shape != (10,):
-        raise ValueError(f"offloaded AdamW: hyperparameters must be an AdamHyperParams or its float32[10] "
-                         f"scalars(), got shape {scalars.shape}")
+    if scalars.shape not in ((10,), (leaves, 10)):
+        raise ValueError(f"offloaded AdamW: hyperparameters must be an AdamHyperParams, its float32[10] "
+                         f"scalars() or one row per leaf ([{leaves}, 10]), got shape {scalars.shape}")
     return scalars
 
 
@@ -119,7 +120,7 @@ def kernel_scalars(hparams) -> np.ndarray:
 class ChunkKernel:
     """The fused AdamW kernel as one update of the whole model runs it on each chunk."""
 
-    scalars: np.ndarray  # float32[10]: kernel_scalars(hparams)
+    scalars: np.ndarray  # float32[10], or [leaves, 10] (weight decay per leaf): kernel_scalars(hparams)
     state: StateFormat  # how m and v are stored
     threads: int  # kernel threads per chunk
     rounding_seed: int  # the run's seed of stochastic rounding
@@ -131,7 +132,8 @@ class ChunkKernel:
         ``grad``, writing the new compute weights into ``out``."""
         master, m, v, m_scale, v_scale = views
         seed, first = self.rounding_key(ref)
-        fused_adamw_update_numpy(master, m, v, grad, out, self.scalars, threads=self.threads, state=self.state,
+        scalars = self.scalars if self.scalars.ndim == 1 else self.scalars[ref.leaf.index]
+        fused_adamw_update_numpy(master, m, v, grad, out, scalars, threads=self.threads, state=self.state,
                                  m_scale=m_scale, v_scale=v_scale, seed=seed, index=first)
 
     def rounding_key(self, ref: ChunkRef) -> tuple[int, int]:

@@ -1,6 +1,8 @@
 """Optimizer arithmetic: optax AdamW, schedules, loss scaling and the fused host kernels.
 
 * :func:`adamw_in_memory` -- the in-memory baseline (``clip_by_global_norm`` + ``optax.adamw``);
+* :func:`decay_mask` / :func:`leaf_decay` / :func:`check_decay_rule` -- which parameters weight
+  decay applies to (``optimizer.weight_decay_mask``), by parameter path (:func:`param_path`);
 * :func:`learning_rate_schedule` -- warmup, then constant, cosine or linear decay;
 * :class:`AdamWSettings` / :class:`AdamHyperParams` -- AdamW's hyperparameters for the fused kernel;
 * :func:`fused_adamw_update` (FFI target) / :func:`fused_adamw_update_numpy` (in place) -- the
@@ -15,6 +17,7 @@ No disk, no arena: the SSD-resident AdamW that runs these kernels is :mod:`jaxas
 """
 
 from jaxascend.optim.adamw import AdamWSettings, adamw_in_memory
+from jaxascend.optim.decay_mask import check_decay_rule, decay_mask, leaf_decay, param_path
 from jaxascend.optim.fused_adam import (AdamHyperParams, adamw_reference, default_isa, fused_adamw_update,
                                         fused_adamw_update_numpy)
 from jaxascend.optim.grad_stats import grad_stats, tree_grad_stats
@@ -25,6 +28,6 @@ from jaxascend.optim.state_codes import StateFormat, StateRecord, chunk_seed
 
 __all__ = [
     "AdamHyperParams", "AdamWSettings", "LossScaleState", "StateFormat", "StateRecord", "adamw_in_memory",
-    "adamw_reference", "chunk_seed", "default_isa", "fused_adamw_update", "fused_adamw_update_numpy", "grad_stats",
-    "learning_rate_schedule", "state_codes", "tree_grad_stats", "update_loss_scale",
+    "adamw_reference", "check_decay_rule", "chunk_seed", "decay_mask", "default_isa", "fused_adamw_update", "fused_adamw_update_numpy", "grad_stats",
+    "leaf_decay", "learning_rate_schedule", "param_path", "state_codes", "tree_grad_stats", "update_loss_scale",
 ]

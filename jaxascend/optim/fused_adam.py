@@ -24,7 +24,10 @@ into a multiplication by its float32 reciprocal, and the kernel does what XLA ru
 with ``bc1 = 1 - b1**(count + 1)`` and ``bc2 = 1 - b2**(count + 1)`` computed as optax does.
 Hyperparameters reach the kernel as a float32[10] runtime operand (:meth:`AdamHyperParams.scalars`),
 so a new learning rate never recompiles a jitted step, provided it is passed as an array
-(a Python float inside ``jit`` is a compile-time constant).
+(a Python float inside ``jit`` is a compile-time constant). Weight decay is per call, so per
+leaf: a leaf that does not decay (``optimizer.weight_decay_mask``) gets the operand with
+``weight_decay`` 0 (:meth:`~jaxascend.optim.AdamWSettings.scalars` makes one row per leaf), which
+is exactly optax's masked ``add_decayed_weights`` (``update + 0 * master == update``).
 
 Example::
 
@@ -51,6 +54,7 @@ FLOAT32_STATE = StateFormat()
 
 SUPPORTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 SCALAR_COUNT = 10  # layout of the scalars operand: see AdamHyperParams.scalars and ffi/optim_adam.h
+WEIGHT_DECAY_SLOT = 4  # where weight_decay sits in it (0 for a leaf that does not decay)
 
 ArrayLike = Union[jax.Array, np.ndarray, float, int]
 

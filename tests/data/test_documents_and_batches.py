@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from jaxascend.config import DataConfig
-from jaxascend.data import (BatchStream, ByteTokenizer, build_document_index, documents as data_mod, load_tokenizer,
-                            write_hf_tokenizer)
-from jaxascend.data.documents import discover_files
+from jaxascend.data import BatchStream, ByteTokenizer, jsonl_files, load_tokenizer, write_hf_tokenizer
+from jaxascend.data.discovery import discover_files
+from jaxascend.data.documents import build_document_index
 
 TOK = ByteTokenizer()
 
@@ -62,7 +62,7 @@ def _reference_stream(index, tokenizer, seed, epochs):
 
 def test_directory_discovery_is_recursive_sorted_and_skips_hidden(corpus):
     files = discover_files([str(corpus)], ["*.txt", "*.jsonl"])
-    rel = [os.path.relpath(f, corpus) for f in files]
+    rel = [os.path.relpath(f.path, corpus) for f in files]
     assert rel == ["a.txt", "b.txt", "docs.jsonl", "empty.txt", os.path.join("sub", "c.txt")]
     index = build_document_index(_cfg([corpus]))
     texts = _all_texts(index)
@@ -97,7 +97,7 @@ def test_max_documents_caps_in_discovery_order(corpus):
 
 
 def test_jsonl_without_final_newline_crlf_and_small_index_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(data_mod, "_INDEX_CHUNK_BYTES", 7)  # lines straddle many chunk boundaries
+    monkeypatch.setattr(jsonl_files, "_INDEX_CHUNK_BYTES", 7)  # lines straddle many chunk boundaries
     docs = [f"doc {i} " + "é" * (3 * i) for i in range(20)]
     raw = "\r\n".join(json.dumps({"body": d}) for d in docs)  # no trailing newline
     (tmp_path / "d.jsonl").write_text(raw, newline="")
@@ -105,9 +105,33 @@ def test_jsonl_without_final_newline_crlf_and_small_index_chunks(tmp_path, monke
     assert _all_texts(index) == docs
 
 
-def test_undecodable_bytes_are_replaced(tmp_path):
-    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 ok\n")
-    assert _all_texts(build_document_index(_cfg([tmp_path]))) == ["caf\ufffd ok\n"]
+def test_text_that_is_not_utf8_or_binary_is_refused_by_name(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes(b"caf\xe9 ok\n")
+    with pytest.raises(ValueError, match=rf"^{path}: not UTF-8 \(byte 0xe9 at offset 3\); data reads UTF-8 text"):
+        build_document_index(_cfg([tmp_path]))
+    path.write_bytes(b"text\x00\x01binary")
+    with pytest.raises(ValueError, match=rf"^{path}: a NUL byte at offset 4, so a binary file; data reads"):
+        build_document_index(_cfg([path]))
+    path.write_bytes("ok é".encode()[:-1])  # cut inside the last character
+    with pytest.raises(ValueError, match=rf"^{path}: not UTF-8 \(it ends inside a character\)"):
+        build_document_index(_cfg([path]))
+    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")  # an unknown kind, included by a glob
+    path.unlink()
+    with pytest.raises(ValueError, match=rf"^{tmp_path / 'image.png'}: a NUL byte at offset 8"):
+        build_document_index(_cfg([tmp_path], include=["*"]))
+
+
+def test_a_character_cut_by_the_check_pieces_is_fine_and_offsets_count_from_the_file_start(tmp_path, monkeypatch):
+    from jaxascend.data import discovery
+
+    monkeypatch.setattr(discovery, "_CHECK_CHUNK_BYTES", 3)
+    path = tmp_path / "u.txt"
+    path.write_text("aé€bc")  # é and € straddle the 3-byte pieces
+    assert _all_texts(build_document_index(_cfg([path]))) == ["aé€bc"]
+    path.write_bytes("aé€bc".encode() + b"\xff")
+    with pytest.raises(ValueError, match=r"byte 0xff at offset 8\)"):
+        build_document_index(_cfg([path]))
 
 
 def test_stdlib_finds_many_python_files():
@@ -142,7 +166,7 @@ def test_missing_or_wrong_text_field(tmp_path):
         build_document_index(_cfg([path]))
     path.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": 5}) + "\n")
     index = build_document_index(_cfg([path]))
-    with pytest.raises(ValueError, match=rf"{path}: line 2: field 'text' is a int, expected a string"):
+    with pytest.raises(ValueError, match=rf"{path}: line 2: field 'text' \(data.text_field\) is a int, expected a string"):
         index.read(1)
     path.write_text("[1, 2]\n")
     with pytest.raises(ValueError, match="line 1 is a JSON list, expected an object"):
@@ -153,7 +177,7 @@ def test_no_documents_names_paths_and_globs(tmp_path):
     (tmp_path / "notes.md").write_text("markdown is not included")
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match=rf"no documents found in data.paths \['{tmp_path}'\] "
-                                         r"with data.include \['\*.txt', '\*.jsonl'\]"):
+                                         r"with data.include \['\*.txt', '\*.jsonl', '\*.parquet', '\*.arrow'\]"):
         build_document_index(_cfg([tmp_path]))
     with pytest.raises(ValueError, match=r"data path '/does/not/exist' does not exist"):
         build_document_index(_cfg(["/does/not/exist"]))

@@ -83,8 +83,8 @@ def test_plain_text_files_are_refused(tmp_path, byte_template):
     (tmp_path / "a.txt").write_text("some text")
     with pytest.raises(ValueError) as err:
         ExampleSource(chat_cfg([tmp_path / "a.txt"], byte_template), BYTE)
-    assert str(err.value) == (f"data.format: chat reads JSONL records (one per line); {tmp_path / 'a.txt'} "
-                              "is not a .jsonl file")
+    assert str(err.value) == (f"data.format: chat reads records (JSONL lines, Parquet or Arrow rows); "
+                              f"{tmp_path / 'a.txt'} is a text file")
 
 
 # ----------------------------------------------------------------------------- malformed records

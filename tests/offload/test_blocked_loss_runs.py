@@ -1,6 +1,7 @@
 """Training runs with the blocked loss (``model.loss: blocked``) in combination with the modes it
 meets: a large tied table whose head sends its gradient block by block through the offloaded
-step (weights resident or streamed from SSD), gradient accumulation, and evaluation. Each run's
+step (weights resident or streamed from SSD), vertical micro-batches, overlap, compressed state,
+and evaluation. Each run's
 losses and final weights equal the dense loss's run within float32 summation-order noise."""
 
 import numpy as np
@@ -10,10 +11,11 @@ from safetensors.numpy import load
 from jaxascend.models import blocked_token_losses, losses, vocab
 from tests.offload.test_streamed_params import corpus, train  # noqa: F401  (corpus: a fixture)
 
-MODES = {
+MODES = {  # remat full: each runs overlapped (the optimizer of step t beside step t+1)
     "resident": ["offload.params=resident"],
     "ssd": ["offload.params=ssd"],
-    "accumulate": ["offload.params=resident", "train.grad_accum=2", "model.remat=none"],
+    "ssd-micro-batches": ["offload.params=ssd", "train.grad_accum=2", "data.batch_size=1"],
+    "bf16-state": ["offload.params=resident", "optimizer.state_dtype=bfloat16"],
 }
 
 
@@ -39,5 +41,8 @@ def test_a_blocked_loss_run_trains_like_the_dense_one(tmp_path, corpus, monkeypa
     evals = [[r["eval_loss"] for r in records if "eval_loss" in r] for records in (b_records, d_records)]
     assert evals[0] and np.allclose(evals[0], evals[1], rtol=2e-6)
     a, b = load(b_params), load(d_params)
+    # bfloat16 moments: a gradient that differs in its last float32 bits can round a moment to the
+    # neighbouring bfloat16 value, which moves that element's update by up to 2**-8 of itself.
+    atol = 1e-5 if "state" in mode else 1e-6
     for name in a:
-        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=atol, err_msg=name)
