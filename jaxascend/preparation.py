@@ -145,7 +145,7 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     check_decay_rule(opt.weight_decay_mask, [m.dotted for m in param_plan(sized)], opt.weight_decay)
     # offload.params auto -> resident or ssd; host memory and disk by part (the runtime part
     # measured here, after the tokenizer and the data index; estimated for those not read).
-    cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete)
+    cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete, processes=job.processes)
     step = StepPlan.resolve(cfg, sized, job, choices=plan.choices)
     return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, plan, step,
                        inputs.assumed)

@@ -338,7 +338,9 @@ def _write_samples(results: list[dict], out_dir: Path) -> None:
 def _summary(r: TrainResult, report: EngineReport, rate: str) -> str:
     processes, devices = report.data_parallel_processes, report.data_parallel_devices
     rows = [
-        ("engine", r.engine + (f" (data parallel over {processes} processes; figures of process 0)" if processes > 1
+        ("engine", r.engine + (f" (data parallel over {processes} processes"
+                               + (f" x {devices // processes} devices" if devices > processes else "")
+                               + "; figures of process 0)" if processes > 1
                                else f" (data parallel over {devices} devices)" if devices > 1 else "")),
         ("steps (skipped for overflow)", f"{r.steps} ({r.skipped_steps})"),
         ("parameters", f"{r.num_params:,}"),

@@ -63,7 +63,7 @@ class OverLimit(RuntimeError):
     """The child's memory passed the limit it was given, and it was killed."""
 
 
-def _tree_rss(proc: psutil.Process) -> int:
+def tree_rss(proc: psutil.Process) -> int:
     """RSS of ``proc`` and every process it started."""
     total = proc.memory_info().rss
     for child in proc.children(recursive=True):
@@ -74,7 +74,7 @@ def _tree_rss(proc: psutil.Process) -> int:
     return total
 
 
-def _high_water(pid: int) -> int:
+def high_water(pid: int) -> int:
     """``VmHWM`` of ``pid`` in bytes (0 where /proc has none)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -111,11 +111,11 @@ def run_sampled_child(cmd: list[str], cache_glob: str, progress: Callable[[], in
         while child.poll() is None:
             t = time.perf_counter() - start
             try:
-                rss = _tree_rss(proc)
+                rss = tree_rss(proc)
             except psutil.NoSuchProcess:
                 break
             files = [f for f in glob.glob(cache_glob, recursive=True) if os.path.isfile(f)]
-            samples.append((round(t, 3), rss, page_cache_bytes(files), _high_water(child.pid)))
+            samples.append((round(t, 3), rss, page_cache_bytes(files), high_water(child.pid)))
             if limit is not None and max(samples[-1][1] + samples[-1][2], samples[-1][3]) > limit:
                 child.kill()
                 raise OverLimit(f"over {limit / 2**30:.1f} GiB after {t:.0f} s (killed; see {log_path})")

@@ -1,18 +1,22 @@
-"""Data-parallel offloaded training, P = 1 and P = 2 processes on 127.0.0.1 (and D2: one process
-on two devices), the same model and global batch, interleaved. Per process per step: SSD bytes read and written (target: 1/P of the
-P = 1 figure within 5 %), the state's bytes on disk, peak system memory (RSS) and the step time.
-Prints JSON, writes docs/bench_distributed.{json,png}.
+"""Data-parallel offloaded training, P = 1 and P = 2 processes on 127.0.0.1 (and, with
+``--devices``, one process on two devices), the same model and global batch, interleaved. Per
+process per step: SSD bytes read and written (target: 1/P of the P = 1 figure within 5 %), the
+state's bytes on disk, peak RSS sampled from outside the process (psutil, with the kernel's
+high-water mark, as ``bench_child.py`` samples a run) and the step time. Prints JSON, writes
+docs/bench_distributed.{json,png}.
 
 Each contender is a fresh set of processes (``jax.distributed`` over gloo, one CPU device
-each) running :class:`~jaxascend.offload.OffloadEngine` with a ``StepPlan`` of ``Partition(i, P)`` on
-random token batches; a step's time is the time between consecutive returns of
-``engine.step`` after ``--warmup`` steps (which compile). The processes of P = 2 share the
-machine's cores and disk, so the step time here says what the partitioned step costs on one
-machine, not what two machines would gain. D2 is one process whose two (CPU) devices share the
-rows and the one SSD state (``--xla_force_host_platform_device_count=2``).
+each) running :class:`~jaxascend.offload.OffloadEngine` with the ``StepPlan`` the trainer would
+make (``Partition(i, P)``; the step overlapped with the update unless ``--no-overlap``) on
+random token batches; a step's time is the time between consecutive returns of ``engine.step``
+after ``--warmup`` steps (which compile). The processes of P = 2 share the machine's cores and
+disk, so the step time here says what the partitioned step costs on one machine, not what two
+machines would gain. D2 is one process whose two (CPU) devices share the rows and the one SSD
+state (``--xla_force_host_platform_device_count=2``).
 
-    python scripts/bench_distributed.py                        # ~55M-parameter Llama, 2 rounds
-    python scripts/bench_distributed.py --shape small --rounds 1   # a smoke run
+    python scripts/bench_distributed.py --shape qwen0.5b --rounds 1   # Qwen2.5-0.5B, its 151936-token table
+    python scripts/bench_distributed.py                               # ~55M-parameter Llama, 2 rounds
+    python scripts/bench_distributed.py --shape small --rounds 1      # a smoke run
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import socket
 import statistics
@@ -29,56 +32,78 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
+from bench_child import high_water, tree_rss
+
 REPO = Path(__file__).resolve().parent.parent
 SHAPES = {
-    "55m": {"layers": 6, "hidden": 768, "intermediate": 2048, "vocab": 8192, "heads": 12, "kv_heads": 4},
-    "small": {"layers": 4, "hidden": 256, "intermediate": 688, "vocab": 4096, "heads": 4, "kv_heads": 4},
+    # Qwen2.5-0.5B (hf/presets "qwen2" "0.5B"): a tied 151936 x 896 table, computed and sent in
+    # 16 blocks of rows (models.vocab), each block's state split between the processes.
+    "qwen0.5b": {"layers": 24, "hidden": 896, "intermediate": 4864, "vocab": 151936, "heads": 14, "kv_heads": 2,
+                 "tied": True},
+    "55m": {"layers": 6, "hidden": 768, "intermediate": 2048, "vocab": 8192, "heads": 12, "kv_heads": 4,
+            "tied": False},
+    "small": {"layers": 4, "hidden": 256, "intermediate": 688, "vocab": 4096, "heads": 4, "kv_heads": 4,
+              "tied": False},
 }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="55m")
+    p.add_argument("--layers", type=int, help="fewer layers than the shape's (the step time with all is long)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="steps per run (the first --warmup excluded)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch", type=int, default=4, help="global batch rows")
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="the update after the forward/backward (default: overlapped, as the trainer runs)")
+    p.add_argument("--devices", action="store_true", help="also one process on two devices (D2)")
     p.add_argument("--dir", default="/tmp/bench_distributed", help="scratch directory (offload state)")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_distributed.json"))
     p.add_argument("--child", nargs=2, metavar=("OUT", "SHAPE"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
+def _shape(args) -> dict:
+    shape = dict(SHAPES[args.child[1] if args.child else args.shape])
+    if args.layers:
+        shape["layers"] = args.layers
+    return shape
+
+
 def child(args) -> None:
     """One process of a contender: trains, then writes its figures to OUT/result-<i>.json."""
+    import jax
     import numpy as np
     from flax import nnx
 
     from jaxascend.config import load_config
     from jaxascend.distributed import initialize
-    from jaxascend.models import build_model, token_batch
+    from jaxascend.models import build_model, count_params, token_batch
     from jaxascend.offload import JobShape, OffloadEngine, StepPlan
 
-    out, shape = Path(args.child[0]), SHAPES[args.child[1]]
+    out, shape = Path(args.child[0]), _shape(args)
     group = initialize(None)
     cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
         f"model.hidden_size={shape['hidden']}", f"model.intermediate_size={shape['intermediate']}",
         f"model.num_hidden_layers={shape['layers']}", f"model.num_attention_heads={shape['heads']}",
         f"model.num_key_value_heads={shape['kv_heads']}", f"model.vocab_size={shape['vocab']}",
-        "model.tie_word_embeddings=false", "model.remat=full", f"data.seq_len={args.seq}",
-        f"data.batch_size={args.batch}", "offload.overlap=false", "offload.chunk_bytes=8MiB",
+        f"model.tie_word_embeddings={str(shape['tied']).lower()}", "model.param_dtype=bfloat16",
+        "model.remat=full", "model.loss=blocked", f"data.seq_len={args.seq}", f"data.batch_size={args.batch}",
+        f"offload.overlap={str(args.overlap).lower()}", "offload.chunk_bytes=8MiB",
         f"offload.dir={out}/offload-{group.index}", f"train.out_dir={out}"])
     model = build_model(cfg.model, shape["vocab"], rngs=nnx.Rngs(0))
-    from jaxascend.models import count_params
     params = count_params(model)
-    import jax
-
     plan = StepPlan.resolve(cfg, cfg.model, JobShape(group.count, group.index, jax.local_device_count()))
     rng = np.random.default_rng(0)
     times, reads, writes, losses = [], [], [], []
     with OffloadEngine(cfg, model, cfg.model, plan) as engine:
         del model
+        blocks = max(leaf.row_blocks for leaf in engine.state.leaves)
+        (out / f"started-{group.index}").touch()  # the parent samples the steps from here
         last = time.perf_counter()
         for step in range(args.warmup + args.steps):
             tokens = rng.integers(0, shape["vocab"], (1, args.batch, args.seq + 1)).astype(np.int32)
@@ -91,12 +116,12 @@ def child(args) -> None:
                 writes.append(engine.ssd_bytes_written - written0)
             losses.append(stats.loss)
             last = now
+        engine.finish_update()
         disk = sum(os.path.getsize(f) for f in engine.shard_files())
         state = sum(r.nbytes for r in engine.state.store.regions())
     (out / f"result-{group.index}.json").write_text(json.dumps({
         "step_s": times, "read_bytes": reads, "written_bytes": writes, "disk_bytes": disk, "state_bytes": state,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "losses": losses,
-        "params": params}))
+        "losses": losses, "params": params, "table_blocks": blocks, "overlap": plan.overlap}))
 
 
 def _free_port() -> int:
@@ -106,6 +131,8 @@ def _free_port() -> int:
 
 
 def run_contender(args, processes: int, out: Path, devices: int = 1) -> list[dict]:
+    """One contender's processes, each sampled from outside (RSS of it and anything it starts,
+    and its kernel high-water mark) every 0.2 s; returns each process's figures."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     port, procs = _free_port(), []
@@ -116,15 +143,32 @@ def run_contender(args, processes: int, out: Path, devices: int = 1) -> list[dic
         if processes > 1:
             env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
                        JAX_PROCESS_ID=str(i))
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--child", str(out), args.shape, "--steps", str(args.steps),
-             "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        cmd = [sys.executable, __file__, "--child", str(out), args.shape, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq)]
+        cmd += (["--layers", str(args.layers)] if args.layers else []) + ([] if args.overlap else ["--no-overlap"])
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    watched = [psutil.Process(p.pid) for p in procs]
+    peaks = [0] * processes  # the largest RSS sampled (whole run) ...
+    step_peaks = [0] * processes  # ... and once the engine was built (the steps)
+    while any(p.poll() is None for p in procs):
+        for i, (p, w) in enumerate(zip(procs, watched)):
+            if p.poll() is not None:
+                continue
+            try:
+                rss = max(tree_rss(w), high_water(p.pid))
+            except psutil.NoSuchProcess:
+                continue
+            peaks[i] = max(peaks[i], rss)
+            if (out / f"started-{i}").exists():
+                step_peaks[i] = max(step_peaks[i], tree_rss(w))
+        time.sleep(0.2)
     for p in procs:
-        _, err = p.communicate()
+        log = p.communicate()[0]
         if p.returncode:
-            raise SystemExit(f"P={processes}: a process failed: {err.strip().splitlines()[-1] if err.strip() else p.returncode}")
+            raise SystemExit(f"P={processes}: a process failed:\n{log[-3000:]}")
     results = [json.loads((out / f"result-{i}.json").read_text()) for i in range(processes)]
+    for r, peak, during in zip(results, peaks, step_peaks):
+        r["peak_rss_bytes"], r["steps_rss_bytes"] = peak, during
     shutil.rmtree(out, ignore_errors=True)
     return results
 
@@ -148,37 +192,42 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
-    rounds: dict[str, list[list[dict]]] = {"P1": [], "P2": [], "D2": []}
+    names = ("P1", "P2", "D2") if args.devices else ("P1", "P2")
+    rounds: dict[str, list[list[dict]]] = {name: [] for name in names}
+    started = time.time()
     for r in range(args.rounds):
-        order = ("P1", "P2", "D2") if r % 2 == 0 else ("D2", "P2", "P1")  # alternate who goes first
-        for name in order:
+        for name in names if r % 2 == 0 else names[::-1]:  # alternate who goes first
             processes, devices = (int(name[1]), 1) if name[0] == "P" else (1, int(name[1]))
             rounds[name].append(run_contender(args, processes, Path(args.dir) / name, devices))
-            print(f"round {r + 1}: {name} done", file=sys.stderr)
+            print(f"round {r + 1}: {name} done ({time.time() - started:.0f} s)", file=sys.stderr)
     metrics = {"read_bytes_per_step": lambda p: statistics.median(p["read_bytes"]),
                "written_bytes_per_step": lambda p: statistics.median(p["written_bytes"]),
                "disk_bytes": lambda p: p["disk_bytes"], "state_bytes": lambda p: p["state_bytes"],
-               "peak_rss_bytes": lambda p: p["peak_rss_bytes"], "step_s": lambda p: statistics.median(p["step_s"])}
+               "peak_rss_bytes": lambda p: p["peak_rss_bytes"], "steps_rss_bytes": lambda p: p["steps_rss_bytes"],
+               "step_s": lambda p: statistics.median(p["step_s"])}
     per_process = {}
     for name, runs in rounds.items():
         procs = [p for run in runs for p in run]
         per_process[name] = {k: summarize([get(p) for p in procs]) for k, get in metrics.items()}
-    # Per round: the P = 2 processes' median over the P = 1 process's figure of the same round.
-    ratios = {k: summarize([statistics.median([get(p) for p in two]) / get(one[0])
-                            for one, two in zip(rounds["P1"], rounds["P2"])]) for k, get in metrics.items()}
-    ratios_d2 = {k: summarize([get(d[0]) / get(one[0]) for one, d in zip(rounds["P1"], rounds["D2"])])
-                 for k, get in metrics.items()}
-    losses_equal = all(abs(a - b) <= 1e-3 * abs(b) for run1, run2 in
-                       [*zip(rounds["P1"], rounds["P2"]), *zip(rounds["P1"], rounds["D2"])]
-                       for a, b in zip(run2[0]["losses"], run1[0]["losses"]))
-    report = {"shape": args.shape, "params": rounds["P1"][0][0]["params"], "rounds": args.rounds, "steps": args.steps,
-              "global_batch": [args.batch, args.seq], "cpu": _cpu(),
-              "per_process": per_process, "ratio_P2_over_P1": ratios, "ratio_D2_over_P1": ratios_d2,
-              "io_target_met": all(abs(ratios[k]["median"] - 0.5) <= 0.05 * 0.5
+    # Per round: the other contenders' median process over the P = 1 process's figure of the same round.
+    ratios = {name: {k: summarize([statistics.median([get(p) for p in other]) / get(one[0])
+                                   for one, other in zip(rounds["P1"], rounds[name])]) for k, get in metrics.items()}
+              for name in names[1:]}
+    losses_agree = all(abs(a - b) <= 1e-2 * abs(b) for name in names[1:]
+                       for one, other in zip(rounds["P1"], rounds[name])
+                       for a, b in zip(other[0]["losses"], one[0]["losses"]))
+    shape = _shape(args)
+    first = rounds["P1"][0][0]
+    report = {"shape": args.shape, "layers": shape["layers"], "vocab": shape["vocab"], "tied": shape["tied"],
+              "table_blocks": first["table_blocks"], "params": first["params"], "rounds": args.rounds,
+              "steps": args.steps, "warmup": args.warmup, "global_batch": [args.batch, args.seq],
+              "overlap": first["overlap"], "cpu": _cpu(), "per_process": per_process,
+              "ratio_P2_over_P1": ratios["P2"], **({"ratio_D2_over_P1": ratios["D2"]} if args.devices else {}),
+              "io_target_met": all(abs(ratios["P2"][k]["median"] - 0.5) <= 0.05 * 0.5
                                    for k in ("read_bytes_per_step", "written_bytes_per_step")),
-              "losses_agree_1e-3": losses_equal}
+              "losses_agree_1e-2": losses_agree, "wall_seconds": round(time.time() - started)}
     print(json.dumps(report, indent=1))
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -187,16 +236,20 @@ def main(argv=None) -> int:
     except ImportError:
         print("note: matplotlib is not installed; no PNG", file=sys.stderr)
         return 0
-    keys = list(ratios)
+    keys = list(metrics)
     fig, ax = plt.subplots(figsize=(8, 3.5))
     x = np.arange(len(keys))
-    ax.bar(x - 0.2, [ratios[k]["median"] for k in keys], 0.4, color="tab:blue", label="P=2 (per process)")
-    ax.bar(x + 0.2, [ratios_d2[k]["median"] for k in keys], 0.4, color="tab:orange", label="1 process, 2 devices")
+    width = 0.8 / (len(names) - 1)
+    for j, (name, color) in enumerate(zip(names[1:], ("tab:blue", "tab:orange"))):
+        label = "P=2 (per process)" if name == "P2" else "1 process, 2 devices"
+        ax.bar(x + (j - (len(names) - 2) / 2) * width, [ratios[name][k]["median"] for k in keys], width,
+               color=color, label=label)
     ax.axhline(0.5, color="gray", linestyle="--", label="1/P")
     ax.set_xticks(range(len(keys)), [k.replace("_", " ") for k in keys], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("over P=1")
-    ax.set_title(f"data parallel, {args.shape}: per-process figures over P=1 (median of {args.rounds} rounds)")
-    ax.legend()
+    ax.set_title(f"data parallel, {args.shape} ({shape['layers']} layers, vocab {shape['vocab']}): per process "
+                 f"over P=1", fontsize=9)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(Path(args.out).with_suffix(".png"), dpi=120)
     return 0

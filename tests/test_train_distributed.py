@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -30,19 +31,21 @@ STEPS = 6
 EVAL_TEXT = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 8
 
 
-def train(out: Path, processes: int, *extra: str, env=None) -> subprocess.CompletedProcess:
-    """The trainer on the test config, as one process or a launched job of ``processes``."""
+def train(out: Path, processes: int, *extra: str, env=None, code=None) -> subprocess.CompletedProcess:
+    """The trainer on the test config, as one process or a launched job of ``processes``
+    (``code``: a ``python -c`` program that runs ``jaxascend.train.main`` on its arguments)."""
     sets = [a for s in SETTINGS + [f"train.out_dir={out}", f"eval.paths=[{out.parent / 'eval.py'}]", *extra]
             for a in ("--set", s)]
-    cmd = [sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml", *sets]
+    entry = ["-c", code] if code else ["-m", "jaxascend.train"]
+    cmd = [sys.executable, *entry, "--config", "configs/tiny.yaml", *sets]
     if processes > 1:
         cmd = [sys.executable, "-m", "jaxascend.launch", "--nproc", str(processes), "--port", str(free_port()),
                "--", *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, **(env or {})})
 
 
-def trained(out: Path, processes: int, *extra: str) -> Path:
-    done = train(out, processes, *extra)
+def trained(out: Path, processes: int, *extra: str, code=None) -> Path:
+    done = train(out, processes, *extra, code=code)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
@@ -232,3 +235,54 @@ def test_a_stop_signal_stops_every_process_of_the_job_at_one_checkpoint(runs, wh
     w, ref = weights(out), weights(two)
     for name in ref:
         np.testing.assert_array_equal(w[name], ref[name], err_msg=name)
+
+
+# The trainer with its token table in blocks of rows (an 8192-row table at width 64: large
+# tables start at 2^24 elements, lowered here to 2^16; 8 blocks of 1024 rows).
+TABLE = ["model.vocab_size=8192", "model.tie_word_embeddings=true"]
+TABLE_TRAIN = textwrap.dedent("""
+    import sys
+    from jaxascend.models import vocab
+    vocab.LARGE_TABLE_ELEMENTS, vocab.MAX_BLOCK_ROWS = 1 << 16, 1024
+    from jaxascend.train import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_a_killed_job_with_a_table_in_blocks_resumes_with_one_process(runs):
+    root, _, _ = runs
+    one = trained(root / "table-one", 1, *TABLE, code=TABLE_TRAIN)
+    out = root / "table-2to1"
+    # Process 1 is SIGKILLed in step 5's backward pass; the checkpoint of step 3 holds each
+    # process's slice of every block of the table, which one process re-joins as it resumes.
+    done = train(out, 2, *TABLE, code=TABLE_TRAIN, env={"JAXASCEND_KILL_AT": "backward:5", "JAXASCEND_KILL_PROCESS": "1"})
+    assert done.returncode != 0 and "process 1 was killed by SIGKILL" in done.stderr
+    pieces = json.loads((out / "checkpoints" / "3" / "offloaded" / "process0" / "jaxascend_arrays.json").read_text())
+    assert any(a.get("piece", {}).get("blocks") == 8 for a in pieces["arrays"])
+    trained(out, 1, *TABLE, code=TABLE_TRAIN)
+    np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
+    w, ref = weights(out), weights(one)
+    for name in ref:
+        np.testing.assert_allclose(w[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_two_processes_of_two_devices_train_like_one(runs):
+    root, one, _ = runs
+    out = root / "2x2"
+    # A mesh of 2 processes x 2 devices: the rows split over the 4 devices, the state over the 2
+    # processes; each layer's gradient reduce-scattered over the processes, summed over each
+    # process's devices and sent by its first; the overlapped step's resident stack is each
+    # process's slice, fetched by its first device and gathered in the step.
+    # (eval.batch_size 4: the held-out rows split over the 4 devices too)
+    done = train(out, 2, "model.remat=full", "eval.batch_size=4", "eval.sample_prompts=['def ']",
+                 "eval.sample_max_tokens=8", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "offload (data parallel over 2 processes x 2 devices; figures of process 0)" in done.stdout
+    # process 0 samples from the layers every process's first device serves, gathered from both
+    assert json.loads((out / "samples.json").read_text())[0]["prompt"] == "def "
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["overlap"] is True and "overlap_refused" not in last
+    np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
+    w, ref = weights(out), weights(one)
+    for name in ref:
+        np.testing.assert_allclose(w[name], ref[name], rtol=0, atol=1e-5, err_msg=name)

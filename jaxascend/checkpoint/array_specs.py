@@ -37,35 +37,44 @@ class Span:
 class Piece:
     """Where an array sits in a tensor split over ``count`` processes (see
     :mod:`jaxascend.offload.partition`): each of the tensor's layers (``shape[0]`` of a
-    ``stacked`` tensor, else one) is split as a flat array of ``size`` elements, and process
-    ``index`` holds elements ``[index * s, (index + 1) * s)`` with ``s = ceil(size / count)``,
-    zero-padded; the array is ``[layers, s]`` (``[s]`` unstacked). ``count`` 1: the whole
-    tensor, in its own shape."""
+    ``stacked`` tensor, the ``blocks`` of rows of a large token table, else one) is split as a
+    flat array of ``size`` elements, and process ``index`` holds elements ``[index * s,
+    (index + 1) * s)`` of each with ``s = ceil(size / count)``, zero-padded; the array is
+    ``[layers, s]`` (``[layers * s]`` unstacked). ``count`` 1: the whole tensor, in its own shape."""
 
     index: int
     count: int
     shape: tuple  # the whole tensor's
     stacked: bool
+    blocks: int = 1  # an unstacked tensor's blocks of rows, each split on its own
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         if not 0 <= self.index < self.count:
             raise ValueError(f"Piece: process {self.index} of {self.count}")
+        if self.blocks < 1 or (self.blocks > 1 and (self.stacked or not self.shape or self.shape[0] % self.blocks)):
+            raise ValueError(f"Piece: {self.blocks} blocks of rows of {self.shape}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Piece":
+        return cls(int(d["index"]), int(d["count"]), tuple(d["shape"]), bool(d["stacked"]), int(d.get("blocks", 1)))
 
     @property
     def layers(self) -> int:
-        return self.shape[0] if self.stacked else 1
+        return self.shape[0] if self.stacked else self.blocks
 
     @property
     def size(self) -> int:
-        return math.prod(self.shape[1:] if self.stacked else self.shape)
+        """Elements of one layer (block)."""
+        return math.prod(self.shape) // self.layers
 
     @property
     def slice_size(self) -> int:
         return -(-self.size // self.count)
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "count": self.count, "shape": list(self.shape), "stacked": self.stacked}
+        out = {"index": self.index, "count": self.count, "shape": list(self.shape), "stacked": self.stacked}
+        return {**out, "blocks": self.blocks} if self.blocks > 1 else out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,36 +24,40 @@ from jaxascend.checkpoint.zarr_layout import numpy_dtype
 
 class SavedTensor:
     """One tensor of a saved ``offloaded`` item as a whole, whatever the number of processes that
-    saved it: :meth:`copy` reads a run of one layer's elements from whichever slices hold them,
-    one zarr chunk in memory at a time (each checked against its crc32c)."""
+    saved it: :meth:`copy_flat` reads a run of its elements (in the whole tensor's C order) from
+    whichever slices hold them, one zarr chunk in memory at a time (each checked against its
+    crc32c)."""
 
     def __init__(self, name: str, parts: list[tuple[Path, dict]], context=None):
         self.name, self.parts, self.context = name, parts, context
         entry = parts[0][1]
         self.dtype = numpy_dtype(entry["dtype"])
         self.count = len(parts)
-        piece = entry.get("piece")
-        self.shape = tuple(piece["shape"]) if piece else tuple(entry["shape"])
-        self.stacked = bool(piece["stacked"]) if piece else None  # unknown for a plain save
+        saved = entry.get("piece")
+        self.piece = Piece.from_dict(saved) if saved else None
+        self.shape = self.piece.shape if self.piece else tuple(entry["shape"])
+        self.stacked = self.piece.stacked if self.piece else None  # unknown for a plain save
         self._readers: list[Optional[ChunkReader]] = [None] * self.count
 
-    def slice_size(self, stacked: bool) -> int:
-        size = math.prod(self.shape[1:] if stacked else self.shape)
-        return -(-size // self.count)
-
     def copy(self, out: np.ndarray, layer: Optional[int], start: int) -> None:
-        """Fills ``out`` (uint8, whole elements) with elements ``start, start + 1, ...`` of ``layer``
-        (None: the tensor has no layers) as a flat array."""
+        """Fills ``out`` (uint8, whole elements) with elements ``start, start + 1, ...`` of layer
+        ``layer`` of a stacked tensor (None: of the whole tensor)."""
+        row = math.prod(self.shape[1:]) if layer is not None else 0
+        self.copy_flat(out, (layer or 0) * row + start)
+
+    def copy_flat(self, out: np.ndarray, start: int) -> None:
+        """Fills ``out`` (uint8, whole elements) with the whole tensor's elements ``start, start +
+        1, ...`` (C order): the saved slices are those of each saved layer (or block of rows)."""
         isz, n, pos = self.dtype.itemsize, out.size // self.dtype.itemsize, 0
         if self.count == 1:  # one array of the tensor's shape
-            row = math.prod(self.shape[1:]) if layer is not None else 0
-            self._reader(0).copy_to(out, ((layer or 0) * row + start) * isz)
+            self._reader(0).copy_to(out, start * isz)
             return
-        s = self.slice_size(layer is not None)
+        size, s = self.piece.size, self.piece.slice_size  # elements of one saved layer, of its slices
         while pos < n:
-            p, offset = divmod(start + pos, s)
-            take = min(n - pos, s - offset)
-            self._reader(p).copy_to(out[pos * isz:(pos + take) * isz], ((layer or 0) * s + offset) * isz)
+            layer, within = divmod(start + pos, size)
+            p, offset = divmod(within, s)
+            take = min(n - pos, s - offset, size - within)
+            self._reader(p).copy_to(out[pos * isz:(pos + take) * isz], (layer * s + offset) * isz)
             pos += take
 
     def release(self) -> None:
@@ -116,8 +120,8 @@ def check_tensors_match(tensors: dict[str, SavedTensor], specs: Sequence[ArraySp
 
 class SliceReader:
     """``copy_to(out, flat_byte)`` over this process's slice array of a tensor (``piece``),
-    read from a :class:`SavedTensor` saved by another number of processes; the padding past the
-    tensor's end reads as zeros."""
+    read from a :class:`SavedTensor` saved by another number of processes (or split into other
+    layers); the padding past each layer's end reads as zeros."""
 
     def __init__(self, tensor: SavedTensor, piece: Piece, itemsize: int):
         self.tensor, self.piece, self.itemsize = tensor, piece, itemsize
@@ -133,6 +137,6 @@ class SliceReader:
             inside = max(0, min(take, piece.size - g))
             view = out[pos * isz:(pos + take) * isz]
             if inside:
-                self.tensor.copy(view[:inside * isz], layer if piece.stacked else None, g)
+                self.tensor.copy_flat(view[:inside * isz], layer * piece.size + g)
             view[inside * isz:] = 0
             pos += take

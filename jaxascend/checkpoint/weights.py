@@ -81,11 +81,7 @@ class CheckpointWeights:
             raise IndexError(f"checkpoint {self.directory}: {name!r} has {shape[0]} layers, not {layer + 1}")
         out = np.empty(shape if layer is None else shape[1:], tensor.dtype)
         try:
-            if layer is None and tensor.count > 1 and tensor.stacked:  # each layer was split on its own
-                for i in range(shape[0]):
-                    tensor.copy(out[i].reshape(-1).view(np.uint8), i, 0)
-            else:
-                tensor.copy(out.reshape(-1).view(np.uint8), layer, 0)
+            tensor.copy(out.reshape(-1).view(np.uint8), layer, 0)  # from each saved slice of each layer (block)
         finally:
             tensor.release()  # one tensor's chunks in memory at a time
         return out

@@ -22,54 +22,105 @@ import numpy as np
 
 from jaxascend.offload.param_source import ParamSource
 from jaxascend.offload.partition import DataParallel, local_value
-from jaxascend.offload.state import OffloadedAdamState
+from jaxascend.offload.state import OffloadedAdamState, to_default_device
 from jaxascend.offload.step_plan import StepPlan
 
 
 class ComputeWeights:
     """Owns the compute weights' places: the step's input leaves, the host buffers of an
-    overlapped resident stack, and the parameter source (closed with the state)."""
+    overlapped resident stack, and the parameter source (closed with the state).
+
+    In a job the step's inputs are replicated global arrays, and the 16-bit float leaves the
+    step takes as raw bits (the layer stack, a large token table: ``bits``, see
+    ``step.stacked_as_bits``) are held as ``uint16`` arrays from the start: a bitcast of a global
+    array would be a copy each step. An overlapped resident stack of a job keeps this process's
+    slice of every layer in its host buffers, all-gathered in the step as a streamed one is."""
 
     def __init__(self, plan: StepPlan, state: OffloadedAdamState, leaves: list, full_shapes: list[tuple],
-                 data_parallel: Optional[DataParallel]):
+                 data_parallel: Optional[DataParallel], bits: Optional[dict[int, Any]] = None):
         """``leaves``: the compute weights in the state's leaf order (None for streamed leaves),
         this process's (the same on every process of a job); ``full_shapes``: each leaf's whole
-        shape (a job's state holds slices)."""
+        shape (a job's state holds slices); ``bits``: leaf index -> float dtype of the leaves a
+        job's step takes as raw bits."""
         self.kind = plan.weight_source
         self._state = state
         self._dp = data_parallel
         self._partitioned = plan.partitioned
+        self._bits = dict(bits or {}) if data_parallel is not None else {}
         self.full_shapes = [tuple(s) for s in full_shapes]
-        if data_parallel is not None:  # the whole compute weights on every process, as the step's replicated input
-            leaves = [data_parallel.replicate(x) for x in leaves]
+        leaves = list(leaves)
         # Overlapped and resident: the stack's weights move to host buffers that the optimizer
         # updates in place and the parameter source serves to the layer scan, layer by layer.
         self.host: dict[int, np.ndarray] = {}
         if self.kind == "host":
             for leaf in state.leaves:
                 if leaf.stacked:
-                    self.host[leaf.index] = np.ascontiguousarray(leaves[leaf.index]).reshape(-1).copy()
+                    self.host[leaf.index] = self._host_buffer(leaf, np.asarray(leaves[leaf.index]))
                     leaves[leaf.index] = None
-        self._leaves = list(leaves)
+        self._leaves = [self._replicated(i, x) for i, x in enumerate(leaves)]
         self.source: Optional[ParamSource] = None
         if self.kind != "arrays":
             self.source = state.param_source(host=self.host or None)
+
+    def _host_buffer(self, leaf, whole: np.ndarray) -> np.ndarray:
+        """A stacked leaf's host buffer: every layer whole, or (a job) this process's slice of each."""
+        if not self._partitioned:
+            return np.ascontiguousarray(whole).reshape(-1).copy()
+        take = self._dp.partition.take
+        return np.concatenate([take(whole[layer]) for layer in range(whole.shape[0])])
+
+    def _replicated(self, index: int, x):
+        """Leaf ``index`` as the step takes it: as it is, or (a job) a replicated global array of
+        the same bytes (as uint16 when the step takes it as bits)."""
+        if self._dp is None or x is None:
+            return x
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x  # made whole by a gather already
+        x = np.asarray(x)
+        return self._dp.replicate(x.view(np.uint16) if index in self._bits else x)
+
+    def _as_floats(self, index: int, x: np.ndarray) -> np.ndarray:
+        return x.view(self._bits[index]) if index in self._bits else x
+
+    @property
+    def bit_dtypes(self) -> dict[int, Any]:
+        """Leaf index -> float dtype of the inputs held as raw bits (a job's)."""
+        return dict(self._bits)
 
     def inputs(self):
         """The step's parameter tree: arrays, with None for the leaves the source serves."""
         return self._state.layout.treedef.unflatten(self._leaves)
 
     def tree(self):
-        """The compute params as they stand: a host-served stack as views of its buffers,
-        streamed leaves None (the caller has waited for a running update)."""
-        leaves = list(self._leaves)
+        """The compute params as they stand, on this process: a host-served stack as views of
+        its buffers (a job's: gathered whole, a collective every process makes), streamed
+        leaves None, a job's arrays as numpy (the caller has waited for a running update)."""
+        leaves = self.local_leaves()
         for index, buf in self.host.items():
-            leaves[index] = buf.reshape(self._state.leaves[index].shape)
+            leaf = self._state.leaves[index]
+            if self._partitioned:
+                whole = self._dp.gather([buf], [self.full_shapes[index]], [leaf.layers])[0]
+                leaves[index] = local_value(whole)
+            else:
+                leaves[index] = buf.reshape(leaf.shape)
         return self._state.layout.treedef.unflatten(leaves)
 
-    def local(self, tree):
-        """``tree`` as this process holds it (a job's replicated arrays as numpy)."""
-        return tree if self._dp is None else jax.tree.map(local_value, tree)
+    def local_leaves(self) -> list:
+        """The input leaves as this process holds them (a job's as float numpy), None for the
+        leaves the source serves."""
+        if self._dp is None:
+            return list(self._leaves)
+        return [None if x is None else self._as_floats(i, local_value(x)) for i, x in enumerate(self._leaves)]
+
+    def served(self, leaf) -> bool:
+        """Whether the parameter source serves ``leaf`` (from SSD or a host buffer)."""
+        return leaf.streamed or leaf.index in self.host
+
+    def read_served(self, leaf, layer: int) -> np.ndarray:
+        """Layer ``layer`` of a served leaf as this process holds it (a job's: its slice)."""
+        if leaf.streamed:
+            return self._state.read_params(leaf, layer)
+        return self.host[leaf.index].reshape(leaf.shape)[layer].copy()
 
     def release_updated(self) -> None:
         """Drops the arrays an update is about to replace (the old ones need not outlive it)."""
@@ -85,34 +136,42 @@ class ComputeWeights:
     def put_all(self, leaves: list) -> None:
         """Takes every leaf a sequential update emitted (this process's slices in a job)."""
         if self._partitioned:  # every process's slices make the whole (replicated) weights again
-            leaves = self._dp.gather(leaves, self.full_shapes, [leaf.stacked for leaf in self._state.leaves])
-        elif self._dp is not None:  # the whole weights, as the next step's replicated input
-            leaves = [self._dp.replicate(x) for x in leaves]
-        self._leaves = list(leaves)
+            leaves = self._gather(list(range(len(leaves))), leaves)
+        self._leaves = [self._replicated(i, x) for i, x in enumerate(leaves)]
 
     def whole(self, new: dict[int, Any]) -> dict[int, Any]:
-        """A job's updated top-level leaves (an overlapped update's, by leaf index) whole and
-        replicated, from every process's slices; as they are for one process."""
-        if not new or not self._partitioned:
+        """An overlapped update's new top-level leaves (by leaf index) as the step takes them:
+        a job's whole and replicated, from every process's slices (one process's devices:
+        replicated); as they are for one device."""
+        if not new or self._dp is None:
             return new
         indices = sorted(new)
-        full = self._dp.gather([np.asarray(new[i]) for i in indices], [self.full_shapes[i] for i in indices],
-                               [self._state.leaves[i].stacked for i in indices])
-        return dict(zip(indices, full))
+        if not self._partitioned:
+            return {i: self._replicated(i, new[i]) for i in indices}
+        return dict(zip(indices, self._gather(indices, [new[i] for i in indices])))
+
+    def _gather(self, indices: list[int], slices: list) -> list:
+        """Leaves ``indices`` whole and replicated from this process's ``slices`` (None: not gathered)."""
+        slices = [None if x is None else np.asarray(x).view(np.uint16) if i in self._bits else np.asarray(x)
+                  for i, x in zip(indices, slices)]
+        return self._dp.gather(slices, [self.full_shapes[i] for i in indices],
+                               [self._state.leaves[i].layers for i in indices])
 
     def restore(self, leaves: list) -> None:
-        """The compute params of a restored checkpoint (a host-served stack into its buffers)."""
-        if self._dp is not None:
-            leaves = [self._dp.replicate(x) for x in leaves]
+        """The compute params of a restored checkpoint, whole (a host-served stack into its buffers).
+        One device's are placed as an update places its new leaves (uncommitted): a restored
+        array committed to its device would make the next step compile once more."""
+        leaves = list(leaves)
+        if self._dp is None:
+            leaves = [None if x is None else to_default_device(np.asarray(x)) for x in leaves]
         for index, buf in self.host.items():
-            np.copyto(buf, np.asarray(leaves[index]).reshape(-1))
+            np.copyto(buf, self._host_buffer(self._state.leaves[index], np.asarray(leaves[index])))
             leaves[index] = None
-        self._leaves = list(leaves)
+        self._leaves = [self._replicated(i, x) for i, x in enumerate(leaves)]
 
     def whole_layers(self) -> list:
-        """One whole layer of each streamed leaf (what a job's step gathers the slices into)."""
-        return [jax.ShapeDtypeStruct(self.full_shapes[leaf.index][1:], leaf.dtype)
-                for leaf in self._state.layout.streamed_leaves]
+        """One whole layer of each leaf the source serves (what a job's step gathers its slices into)."""
+        return [jax.ShapeDtypeStruct(self.full_shapes[leaf.index][1:], leaf.dtype) for leaf in self.source.leaves]
 
     def begin_step(self, forward_only: bool = False) -> None:
         if self.source is not None:

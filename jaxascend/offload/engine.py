@@ -51,7 +51,7 @@ from jaxascend.offload.partition import DataParallel, Partition, local_value
 from jaxascend.offload.ssd_adamw import ssd_adamw_state
 from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.state_layout import StateLayoutOptions, TableLayout, checkpoint_slot_requests
-from jaxascend.offload.step import SinkRouting, total_stats
+from jaxascend.offload.step import SinkRouting, bit_leaves, total_stats
 from jaxascend.offload.step_plan import StepPlan
 from jaxascend.offload.timeline import StepTimeline
 from jaxascend.offload.update_runner import OverlappedUpdates, SequentialUpdates, UpdateRunner
@@ -61,10 +61,11 @@ from jaxascend.optim import AdamWSettings, LossScaleState, leaf_decay, update_lo
 MasterReader = Callable[[tuple, Optional[int]], np.ndarray]
 
 
-def _read_master(master: MasterReader, path: tuple, leaf, layer: Optional[int]) -> np.ndarray:
-    """One layer (or one block of rows of a table stored in blocks) of a leaf from ``master``."""
+def _read_master(master: MasterReader, path: tuple, leaf, layer: Optional[int], shape: tuple) -> np.ndarray:
+    """One layer (or one block of rows of a table stored in blocks) of a leaf of whole shape
+    ``shape`` from ``master``."""
     if leaf.row_blocks > 1:
-        rows = leaf.layer_shape[0]
+        rows = shape[0] // leaf.row_blocks
         return master(path, None, rows=(layer * rows, (layer + 1) * rows))
     return master(path, layer)
 
@@ -89,7 +90,7 @@ class OffloadEngine:
             raise ValueError("OffloadEngine: the plan is the in-memory engine's (offload.enabled: false)")
         self.cfg = cfg
         self.compute_dtype = model_cfg.dtype
-        self.data_parallel = DataParallel(plan.partition) if plan.partition is not None else None
+        self.data_parallel = DataParallel(plan.partition, plan.local_devices) if plan.partition is not None else None
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         table = TableLayout.of(params, model_cfg)
         routing = sink_routing(plan, params, model_cfg, table)
@@ -103,7 +104,8 @@ class OffloadEngine:
             leaves = self._init_state(params, master, paths, model_cfg)
             del params
             self.weights = ComputeWeights(plan, self.state, leaves, [x.shape for x in jax.tree.leaves(full_spec)],
-                                          self.data_parallel)
+                                          self.data_parallel,
+                                          bits=bit_leaves(routing, [leaf.dtype for leaf in self.state.leaves]))
             del leaves
             self.routing = GradientRouting.build(plan, self.graphdef, self.rest, routing, self.state, self.weights,
                                                  self.data_parallel)
@@ -132,10 +134,9 @@ class OffloadEngine:
         """The arena, the store and the layout of this process's state (a job's: its slices)."""
         cfg, plan = self.cfg, self.plan
         spec = full_spec
-        if plan.partitioned:  # this process's slices of every tensor
-            spec = plan.partition.local_spec(spec, routing.is_stacked)
-        # Data parallel sends the table's gradient whole (the blocks of a large table are refused).
-        row_blocks = table.row_blocks if self.data_parallel is None else (1,) * len(table.row_blocks)
+        row_blocks = table.row_blocks
+        if plan.partitioned:  # this process's slices of every tensor (of every block of a large table)
+            spec = plan.partition.local_spec(spec, routing.is_stacked, row_blocks)
         options = StateLayoutOptions.of(cfg, model_cfg, row_blocks, stream=plan.weights == "ssd")
         extra = checkpoint_slot_requests(options.plan(spec, cfg.offload), cfg.offload)
         self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS if extra else STATE_SLOT_CLASS
@@ -156,16 +157,19 @@ class OffloadEngine:
 
             def value(leaf, layer):
                 if master is not None:
-                    return _read_master(master, paths[leaf.index], leaf, layer)
+                    return _read_master(master, paths[leaf.index], leaf, layer, full[leaf.index].shape)
                 x = np.asarray(full[leaf.index])
+                if leaf.row_blocks > 1:  # one block of rows of a large table
+                    rows = x.shape[0] // leaf.row_blocks
+                    return x[layer * rows:(layer + 1) * rows]
                 return x if layer is None or not leaf.stacked else x[layer]
 
             self.state.init_from(lambda leaf, layer: take(value(leaf, layer)).astype(np.float32), compute=compute)
         elif master is None:
             self.state.init(params)  # fp32 master weights from the loaded/initialised params
         else:
-            self.state.init_from(lambda leaf, layer: _read_master(master, paths[leaf.index], leaf, layer),
-                                 compute=compute)
+            self.state.init_from(lambda leaf, layer: _read_master(master, paths[leaf.index], leaf, layer,
+                                                                  leaf.shape), compute=compute)
         # The compute copy, without the streamed leaves (on SSD now); the param_dtype copy is
         # dropped once the master weights are on SSD.
         return [None if leaf.streamed else x.astype(dtype) for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
@@ -299,7 +303,7 @@ class OffloadEngine:
         # array records where it sits in its whole tensor, so that another number of processes
         # can re-partition it on restore.
         part = self.plan.partition if self.plan.partitioned else Partition(0, 1)
-        pieces = [Piece(part.index, part.count, self.weights.full_shapes[leaf.index], leaf.stacked)
+        pieces = [Piece(part.index, part.count, self.weights.full_shapes[leaf.index], leaf.stacked, leaf.row_blocks)
                   for leaf in self.state.leaves]
         return SsdArrays(self.state.store, specs_for_offload_layout(self.state.layout, pieces=pieces),
                          slot_class=self._checkpoint_slots, attributes={"state": self.state.layout.state.describe()})

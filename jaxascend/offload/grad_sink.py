@@ -18,7 +18,9 @@ each shard's cotangent is its own batch rows' contribution; the backward rule re
 over the axis (``psum_scatter``, the flat gradient zero-padded to a multiple of ``parts``), so
 shard ``i`` sends only slice ``i`` of the summed gradient to its own sink (the state it owns), and
 the statistics are summed over the axis, so every shard sees the global overflow count and norm.
-The full gradient exists on no shard. The ``shard_map`` must have ``check_vma=False``: with the
+The full gradient exists on no shard. With several devices per process (``local``, a second mesh
+axis) each device's slice is also summed over its process's devices, and the first device of
+each process alone sends it. The ``shard_map`` must have ``check_vma=False``: with the
 check on, JAX sums the cotangent of a replicated parameter over the axis by itself before this
 rule sees it (an all-reduce, and the reduce-scatter would then count it twice).
 """
@@ -116,12 +118,18 @@ def _sink_gradient_via_host(g, layer, *, sink, tensor):
 class GradientScatter:
     """Reduce-scatter each gradient over the mesh axis ``axis`` of ``parts`` shards (see the
     module doc): the sink of shard ``i`` receives slice ``i`` of the flat, zero-padded sum.
-    ``to_first``: the shards are devices of one process, which owns the whole state: the sum
-    is all-reduced and the first shard alone sends it, whole, to the sink."""
+    ``local``: the mesh's second axis, the several devices of each process (which owns one
+    slice of the state): each device's slice is then summed over the process's devices as well,
+    and the first device of each process alone sends it to the sink."""
 
     axis: str
     parts: int
-    to_first: bool = False
+    local: Optional[str] = None
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis the rows are split over: what the job's sums run over."""
+        return (self.axis,) + ((self.local,) if self.local else ())
 
     def slice_size(self, size: int) -> int:
         """Elements of a ``size``-element gradient that each shard receives (the last zero-padded)."""
@@ -132,7 +140,16 @@ class GradientScatter:
         pad = self.slice_size(flat.size) * self.parts - flat.size
         if pad:
             flat = jnp.pad(flat, (0, pad))
-        return jax.lax.psum_scatter(flat, self.axis, scatter_dimension=0, tiled=True)
+        if self.parts > 1:
+            flat = jax.lax.psum_scatter(flat, self.axis, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(flat, self.local) if self.local else flat
+
+    def first_device(self, send, otherwise):
+        """``send()`` on the first device of each process, ``otherwise()`` on its others (the
+        same on every device without a ``local`` axis): a native call a process makes once."""
+        if not self.local:
+            return send()
+        return jax.lax.cond(jax.lax.axis_index(self.local) == 0, send, otherwise)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -149,19 +166,15 @@ def _offload_fwd(x, probe, layer, sink, tensor, scatter):
 def sink_share(g: jax.Array, layer, *, sink: int, tensor: int,
                scatter: Optional[GradientScatter] = None) -> jax.Array:
     """:func:`sink_gradient` of ``g`` (this shard's contribution, under ``shard_map`` when
-    ``scatter`` is given) as data parallelism shares it: this shard's slice of the summed
-    gradient, or (``scatter.to_first``) the whole sum sent once, by the first shard; the
-    statistics are always those of the whole summed gradient."""
+    ``scatter`` is given) as data parallelism shares it: each process's slice of the summed
+    gradient (the whole sum for one process), sent once by its first device; the statistics
+    are always those of the whole summed gradient."""
     if scatter is None:
         return sink_gradient(g, layer, sink=sink, tensor=tensor)
-    if scatter.to_first:
-        summed = jax.lax.psum(g, scatter.axis)
-        stats = jax.lax.cond(jax.lax.axis_index(scatter.axis) == 0,
-                             lambda x: sink_gradient(x, layer, sink=sink, tensor=tensor),
-                             lambda x: jnp.zeros((PROBE_SIZE,), jnp.float32), summed)
-    else:
-        stats = sink_gradient(scatter(g), layer, sink=sink, tensor=tensor)
-    return jax.lax.psum(stats, scatter.axis)
+    mine = scatter(g)
+    stats = scatter.first_device(lambda: sink_gradient(mine, layer, sink=sink, tensor=tensor),
+                                 lambda: jnp.zeros((PROBE_SIZE,), jnp.float32))
+    return jax.lax.psum(stats, scatter.axes)
 
 
 def _offload_bwd(sink, tensor, scatter, layer, g):

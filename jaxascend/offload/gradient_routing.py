@@ -27,15 +27,17 @@ from jaxascend.offload.partition import DataParallel
 from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
 from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.state_layout import TableLayout
-from jaxascend.offload.step import SinkRouting, make_offload_eval, make_offload_step
+from jaxascend.offload.step import SinkRouting, bit_dtypes_of, make_offload_eval, make_offload_step
 from jaxascend.offload.step_plan import StepPlan
 
 
 def sink_routing(plan: StepPlan, params, model_cfg: ModelConfig, table: TableLayout) -> SinkRouting:
     """Tensor ids of every leaf; with instant gradients each use of the token table (the lookup
-    and, tied, the head) sends its gradient block by block and the sink sums the uses."""
+    and, tied, the head) sends its gradient block by block and the sink sums the uses. Data
+    parallel, a table not in blocks is sent whole once, its uses summed by the backward: its
+    head use would otherwise be reduce-scattered beside the layers' (collective_order)."""
     uses = ()
-    if plan.table_per_use:
+    if plan.table_per_use and (table.large or plan.partition is None):
         uses = ("lookup",) + (("head",) if model_cfg.tie_word_embeddings else ())
     return SinkRouting.for_params(params, layer_stack_key(model_cfg.arch), token_table_path(model_cfg.arch), uses,
                                   table.blocks, table_as_bits=table.large)
@@ -59,14 +61,16 @@ class GradientRouting:
         if jax.tree.leaves(state.tensor_ids()) != [r.tensor for r in routing.routes]:
             raise RuntimeError("offload: gradient-sink tensor ids disagree with the optimizer's leaf order")
         dp = data_parallel
-        whole_layers = weights.whole_layers() if dp is not None and weights.source is not None else None
+        # A job's parameter source serves this process's slices, all-gathered in the step.
+        whole_layers = weights.whole_layers() if plan.partitioned and weights.source is not None else None
+        bits = bit_dtypes_of(routing, weights.bit_dtypes)  # a job's inputs held as raw bits
         if plan.gradients == "post_backward":  # ablation: full tree, then a scan
             fwd_bwd = PostBackwardCheckedStep(make_full_gradient_step(graphdef, rest, batch_loss), state)
         else:
             fwd_bwd = make_offload_step(graphdef, rest, routing, sink.handle, batch_loss, source=weights.source,
-                                        data_parallel=dp, whole_layers=whole_layers)
+                                        data_parallel=dp, whole_layers=whole_layers, bit_dtypes=bits)
         evaluate = make_offload_eval(graphdef, rest, routing, source=weights.source, data_parallel=dp,
-                                     whole_layers=whole_layers)
+                                     whole_layers=whole_layers, bit_dtypes=bits)
         return cls(plan, fwd_bwd, evaluate, dp)
 
     def step_input(self, tokens) -> TokenBatch:

@@ -4,8 +4,8 @@
     spec = dp.partition.local_spec(full_spec, stacked)   # the slices this process's SSD state holds
     master = dp.partition.take(full_layer)          # this process's slice of one layer (zero-padded)
     batch = dp.shard_rows(global_batch)             # this process's rows of it, as the job's global arrays
-    full = dp.gather(new_slices, shapes, stacked)   # the updated compute params, whole, on every process
-    with JobReads(dp, read_slice, shapes, stacked) as reads:   # process 0 reads whole tensors, one at a time;
+    full = dp.gather(new_slices, shapes, layers)    # the updated compute params, whole, on every process
+    with JobReads(dp, read_slice, shapes, layers, stacked) as reads:  # process 0 reads whole tensors, one at a time;
         if reads.is_reader: export(reads.read)      # the others serve their slices until it is done
 
 A tensor (one layer of a stacked leaf, or a whole top-level leaf) is split as a flat array,
@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxascend.offload.grad_sink import GradientScatter
 
-AXIS = "data"
+AXIS = "data"  # the processes of a job: the state is split over them
+LOCAL = "local"  # the devices of one process
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,21 @@ class Partition:
     def slice_size(self, size: int) -> int:
         return -(-size // self.count)
 
-    def local_spec(self, spec, stacked: Callable[[tuple], bool]):
+    def local_spec(self, spec, stacked: Callable[[tuple], bool], row_blocks: Optional[Sequence[int]] = None):
         """The state's leaves as this process holds them: ``[L, s]`` for a stacked leaf (each
-        layer split on its own), ``[s]`` for any other; ``stacked(path)`` says which is which."""
-        def local(path, leaf):
+        layer split on its own), ``[K * s]`` for a table in ``K`` blocks of rows (``row_blocks``,
+        one per leaf in flattening order: each block split on its own, like a layer), ``[s]``
+        for any other; ``stacked(path)`` says which leaves are stacked."""
+        paths, treedef = jax.tree_util.tree_flatten_with_path(spec)
+        blocks = list(row_blocks) if row_blocks is not None else [1] * len(paths)
+        out = []
+        for (path, leaf), k in zip(paths, blocks):
             if stacked(path):
-                per_layer = int(np.prod(leaf.shape[1:]))
-                return jax.ShapeDtypeStruct((leaf.shape[0], self.slice_size(per_layer)), leaf.dtype)
-            return jax.ShapeDtypeStruct((self.slice_size(int(np.prod(leaf.shape))),), leaf.dtype)
-
-        return jax.tree_util.tree_map_with_path(local, spec)
+                shape = (leaf.shape[0], self.slice_size(int(np.prod(leaf.shape[1:]))))
+            else:
+                shape = (int(k) * self.slice_size(int(np.prod(leaf.shape)) // int(k)),)
+            out.append(jax.ShapeDtypeStruct(shape, leaf.dtype))
+        return treedef.unflatten(out)
 
     def take(self, values) -> np.ndarray:
         """This process's slice of one tensor (one layer, or a whole top-level leaf), flat, the
@@ -66,27 +72,38 @@ class Partition:
 
 class DataParallel:
     """The job's mesh and the few collectives the engine needs outside the step: replicated
-    inputs, row-sharded batches, the all-gather of updated params. Either a job of processes
-    with one device each (``partition.count`` > 1: each owns its slice of the state), or one
-    process with several devices (``partition`` ``(0, 1)``: it owns the whole state; the
-    devices share the batch rows and the first sends each summed gradient)."""
+    inputs, row-sharded batches, the all-gather of updated params.
 
-    def __init__(self, partition: Partition):
-        devices = jax.devices()
-        local = jax.local_device_count()
-        if partition.count > 1 and (len(devices) != partition.count or local != 1):
-            raise ValueError(f"data parallel: a job of {partition.count} processes runs one device per process; "
-                             f"this job has {len(devices)} devices, {local} in this process")
-        if partition.count == 1 and len(devices) < 2:
+    The mesh is ``[processes, devices per process]`` (axes :data:`AXIS` and :data:`LOCAL`): the
+    rows are split over every device, the state over the processes (``partition``: this
+    process's slice; ``(0, 1)``: one process owns it whole). A layer's gradient is reduce-scattered
+    over the processes and summed over each process's devices, and the first device of each
+    process sends its slice to the process's sink and fetches the layers the parameter source
+    serves (:meth:`GradientScatter.first_device`)."""
+
+    def __init__(self, partition: Partition, local_devices: Optional[int] = None):
+        """``local_devices``: the devices of each process the step uses (default: all of them;
+        1: the first of each)."""
+        local = jax.local_device_count() if local_devices is None else int(local_devices)
+        by_process: dict[int, list] = {}
+        for device in sorted(jax.devices(), key=lambda d: (d.process_index, d.id)):
+            by_process.setdefault(device.process_index, []).append(device)
+        if len(by_process) != partition.count or any(len(d) < local for d in by_process.values()):
+            raise ValueError(f"data parallel: a job of {partition.count} process(es) with {local} device(s) each; "
+                             f"this one has {len(by_process)} process(es) with "
+                             f"{sorted({len(d) for d in by_process.values()})} devices")
+        if partition.count * local < 2:
             raise ValueError("data parallel: one process needs several devices to share the rows")
         self.partition = partition
-        self.devices = len(devices)
-        self.scatter = GradientScatter(AXIS, self.devices, to_first=partition.count == 1)
-        self.mesh = Mesh(np.array(devices), (AXIS,))
+        self.local_devices = local
+        self.devices = partition.count * local
+        self.scatter = GradientScatter(AXIS, partition.count, local=LOCAL if local > 1 else None)
+        grid = np.array([by_process[p][:local] for p in sorted(by_process)])  # [processes, local]
+        self.mesh = Mesh(grid, (AXIS, LOCAL))
         self.replicated = NamedSharding(self.mesh, P())
         self.rows = NamedSharding(self.mesh, P(AXIS))
         self._columns = NamedSharding(self.mesh, P(None, AXIS))
-        self._gathers: dict = {}  # (shape, stacked) -> the jitted gather of one tensor
+        self._gathers: dict = {}  # (shape, layers) -> the jitted gather of one tensor
         self._broadcast = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, AXIS), mesh=self.mesh,
                                                 in_specs=P(AXIS), out_specs=P(), check_vma=False))
 
@@ -119,27 +136,27 @@ class DataParallel:
         return jax.jit(self.step(fn, (replicated, _rows_spec(batch_axis)) + (replicated,) * scalars, replicated))
 
     def gather(self, slices: Sequence[Optional[np.ndarray]], shapes: Sequence[tuple],
-               stacked: Sequence[bool]) -> list:
+               layers: Sequence[int]) -> list:
         """Each tensor whole, as a replicated global array, from every process's slice of it:
-        ``slices[k]`` is this process's ``[L, s]`` (a stacked leaf) or ``[s]`` (None: a leaf
-        that is not gathered, e.g. streamed); ``shapes[k]`` the whole shape. One tensor at a
-        time, trimmed and reshaped inside the collective, so that a tensor's only whole copy is
-        the replicated array itself."""
+        ``slices[k]`` is this process's ``[layers, s]`` (or the same flat: a stacked leaf, a
+        table in blocks of rows, a tensor of one layer; None: a leaf that is not gathered, e.g.
+        streamed); ``shapes[k]`` the whole shape, ``layers[k]`` its layers (1: none). One tensor
+        at a time, trimmed and reshaped inside the collective, so that a tensor's only whole copy
+        is the replicated array itself."""
         out = []
-        for x, shape, is_stacked in zip(slices, shapes, stacked):
+        for x, shape, count in zip(slices, shapes, layers):
             if x is None:
                 out.append(None)
                 continue
-            x = np.asarray(x)
-            rows = x if is_stacked else x[None]  # [L, s]
+            rows = np.asarray(x).reshape(int(count), -1)  # [layers, s]
             sharded = jax.make_array_from_process_local_data(self._columns, np.ascontiguousarray(rows))
-            out.append(self._gather_one_tensor(tuple(shape), bool(is_stacked))(sharded))
+            out.append(self._gather_one_tensor(tuple(shape), int(count))(sharded))
         return out
 
-    def _gather_one_tensor(self, shape: tuple, stacked: bool):
-        key = (shape, stacked)
+    def _gather_one_tensor(self, shape: tuple, layers: int):
+        key = (shape, layers)
         if key not in self._gathers:
-            per_layer = int(np.prod(shape[1:] if stacked else shape))
+            per_layer = int(np.prod(shape)) // layers
 
             def whole(rows):  # [L, s] on each process -> [L, P * s] -> the tensor
                 full = jax.lax.all_gather(rows, AXIS, axis=1, tiled=True)
@@ -157,7 +174,7 @@ class DataParallel:
 
     def gather_one(self, piece: np.ndarray, size: int) -> np.ndarray:
         """One tensor's ``size`` elements, flat, on every process, from every process's slice."""
-        return local_value(self.gather([piece], [(size,)], [False])[0])
+        return local_value(self.gather([piece], [(size,)], [1])[0])
 
 
 class JobReads:
@@ -167,31 +184,33 @@ class JobReads:
     serve inside ``__enter__`` until process 0 leaves the ``with`` block (also on an error).
 
     ``read_slice(tensor, layer)``: this process's flat slice of one layer (``layer`` None: of a
-    tensor without layers); ``shapes[tensor]``: the whole shape; ``stacked[tensor]``: whether its
-    axis 0 is a layer axis."""
+    tensor without layers); ``shapes[tensor]``: the whole shape; ``layers[tensor]``: its layers,
+    each split on its own (a stacked leaf's axis 0, a table's blocks of rows; 1: none)."""
 
     _STOP = -1
 
     def __init__(self, dp: DataParallel, read_slice: Callable[[int, Optional[int]], np.ndarray],
-                 shapes: Sequence[tuple], stacked: Sequence[bool]):
+                 shapes: Sequence[tuple], layers: Sequence[int], stacked: Sequence[bool]):
         self.dp, self.read_slice = dp, read_slice
-        self.shapes, self.stacked = [tuple(x) for x in shapes], list(stacked)
+        self.shapes, self.layers, self.stacked = [tuple(x) for x in shapes], list(layers), list(stacked)
         self.is_reader = dp.partition.index == 0
 
     def read(self, tensor: int, layer: Optional[int]) -> np.ndarray:
-        """Tensor ``tensor`` (one layer of it, or all when ``layer`` is None), whole (process 0)."""
+        """Tensor ``tensor`` (one layer of a stacked one, or all when ``layer`` is None), whole
+        (process 0); a table in blocks of rows is read a block at a time."""
         if not self.is_reader:
             raise RuntimeError("JobReads.read: only process 0 reads; the others serve")
-        if layer is None and self.stacked[tensor]:
-            return np.stack([self.read(tensor, i) for i in range(self.shapes[tensor][0])])
+        shape, count = self.shapes[tensor], self.layers[tensor]
+        if layer is None and count > 1:
+            parts = [self.read(tensor, i) for i in range(count)]
+            return np.stack(parts) if self.stacked[tensor] else np.concatenate(parts).reshape(shape)
         self.dp.broadcast([tensor, -1 if layer is None else layer])
-        shape = self.shapes[tensor][1:] if layer is not None else self.shapes[tensor]
-        return self._one(tensor, layer).reshape(shape)
+        whole = self._one(tensor, layer)
+        return whole.reshape(shape[1:]) if self.stacked[tensor] else whole.reshape((-1,) + shape[1:])
 
     def _one(self, tensor: int, layer: Optional[int]) -> np.ndarray:
-        shape = self.shapes[tensor]
-        return self.dp.gather_one(self.read_slice(tensor, layer),
-                                  math.prod(shape[1:] if self.stacked[tensor] else shape))
+        size = math.prod(self.shapes[tensor]) // self.layers[tensor]  # of one layer (block)
+        return self.dp.gather_one(self.read_slice(tensor, layer), size)
 
     def __enter__(self) -> "JobReads":
         if not self.is_reader:
@@ -208,8 +227,8 @@ class JobReads:
 
 
 def _rows_spec(axis: int) -> P:
-    """Sharded over the processes (devices) on ``axis``, whole on the axes before it."""
-    return P(*([None] * axis), AXIS)
+    """Sharded over every device (process-major) on ``axis``, whole on the axes before it."""
+    return P(*([None] * axis), (AXIS, LOCAL))
 
 
 def local_value(x) -> np.ndarray:

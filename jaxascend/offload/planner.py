@@ -51,9 +51,11 @@ from jaxascend.models import DTYPES
 from jaxascend.offload.disk_plan import FilesystemUse, disk_use, run_disk_parts
 from jaxascend.offload.layout import OffloadLayout
 from jaxascend.offload.machine_limits import available_host_memory
+from jaxascend.offload.partition import Partition
 from jaxascend.offload.plan_levers import disk_levers, host_levers
 from jaxascend.offload.state_layout import StateLayoutOptions, TableLayout, checkpoint_slot_requests
 from jaxascend.offload.step_memory import step_memory
+from jaxascend.offload.step_plan import overlap_refusal
 from jaxascend.ssd import ArenaPlan, SsdStore, arena_shortfall
 
 # What JAX's CPU runtime, the compiled step and a step's Python objects add to the process as it
@@ -271,12 +273,26 @@ def _host_limit(cfg: Config, runtime: Runtime) -> Optional[HostLimit]:
     return HostLimit(memory.available + runtime.held, memory.source, runtime.held)
 
 
-def _layout(cfg: Config, model_cfg: ModelConfig, stream: bool) -> OffloadLayout:
+def _layout(cfg: Config, model_cfg: ModelConfig, stream: bool, processes: int = 1) -> OffloadLayout:
+    """The state's layout: the whole model's, or (``processes`` > 1) one process's slice of
+    every tensor, as :class:`~jaxascend.offload.engine.OffloadEngine` lays out a job's."""
     _, params = abstract_params(model_cfg)
     dtype = DTYPES[model_cfg.dtype]
     spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
     row_blocks = TableLayout.of(params, model_cfg).row_blocks
-    return StateLayoutOptions.of(cfg, model_cfg, row_blocks, stream).plan(spec, cfg.offload)
+    options = StateLayoutOptions.of(cfg, model_cfg, row_blocks, stream)
+    if processes > 1:  # process 0's slices (no smaller than any other's)
+        stacked = lambda path: str(getattr(path[0], "key", path[0])) == options.stack_key  # noqa: E731
+        spec = Partition(0, processes).local_spec(spec, stacked, row_blocks)
+    return options.plan(spec, cfg.offload)
+
+
+def _rows_of_one(cfg: Config, processes: int) -> Config:
+    """``cfg`` as one process of a job of ``processes`` sees its batches: its rows of each."""
+    if processes == 1:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, batch_size=max(1, cfg.data.batch_size
+                                                                                      // processes)))
 
 
 def _arena(cfg: Config, layout: OffloadLayout) -> tuple[int, Optional[str]]:
@@ -325,15 +341,26 @@ def _in_memory_plan(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout, 
                    max(leaf.layer_elements for leaf in layout.leaves), _streaming_refusal(cfg), phase=phase)
 
 
-def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: Runtime, gbps: float) -> RunPlan:
-    layout = _layout(cfg, model_cfg, stream)
-    n = layout.num_parameters
+def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: Runtime, gbps: float,
+                    processes: int = 1) -> RunPlan:
+    """The offloaded engine's plan; in a job of ``processes``, one process's figures: its rows
+    of each batch, its slice of the state (on SSD, in the arena, in its steps' traffic), and the
+    compute weights every process holds whole (an overlapped resident stack: its slice)."""
+    whole = _layout(cfg, model_cfg, stream)
+    layout = _layout(cfg, model_cfg, stream, processes) if processes > 1 else whole
+    n = whole.num_parameters
     c = np.dtype(DTYPES[model_cfg.dtype]).itemsize
     p = np.dtype(DTYPES[model_cfg.param_dtype]).itemsize
-    resident = layout.resident_param_bytes
-    loaded = resident * p // c if p != c else 0  # the param_dtype model beside its compute copy at start-up
+    resident = whole.resident_param_bytes
+    if processes > 1 and not stream and cfg.offload.overlap and overlap_refusal(cfg) is None:
+        # An overlapped resident stack of a job: this process's slice of every layer in host
+        # buffers (the step gathers one layer at a time); the other leaves whole.
+        stack = [leaf for leaf in layout.leaves if leaf.stacked]
+        resident -= sum(leaf.size * leaf.dtype.itemsize for leaf in whole.leaves if leaf.stacked)
+        resident += sum(leaf.size * leaf.dtype.itemsize for leaf in stack)
+    loaded = whole.resident_param_bytes * p // c if p != c else 0  # the param_dtype model beside its compute copy
     arena, arena_problem = _arena(cfg, layout)
-    step, phase = _step_parts(cfg, model_cfg, layout)
+    step, phase = _step_parts(_rows_of_one(cfg, processes), model_cfg, whole)
     host = {"runtime": runtime.nbytes, "arena": arena, "resident params": resident + loaded, **step}
     device = {"resident params": resident, "activations + temps": sum(step.values())}
     grads = layout.grad_bytes if layout.grads_on_ssd else 0
@@ -345,26 +372,35 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     read = layout.state_bytes + grads + 2 * streamed
     write = layout.state_bytes + grads + streamed
     fmt = layout.state
-    checkpoint = int(fmt.bytes_per_element * n) + streamed + resident
+    # A job's checkpoint is one directory: every process's slices, the compute params once.
+    checkpoint = int(fmt.bytes_per_element * whole.num_parameters) + whole.streamed_param_bytes \
+        + whole.resident_param_bytes
     disk = disk_use(run_disk_parts(cfg, ssd_bytes, checkpoint, 4 * n, _export_itemsize(cfg, model_cfg) * n))
-    notes = (f"optimizer state: {fmt.dtype} moments, {layout.state_bytes / n:.2f} B/param on SSD; a step moves "
-             f"{(read + write) / n:.2f} B/param",)
+    mine = layout.num_parameters
+    notes = (f"optimizer state: {fmt.dtype} moments, {layout.state_bytes / mine:.2f} B/param on SSD; a step moves "
+             f"{(read + write) / mine:.2f} B/param",)
     if stream:
         notes += (f"streamed weights: {format_bytes(streamed)} on SSD; resident embeddings/norms/head "
                   f"{format_bytes(resident)} ({resident / n:.2f} B/param)",)
+    if processes > 1:
+        notes += (f"a job of {processes} processes: host memory, the offload files and the SSD traffic are one "
+                  f"process's ({cfg.data.batch_size // processes} of each batch's {cfg.data.batch_size} rows, "
+                  f"1/{processes} of the optimizer state: {mine:,} of {n:,} parameters); the checkpoints are "
+                  f"the job's",)
     return RunPlan("ssd" if stream else "resident", n, host, device, ssd_bytes, str(cfg.offload.dir), checkpoint,
                    read, write, gbps, _host_limit(cfg, runtime), disk, arena_problem, notes,
-                   max(leaf.layer_elements for leaf in layout.leaves), _streaming_refusal(cfg), phase=phase)
+                   max(leaf.layer_elements for leaf in whole.leaves), _streaming_refusal(cfg), phase=phase)
 
 
 def _with_levers(plan: RunPlan, cfg: Config, model_cfg: ModelConfig, params: str, gbps: float,
-                 runtime: Runtime) -> RunPlan:
+                 runtime: Runtime, processes: int) -> RunPlan:
     """``plan`` with the levers of each part that does not fit (each lever changes a copy of
     ``cfg`` with ``offload.params`` resolved to ``params``)."""
     cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params=params))
 
     def replan(variant: Config, variant_model: ModelConfig) -> RunPlan:
-        return _plan(variant, variant_model, variant.offload.params, gbps, runtime, levers=False)
+        return _plan(variant, variant_model, variant.offload.params, gbps, runtime, levers=False,
+                     processes=processes)
 
     host = ()
     if plan.limit is not None and plan.host_peak > plan.limit.nbytes:
@@ -374,34 +410,39 @@ def _with_levers(plan: RunPlan, cfg: Config, model_cfg: ModelConfig, params: str
 
 
 def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
-             disk_gbps: Optional[float] = None, runtime_bytes: Optional[int] = None, levers: bool = True) -> RunPlan:
+             disk_gbps: Optional[float] = None, runtime_bytes: Optional[int] = None, levers: bool = True,
+             processes: int = 1) -> RunPlan:
     """The plan of ``cfg`` for ``model_cfg`` (whose ``vocab_size`` is the run's), with
     ``offload.params`` as given by ``params`` (default: the config's; "auto" is resolved).
     ``runtime_bytes``: the runtime part (default: measured, :meth:`Runtime.measured`; make the
     plan where the run will run, after its tokenizer). ``levers``: with each part that does not
-    fit, what the settings that would help save."""
+    fit, what the settings that would help save. ``processes``: a data-parallel job's, whose
+    figures are one process's (see :func:`_offloaded_plan`)."""
     runtime = Runtime.measured() if runtime_bytes is None else Runtime(int(runtime_bytes))
-    return _plan(cfg, model_cfg, params or cfg.offload.params, float(disk_gbps or DEFAULT_DISK_GBPS), runtime, levers)
+    return _plan(cfg, model_cfg, params or cfg.offload.params, float(disk_gbps or DEFAULT_DISK_GBPS), runtime, levers,
+                 processes)
 
 
-def _plan(cfg: Config, model_cfg: ModelConfig, params: str, gbps: float, runtime: Runtime, levers: bool) -> RunPlan:
+def _plan(cfg: Config, model_cfg: ModelConfig, params: str, gbps: float, runtime: Runtime, levers: bool,
+          processes: int = 1) -> RunPlan:
     if not model_cfg.vocab_size:
         raise ValueError("plan: model_cfg.vocab_size is 0; resolve the run's vocabulary first")
     if params == "auto":
-        return _resolve_auto(cfg, model_cfg, gbps, runtime, levers)
+        return _resolve_auto(cfg, model_cfg, gbps, runtime, levers, processes)
     if not cfg.offload.enabled:
         plan = _in_memory_plan(cfg, model_cfg, _layout(cfg, model_cfg, False), runtime, gbps)
     else:
-        plan = _offloaded_plan(cfg, model_cfg, params == "ssd", runtime, gbps)
+        plan = _offloaded_plan(cfg, model_cfg, params == "ssd", runtime, gbps, processes)
     if levers and plan.problems():
-        plan = _with_levers(plan, cfg, model_cfg, params, gbps, runtime)
+        plan = _with_levers(plan, cfg, model_cfg, params, gbps, runtime, processes)
     return plan
 
 
-def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: Runtime, levers: bool) -> RunPlan:
+def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: Runtime, levers: bool,
+                  processes: int) -> RunPlan:
     """``offload.params: auto``: resident if that fits the budget (without one: what the machine
     can give), else ssd where the config allows it."""
-    resident = _plan(cfg, model_cfg, "resident", gbps, runtime, levers=False)
+    resident = _plan(cfg, model_cfg, "resident", gbps, runtime, levers=False, processes=processes)
     limit = resident.limit
     if not cfg.offload.enabled or limit is None or resident.host_peak <= limit.nbytes:
         params, choice = "resident", "offload.params: auto chose resident"
@@ -414,19 +455,22 @@ def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: Run
         else:
             params = "resident"
             choice = f"offload.params: auto stays resident over {against}: {resident.streaming_refused}"
-    plan = resident if params == "resident" else _plan(cfg, model_cfg, "ssd", gbps, runtime, levers=False)
+    plan = resident if params == "resident" else _plan(cfg, model_cfg, "ssd", gbps, runtime, levers=False,
+                                                       processes=processes)
     if levers and plan.problems():
-        plan = _with_levers(plan, cfg, model_cfg, params, gbps, runtime)
+        plan = _with_levers(plan, cfg, model_cfg, params, gbps, runtime, processes)
     return dataclasses.replace(plan, choices=(choice,))
 
 
 def resolve(cfg: Config, model_cfg: ModelConfig, disk_gbps: Optional[float] = None,
-            inputs_read: bool = True) -> tuple[Config, RunPlan]:
+            inputs_read: bool = True, processes: int = 1) -> tuple[Config, RunPlan]:
     """``cfg`` with ``offload.params`` resolved (auto -> resident or ssd) and its plan, made in
     this process; ``inputs_read`` False: the tokenizer and data are not in it yet, and
-    :data:`UNREAD_INPUTS_BYTES` stands for them in the runtime part."""
+    :data:`UNREAD_INPUTS_BYTES` stands for them in the runtime part. ``processes``: the job's
+    (each process plans its own share)."""
     runtime = Runtime.measured(0 if inputs_read else UNREAD_INPUTS_BYTES)
-    plan = _plan(cfg, model_cfg, cfg.offload.params, float(disk_gbps or DEFAULT_DISK_GBPS), runtime, levers=True)
+    plan = _plan(cfg, model_cfg, cfg.offload.params, float(disk_gbps or DEFAULT_DISK_GBPS), runtime, levers=True,
+                 processes=processes)
     placement = "resident" if plan.params == "in-memory" else plan.params
     if placement != cfg.offload.params:
         cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params=placement))

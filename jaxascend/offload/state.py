@@ -428,14 +428,15 @@ class OffloadedAdamState:
         """One leaf's ``master``, ``m`` or ``v`` read back from SSD as float32 (leaf shape; for
         checkpoints, exports and tests: one chunk of staging at a time); compressed moments are
         decoded (bfloat16 widened, int8 codes times their block's scale). ``layer``: only that
-        layer of a stacked leaf (its layer shape), so a reader never holds a whole stack."""
+        layer of a stacked leaf, or one block of rows of a table in blocks (its layer shape), so a
+        reader never holds a whole stack."""
         if which not in STATE_TENSORS:
             raise ValueError(f"offloaded AdamW: which must be one of {STATE_TENSORS}, got {which!r}")
         self._check_open()
         leaf = self.leaf(leaf)
-        if layer is not None and not (leaf.stacked and 0 <= layer < leaf.layers):
+        if layer is not None and not (leaf.layers > 1 and 0 <= layer < leaf.layers):
             raise ValueError(f"offloaded AdamW: leaf {leaf.path!r} has no layer {layer} "
-                             f"({leaf.layers if leaf.stacked else 'not'} stacked)")
+                             f"({leaf.layers if leaf.layers > 1 else 'not'} stacked or in blocks)")
         first = 0 if layer is None else layer * leaf.layer_elements
         out = np.empty(leaf.size if layer is None else leaf.layer_elements, np.float32)
         fmt = self.layout.state

@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxascend.models import loss_sum_and_count
 from jaxascend.native import host_callbacks
+from jaxascend.offload.collective_order import after, after_each, offload_leaves_on_backward, token_of
 from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward
 from jaxascend.offload.param_source import fetch_layer
 
@@ -122,9 +123,9 @@ def _layer_key(path) -> str:
 class _SinkHooks:
     """The identities that send each leaf's gradient to the sink in the backward pass: the
     top-level leaves wrapped before the model is assembled, each layer's inside the scan, each
-    block of each use of the token table as the model computes it."""
+    block of each use of the token table as the model computes it. One set per trace of the step."""
 
-    def __init__(self, routing: SinkRouting, sink: int, scatter):
+    def __init__(self, routing: SinkRouting, sink: int, scatter=None):
         self.routing, self.sink, self.scatter = routing, sink, scatter
         self.routes = routing.by_key()
 
@@ -166,8 +167,62 @@ class _SinkHooks:
         return hook
 
 
+class _OrderedSinkHooks(_SinkHooks):
+    """The hooks of a data-parallel step, whose gradients are reduce-scattered on their way to
+    the sink: every collective of the backward in one order (:mod:`~jaxascend.offload.collective_order`).
+
+    The loops order themselves: the head's blocks before the layers (which need the head's input
+    gradient), the layers one after another (each layer's leaves in a chain), the lookup's blocks
+    after the layers. The top-level leaves (final norm, a separate head, position embeddings, a
+    token table not sent by blocks) are one group, sent in a chain once every one of their
+    gradients exists and once the table's blocks have passed back the group's token (the lookup
+    is the backward's last loop), so none of them runs beside a loop's collectives."""
+
+    def __init__(self, routing: SinkRouting, sink: int, scatter):
+        super().__init__(routing, sink, scatter)
+        self.token = None  # the top-level group's, which every table block passes back in the backward
+
+    def _group(self, keys, xs, probes, layer=0, order=None):
+        return offload_leaves_on_backward(xs, probes, sink=self.sink, tensors=[self.routes[k].tensor for k in keys],
+                                          layer=layer, scatter=self.scatter, order=order)
+
+    def top_leaves(self, params, probes):
+        routing = self.routing
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: x is None)
+        keys = [jax.tree_util.keystr(path) for path, _ in flat]
+        chosen = [i for i, (path, x) in enumerate(flat) if x is not None and not routing.is_stacked(path)
+                  and not (keys[i] == routing.table_key and routing.table_uses)]
+        sent, self.token = self._group([keys[i] for i in chosen], [flat[i][1] for i in chosen],
+                                       [probes[keys[i]] for i in chosen])
+        leaves = [x for _, x in flat]
+        for i, x in zip(chosen, sent):
+            leaves[i] = x
+        return treedef.unflatten(leaves)
+
+    def layer_hook(self, probes, layer_weights):
+        def hook(layer_params, index):
+            flat, treedef = jax.tree_util.tree_flatten_with_path(layer_weights(layer_params, index))
+            keys = ["layer:" + jax.tree_util.keystr(path) for path, _ in flat]
+            sent, _ = self._group(keys, [x for _, x in flat], [probes[k][index] for k in keys], layer=index)
+            return treedef.unflatten(sent)
+
+        return hook
+
+    def table_hook(self, probes, table_block):
+        routing = self.routing
+
+        def hook(block, use, index):  # after the layers' or the head's input gradient; passes the token back
+            probe = probes[f"{routing.table_key}|{use}"]
+            (sent,), _ = self._group([routing.table_key], [table_block(block)],
+                                     [probe[index] if routing.table_blocks > 1 else probe], layer=index,
+                                     order=self.token)
+            return sent
+
+        return hook
+
+
 def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
-                      loss_fn, source=None, data_parallel=None, whole_layers=None) -> Any:
+                      loss_fn, source=None, data_parallel=None, whole_layers=None, bit_dtypes=()) -> Any:
     """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)`` (with ``step.lower``).
 
     ``tokens``: the step's ``A`` micro-batches ``[A, B, ...]``, which each layer runs in turn
@@ -188,19 +243,24 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     ``tokens`` the step's micro-batches ``[A, B, ...]`` as global arrays sharded by rows (axis
     1), each gradient is reduce-scattered so the sink gets this process's slice, and the loss and statistics are the job's (summed). With a
     ``source`` too, it serves this process's slice of each layer, and ``whole_layers`` (one
-    ``jax.ShapeDtypeStruct`` per stacked leaf) are the layers the slices are all-gathered into.
+    ``jax.ShapeDtypeStruct`` per stacked leaf) are the layers the slices are all-gathered into;
+    ``bit_dtypes`` (``((key, float dtype name), ...)``, see :func:`bit_leaves`) are the leaves
+    ``params`` holds as raw ``uint16`` bits (on one process the step views them so itself).
     """
     stacked_keys = [r.key for r in routing.routes if r.layers]
     if source is not None and len(source.specs) != len(stacked_keys):
         raise ValueError(f"offload step: the parameter source serves {len(source.specs)} leaves, the layer "
                          f"stack has {len(stacked_keys)}")
-    abstract, gather = _stack_shapes(routing, source, data_parallel, whole_layers)
-    hooks = _SinkHooks(routing, sink, data_parallel.scatter if data_parallel is not None else None)
+    abstract, fetch = _stack_shapes(routing, source, data_parallel, whole_layers)
+    bit_dtypes = tuple(bit_dtypes)
 
     def scaled_loss(probes, params, tokens, loss_scale, bit_dtypes):
+        # Data parallel: every collective of the backward in one order (see _OrderedSinkHooks).
+        hooks = (_SinkHooks(routing, sink) if data_parallel is None else
+                 _OrderedSinkHooks(routing, sink, data_parallel.scatter))
         if abstract is not None:
             params = _with_abstract_stack(params, abstract)
-        layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, dict(bit_dtypes), gather)
+        layer_weights, table_block = _weight_hooks(routing, fetch, stacked_keys, dict(bit_dtypes))
         model = nnx.merge(graphdef, hooks.top_leaves(params, probes), rest)
         layer_hook = hooks.layer_hook(probes, layer_weights)
         if routing.table_uses:
@@ -213,56 +273,72 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
 
     def local_step(params, tokens, loss_scale, bit_dtypes=()):
         (_, loss), stats = grad_of_probes(routing.probes(), params, tokens, loss_scale, bit_dtypes)
-        if data_parallel is not None:  # each process's loss is its rows' share of the job's
-            loss = jax.lax.psum(loss, data_parallel.scatter.axis)
+        if data_parallel is not None:  # each process's loss is its rows' share of the job's: the last collective
+            loss = jax.lax.psum(after(loss, token_of(stats)), data_parallel.scatter.axes)
         return loss, stats
 
     if data_parallel is None:
         jitted = partial(jax.jit, static_argnames="bit_dtypes")(local_step)
         return _OffloadStep(jitted, routing, use_bits=not host_callbacks())
     # the step's micro-batches [A, B, ...]: each process computes its rows (axis 1) of every one
-    sharded = data_parallel.batch_step(local_step, batch_axis=1, scalars=1)
-    return _OffloadStep(lambda params, tokens, scale, bit_dtypes=(): sharded(params, tokens, scale), routing,
-                        use_bits=False)
+    step = partial(local_step, bit_dtypes=bit_dtypes)
+    return _OffloadStep(data_parallel.batch_step(step, batch_axis=1, scalars=1), routing, use_bits=False)
 
 
 def _stack_shapes(routing: SinkRouting, source, data_parallel, whole_layers):
-    """(the layer stack's abstract leaves, the gather of fetched slices or None) of a step whose
-    stack is read through ``source``: the model sees whole layers; in a job the source serves
-    this process's slice of each, all-gathered inside the step into ``whole_layers``."""
+    """(the layer stack's abstract leaves, ``fetch(index)`` of one layer's whole weights) of a
+    step whose stack is read through ``source`` (else ``(None, None)``): the model sees whole
+    layers. Data parallel, the first device of each process fetches and its devices share the
+    bytes; in a job the source serves this process's slice of each layer (``whole_layers``
+    given), all-gathered inside the step into them. Each leaf's collectives follow the previous
+    leaf's (collective_order)."""
     if source is None:
         return None, None
-    if data_parallel is None:
+    if whole_layers is None:
         layers = list(source.specs)
-    elif whole_layers is None or len(whole_layers) != len(source.specs):
-        raise ValueError("offload step: a job's parameter source serves slices; give whole_layers, one per leaf")
+    elif data_parallel is None or len(whole_layers) != len(source.specs):
+        raise ValueError("offload step: whole_layers are a job's, one per leaf the parameter source serves")
     else:
         layers = list(whole_layers)
     shapes = iter(layers)
     abstract = tuple(_stacked_spec(r.layers, next(shapes)) if r.layers else None for r in routing.routes)
-    if data_parallel is None:
-        return abstract, None
-    axis = data_parallel.scatter.axis
+    scatter = data_parallel.scatter if data_parallel is not None else None
+    shared = scatter is not None and scatter.local is not None
 
-    def gather(values):
-        return [jax.lax.all_gather(x.reshape(-1), axis, tiled=True)[:math.prod(w.shape)].reshape(w.shape)
-                for x, w in zip(values, layers)]
+    def read(index):
+        return fetch_layer(source.handle, index, source.specs)
 
-    return abstract, gather
+    def collect(x):  # one leaf: from the first device of the process, then from every process
+        if shared:
+            x = jax.lax.all_gather(x, scatter.local)[0]
+        if whole_layers is not None:
+            x = jax.lax.all_gather(x.reshape(-1), scatter.axis, tiled=True)
+        return x
+
+    def fetch(index):
+        if not shared and whole_layers is None:
+            return read(index)
+        if shared:
+            values = scatter.first_device(lambda: tuple(read(index)),
+                                          lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in source.specs))
+        else:
+            values = read(index)
+        whole = after_each(list(values), None, collect)
+        return [x[:math.prod(w.shape)].reshape(w.shape) for x, w in zip(whole, layers)]
+
+    return abstract, fetch
 
 
-def _weight_hooks(routing: SinkRouting, source, stacked_keys: list[str], float_dtypes: dict[str, str],
-                  gather=None):
+def _weight_hooks(routing: SinkRouting, fetch, stacked_keys: list[str], float_dtypes: dict[str, str]):
     """``(layer_weights(layer_params, index), table_block(block))``: a layer's real weights
-    inside the scan (fetched from the parameter source, or its slice back from raw bits) and a
-    token-table block back from raw bits; what both the training step and the evaluation use.
-    ``gather``: the whole layers from the fetched slices (a job, see :func:`_stack_shapes`)."""
+    inside the scan (``fetch(index)``: from the parameter source, see :func:`_stack_shapes`; or
+    its slice back from raw bits) and a token-table block back from raw bits; what both the
+    training step and the evaluation use."""
 
     def layer_weights(layer_params, index):
         fetched = {}
-        if source is not None:  # this layer's weights, read from SSD ahead of the ask
-            values = fetch_layer(source.handle, index, source.specs)
-            fetched = dict(zip(stacked_keys, gather(values) if gather is not None else values))
+        if fetch is not None:  # this layer's weights, read from SSD (host buffers) ahead of the ask
+            fetched = dict(zip(stacked_keys, fetch(index)))
 
         def one(path, x):
             key = "layer:" + jax.tree_util.keystr(path)
@@ -283,7 +359,7 @@ def _weight_hooks(routing: SinkRouting, source, stacked_keys: list[str], float_d
 
 
 def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, source=None,
-                      data_parallel=None, whole_layers=None) -> Any:
+                      data_parallel=None, whole_layers=None, bit_dtypes=()) -> Any:
     """A jitted ``evaluate(params, batch) -> (sum of the counted targets' losses, their count)``
     on the compute params, forward only: nothing is differentiated, so no gradient reaches the
     sink and the optimizer state is not read. ``params`` and ``source`` are as for
@@ -293,13 +369,13 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     ``data_parallel``: each process evaluates its rows of the batch (the job's global arrays);
     the sums are the job's (``whole_layers`` as for :func:`make_offload_step`)."""
     stacked_keys = [r.key for r in routing.routes if r.layers]
-    abstract, gather = _stack_shapes(routing, source, data_parallel, whole_layers)
+    abstract, fetch = _stack_shapes(routing, source, data_parallel, whole_layers)
 
     def local(params, batch, bit_dtypes=()):
         if abstract is not None:
             params = _with_abstract_stack(params, abstract)
         float_dtypes = dict(bit_dtypes)
-        layer_weights, table_block = _weight_hooks(routing, source, stacked_keys, float_dtypes, gather)
+        layer_weights, table_block = _weight_hooks(routing, fetch, stacked_keys, float_dtypes)
         table_hook = (lambda block, use, index: table_block(block)) if routing.table_key in float_dtypes else None
         model = nnx.merge(graphdef, params, rest)
         return loss_sum_and_count(model, batch, layer_weights, table_hook)
@@ -307,14 +383,14 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     if data_parallel is None:
         return _OffloadStep(partial(jax.jit, static_argnames="bit_dtypes")(local), routing,
                             use_bits=not host_callbacks())
-    axis = data_parallel.scatter.axis
+    axis = data_parallel.scatter.axes
 
     def summed(params, batch):
-        loss_sum, count = local(params, batch)
-        return jax.lax.psum(loss_sum, axis), jax.lax.psum(count, axis)
+        loss_sum, count = local(params, batch, tuple(bit_dtypes))
+        loss_sum = jax.lax.psum(loss_sum, axis)
+        return loss_sum, jax.lax.psum(after(count, token_of(loss_sum)), axis)  # one after the other
 
-    sharded = data_parallel.batch_step(summed)
-    return _OffloadStep(lambda params, batch, bit_dtypes=(): sharded(params, batch), routing, use_bits=False)
+    return _OffloadStep(data_parallel.batch_step(summed), routing, use_bits=False)
 
 
 def _stacked_spec(layers: int, layer: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
@@ -339,18 +415,37 @@ class _OffloadStep:
         self._routing = routing
         self._use_bits = use_bits
 
-    def _args(self, params):
+    def _args(self, params) -> tuple[Any, dict]:
         if not self._use_bits:
-            return params, ()
-        return stacked_as_bits(params, self._routing)
+            return params, {}
+        params, bit_dtypes = stacked_as_bits(params, self._routing)
+        return params, {"bit_dtypes": bit_dtypes}
 
     def __call__(self, params, *args):
-        params, bit_dtypes = self._args(params)
-        return self._jitted(params, *args, bit_dtypes=bit_dtypes)
+        params, bits = self._args(params)
+        return self._jitted(params, *args, **bits)
 
     def lower(self, params, *args):
-        params, bit_dtypes = self._args(params)
-        return self._jitted.lower(params, *args, bit_dtypes=bit_dtypes)
+        params, bits = self._args(params)
+        return self._jitted.lower(params, *args, **bits)
+
+
+def bit_leaves(routing: SinkRouting, dtypes) -> dict[int, Any]:
+    """Leaf index -> float dtype of the leaves the step takes as raw bits (see
+    :func:`stacked_as_bits`): the layer stack's 16-bit float leaves and a large token table whose
+    uses send their blocks; ``dtypes``: each leaf's compute dtype, in leaf order."""
+    out = {}
+    for route, dtype in zip(routing.routes, dtypes):
+        dtype = jnp.dtype(dtype)
+        as_bits = route.layers or (route.key == routing.table_key and routing.table_as_bits)
+        if as_bits and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
+            out[route.tensor] = dtype
+    return out
+
+
+def bit_dtypes_of(routing: SinkRouting, bits: dict[int, Any]) -> tuple[tuple[str, str], ...]:
+    """:func:`bit_leaves` as the step's static ``bit_dtypes``: ``((leaf key, dtype name), ...)``."""
+    return tuple((r.key, jnp.dtype(bits[r.tensor]).name) for r in routing.routes if r.tensor in bits)
 
 
 def stacked_as_bits(params, routing: SinkRouting) -> tuple[Any, tuple[tuple[str, str], ...]]:

@@ -19,10 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-import jax
-
 from jaxascend.config import Config, ConfigError, ModelConfig
-from jaxascend.models import DTYPES, is_large_table
 from jaxascend.native import host_callbacks
 from jaxascend.offload.partition import Partition
 
@@ -50,6 +47,7 @@ class StepPlan:
     overlap: bool  # the optimizer of step t beside step t+1's forward/backward
     overlap_refused: Optional[str] = None  # why an asked-for overlap is off
     partition: Optional[Partition] = None  # None: one device; (0, 1): this process's devices; (i, P): a job
+    local_devices: int = 1  # the devices of each process the rows are split over
     notes: tuple[str, ...] = ()  # the choices the user did not ask for, one line each
     host_callbacks: bool = False  # the native side through host callbacks (native.host_callbacks), not FFI targets
 
@@ -60,17 +58,20 @@ class StepPlan:
         ``model_cfg`` (with the run's vocabulary) in ``job``; ``choices``: notes of choices made
         before (the run planner's). Raises :class:`ConfigError` naming what a job cannot run."""
         notes = list(choices)
-        partition = _partition(cfg, model_cfg, job, notes)
+        partition, local_devices = _partition(cfg, model_cfg, job, notes)
         weights = "ssd" if cfg.offload.enabled and cfg.offload.params == "ssd" else "resident"
         gradients: Gradients = "post_backward" if cfg.offload.post_backward_overflow_check else "instant"
         refused = None
+        # Data parallel overlaps too: the source serves each process's slice of every layer (from
+        # SSD, or from host buffers the update writes in place), fetched by each process's first
+        # device and gathered in the step, so no collective runs off the trainer's thread.
         if cfg.offload.enabled and cfg.offload.overlap:
-            refused = overlap_refusal(cfg) or _data_parallel_overlap_refusal(partition, weights)
+            refused = overlap_refusal(cfg)
             if refused:
                 notes.append(f"offload.overlap is off, the optimizer step runs after the forward/backward: {refused}")
         return cls(engine="offload" if cfg.offload.enabled else "in-memory", weights=weights, gradients=gradients,
                    grad_accum=cfg.train.grad_accum, overlap=cfg.offload.enabled and cfg.offload.overlap and not refused,
-                   overlap_refused=refused, partition=partition, notes=tuple(notes),
+                   overlap_refused=refused, partition=partition, local_devices=local_devices, notes=tuple(notes),
                    host_callbacks=host_callbacks())
 
     @property
@@ -116,16 +117,11 @@ def overlap_refusal(cfg: Config) -> Optional[str]:
     return None
 
 
-def partition_refusal(cfg: Config, model_cfg: ModelConfig, one_process: bool = False) -> Optional[str]:
-    """What data parallelism cannot run yet (None: it can): over the processes of a job, or
-    (``one_process``) over the devices of one process."""
-    if cfg.offload.params == "ssd" and one_process:
-        return "offload.params: ssd (each device would read every layer from the one SSD state)"
+def partition_refusal(cfg: Config, model_cfg: ModelConfig) -> Optional[str]:
+    """What data parallelism cannot run (None: it can), over the processes of a job or the
+    devices of one process."""
     if cfg.offload.post_backward_overflow_check or cfg.offload.fp32_grad_buffer:
         return "the ablation switches (post_backward_overflow_check, fp32_grad_buffer) are single-process"
-    if model_cfg.vocab_size and is_large_table(jax.ShapeDtypeStruct((model_cfg.vocab_size, model_cfg.hidden_size),
-                                                                  DTYPES[model_cfg.dtype])):
-        return "a token table computed in blocks (a large vocabulary) is not supported yet"
     return None
 
 
@@ -137,10 +133,13 @@ def rows_refusal(cfg: Config, shards: int, what: str) -> Optional[str]:
     return None
 
 
-def _partition(cfg: Config, model_cfg: ModelConfig, job: JobShape, notes: list[str]) -> Optional[Partition]:
-    """This process's share of a data-parallel run: its slice of the state in a job (what a job
-    cannot run is refused), ``Partition(0, 1)`` when this process's devices share the rows, None
-    for one device or when the devices cannot share the run (noted)."""
+def _partition(cfg: Config, model_cfg: ModelConfig, job: JobShape,
+               notes: list[str]) -> tuple[Optional[Partition], int]:
+    """(this process's share of a data-parallel run, the devices of each process it uses): its
+    slice of the state in a job (what a job cannot run is refused) over a mesh of the job's
+    processes x their devices, ``Partition(0, 1)`` when this process's devices share the rows,
+    None for one device or when the devices cannot share the run (noted)."""
+    devices = job.local_devices
     if job.processes > 1:
         where = f"train.distributed: this job has {job.processes} processes"
         if not cfg.offload.enabled:
@@ -152,23 +151,20 @@ def _partition(cfg: Config, model_cfg: ModelConfig, job: JobShape, notes: list[s
         refused = partition_refusal(cfg, model_cfg)
         if refused:
             raise ConfigError(f"{where}; {refused}")
-        return Partition(job.index, job.processes)
-    if job.local_devices == 1:
-        return None
-    devices = f"the {job.local_devices} devices"
+        if devices > 1:
+            why = rows_refusal(cfg, job.processes * devices, f"the job's {job.processes} x {devices} devices")
+            if why:
+                notes.append(f"data parallel over each process's {devices} devices is off, each process runs on "
+                             f"its first: {why}")
+                devices = 1
+        return Partition(job.index, job.processes), devices
+    if devices == 1:
+        return None, 1
+    what = f"the {devices} devices"
     why = ("the in-memory engine runs on one device" if not cfg.offload.enabled else
-           partition_refusal(cfg, model_cfg, one_process=True) or rows_refusal(cfg, job.local_devices, devices))
+           partition_refusal(cfg, model_cfg) or rows_refusal(cfg, devices, what))
     if why:
-        notes.append(f"data parallel over this process's {job.local_devices} devices is off, the step runs on "
+        notes.append(f"data parallel over this process's {devices} devices is off, the step runs on "
                      f"the first: {why}")
-        return None
-    return Partition(0, 1)
-
-
-def _data_parallel_overlap_refusal(partition: Optional[Partition], weights: str) -> Optional[str]:
-    if partition is None or (partition.count > 1 and weights == "ssd"):
-        return None
-    if partition.count > 1:
-        return ("data parallelism with resident weights (they are all-gathered after the step; a job with "
-                "offload.params: ssd overlaps)")
-    return "data parallelism over one process's devices"
+        return None, 1
+    return Partition(0, 1), devices

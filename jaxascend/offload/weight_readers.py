@@ -35,30 +35,36 @@ class WeightReaders:
         self._index = {path: i for i, path in enumerate(paths)}
 
     @property
+    def paths(self) -> list[tuple[str, ...]]:
+        """Our parameter path of every leaf, in the state's leaf order (what the readers take)."""
+        return list(self._index)
+
+    @property
     def _is_reader(self) -> bool:
         return not self._partitioned or self._dp.partition.index == 0
 
     def local_params(self):
         """The compute params as this process holds them (waits for a running update)."""
         self._finish()
-        return self._weights.local(self._weights.tree())
+        return self._weights.tree()
 
     def compute(self):
         """The compute params to sample from: the tree itself when the layer stack is resident,
         else a reader that reads a streamed layer from SSD when asked. One process's own."""
         if self._weights.kind != "ssd":
             return self.local_params()
-        return self._compute_reader(self._state.read_params)
+        return self._compute_reader(self._weights.read_served)
 
     @contextlib.contextmanager
     def sampled(self):
-        """:meth:`compute` on process 0 (None on a job's others); a job's streamed layers are
-        gathered from every process's slices as process 0 reads them."""
-        if not (self._partitioned and self._weights.kind == "ssd"):
+        """:meth:`compute` on process 0 (None on a job's others); a job's layers served by the
+        parameter source (streamed, or its slices in host buffers) are gathered from every
+        process's slices as process 0 reads them."""
+        if not (self._partitioned and self._weights.source is not None):
             yield self.compute() if self._is_reader else None
             return
         self._finish()  # on every process: its gather is a collective, and the served layers must be new
-        with self._job_reads(self._state.read_params) as reads:
+        with self._job_reads(self._weights.read_served) as reads:
             yield self._compute_reader(lambda leaf, layer: reads.read(leaf.index, layer)) if reads.is_reader else None
 
     def master(self):
@@ -83,14 +89,16 @@ class WeightReaders:
     def _read_master(self, leaf, layer: Optional[int]) -> np.ndarray:
         return self._state.read_state(leaf, "master", layer=layer)
 
-    def _compute_reader(self, read_streamed: Callable):
-        """``read(path, layer)`` of the compute params: a streamed leaf's layers through
-        ``read_streamed(leaf, layer)``, the others from this process's copy."""
-        leaves = jax.tree.leaves(self.local_params(), is_leaf=lambda x: x is None)
+    def _compute_reader(self, read_served: Callable):
+        """``read(path, layer)`` of the compute params: the layers of a leaf the source serves
+        through ``read_served(leaf, layer)``, the others from this process's copy."""
+        weights = self._weights
+        self._finish()
+        leaves = weights.local_leaves()
 
         def value(leaf, layer):
-            if leaf.streamed:
-                return read_streamed(leaf, layer)
+            if weights.served(leaf):
+                return read_served(leaf, layer)
             x = np.asarray(leaves[leaf.index])
             return x if layer is None else x[layer]
 
@@ -101,7 +109,7 @@ class WeightReaders:
         process's slices."""
         leaves = self._state.leaves
         return JobReads(self._dp, lambda index, layer: read_slice(leaves[index], layer).reshape(-1),
-                        self._weights.full_shapes, [leaf.stacked for leaf in leaves])
+                        self._weights.full_shapes, [leaf.layers for leaf in leaves], [leaf.stacked for leaf in leaves])
 
     def _reader(self, value: Callable, purpose: str):
         """``read(path, layer)`` by our parameter path: ``value(leaf, layer)`` of that leaf's layout."""

@@ -10,10 +10,11 @@ import subprocess
 import sys
 from collections import namedtuple
 
+import jax
 import pytest
 
 from jaxascend.config import load_config
-from jaxascend.hf import preset_config
+from jaxascend.hf import abstract_params, model_config_from_hf_dict, preset_config
 from jaxascend.offload import disk_plan, machine_limits
 from jaxascend.offload.planner import PlanError, format_bytes, plan_run
 from jaxascend.offload.step_memory import REMAT
@@ -287,3 +288,24 @@ def test_plan_of_qwen_7b_from_config_json_names_what_does_not_fit(tmp_path):
     [host] = [line for line in proc.stdout.splitlines() if line.startswith("does not fit: host memory")]
     assert "(largest part: activations" in host  # the 16 micro-batches' layer boundaries
     assert "train.grad_accum: 8 saves " in host
+
+
+@pytest.mark.parametrize("params", ["resident", "ssd"])
+def test_a_job_is_planned_one_process_at_a_time(tmp_path, roomy, params):
+    # Qwen2.5-0.5B's shape, its 151936-row table in blocks: each of 2 processes holds half the
+    # optimizer state (each layer and each block split on its own) and computes half the rows.
+    cfg = _cfg(tmp_path, "model.remat=full", "data.batch_size=4", "data.seq_len=128", "offload.chunk_bytes=8MiB")
+    model_cfg = model_config_from_hf_dict(preset_config("qwen2", "0.5B"), base=cfg.model)
+    one = plan_run(cfg, model_cfg, params, runtime_bytes=0, levers=False)
+    two = plan_run(cfg, model_cfg, params, runtime_bytes=0, levers=False, processes=2)
+    assert two.num_params == one.num_params  # the model's
+    for figure in ("ssd_bytes", "ssd_read_step", "ssd_write_step"):
+        assert getattr(two, figure) / getattr(one, figure) == pytest.approx(0.5, abs=0.005), figure
+    assert two.host["activations"] * 2 == pytest.approx(one.host["activations"], rel=0.01)
+    assert two.checkpoint_bytes == one.checkpoint_bytes  # one directory: every process's slices
+    # Every process holds the compute weights whole, but an overlapped resident stack: its slice.
+    stack = 2 * sum(x.size for x in jax.tree.leaves(abstract_params(model_cfg)[1]["layers"]))  # bfloat16
+    saved = one.host["resident params"] - two.host["resident params"]
+    assert saved == (pytest.approx(stack / 2, rel=1e-4) if params == "resident" else 0)
+    assert any(n.startswith("a job of 2 processes: host memory, the offload files and the SSD traffic are one "
+                            "process's (2 of each batch's 4 rows") for n in two.notes)

@@ -13,6 +13,7 @@ from jaxascend.offload.partition import Partition
 SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "data.seq_len=32", "data.batch_size=4"]
 SINGLE, JOB, DEVICES = JobShape(), JobShape(processes=2, index=1), JobShape(local_devices=2)
+JOB_DEVICES = JobShape(processes=2, index=1, local_devices=2)
 
 
 def _plan(*overrides, job=SINGLE, vocab=259):
@@ -34,16 +35,19 @@ CASES = {
                        (False, None, "instant", "ssd", None)),
     "ablation": (["model.remat=full", "offload.post_backward_overflow_check=true"], SINGLE,
                  (False, "offload.post_backward_overflow_check", "post_backward", "arrays", None)),
-    "job-resident": (["model.remat=full"], JOB,
-                     (False, "data parallelism with resident weights", "instant", "arrays", Partition(1, 2))),
+    "job-resident": (["model.remat=full"], JOB, (True, None, "instant", "host", Partition(1, 2))),
+    "job-resident-no-overlap": (["model.remat=full", "offload.overlap=false"], JOB,
+                                (False, None, "instant", "arrays", Partition(1, 2))),
     "job-ssd": (["model.remat=full", "offload.params=ssd"], JOB, (True, None, "instant", "ssd", Partition(1, 2))),
-    "job-accum": (["model.remat=full", "train.grad_accum=2"], JOB,
-                  (False, "data parallelism with resident weights", "instant", "arrays", Partition(1, 2))),
+    "job-accum": (["model.remat=full", "train.grad_accum=2"], JOB, (True, None, "instant", "host", Partition(1, 2))),
     "job-ssd-accum": (["model.remat=full", "offload.params=ssd", "train.grad_accum=2"], JOB,
                       (True, None, "instant", "ssd", Partition(1, 2))),
-    "devices-resident": (["model.remat=full"], DEVICES,
-                         (False, "one process's devices", "instant", "arrays", Partition(0, 1))),
-    "devices-ssd": (["model.remat=full", "offload.params=ssd"], DEVICES, (True, None, "instant", "ssd", None)),
+    "devices-resident": (["model.remat=full"], DEVICES, (True, None, "instant", "host", Partition(0, 1))),
+    "devices-ssd": (["model.remat=full", "offload.params=ssd"], DEVICES,
+                    (True, None, "instant", "ssd", Partition(0, 1))),
+    "job-devices": (["model.remat=full"], JOB_DEVICES, (True, None, "instant", "host", Partition(1, 2))),
+    "job-devices-ssd": (["model.remat=full", "offload.params=ssd"], JOB_DEVICES,
+                        (True, None, "instant", "ssd", Partition(1, 2))),
 }
 
 
@@ -52,6 +56,7 @@ def test_the_plan_of_each_mode(name):
     overrides, job, (overlap, refusal, gradients, source, partition) = CASES[name]
     plan = _plan(*overrides, job=job)
     assert (plan.overlap, plan.gradients, plan.weight_source, plan.partition) == (overlap, gradients, source, partition)
+    assert plan.local_devices == (2 if job.local_devices > 1 else 1)
     assert plan.partitioned == (job.processes > 1) and plan.processes == job.processes
     assert plan.table_per_use == (gradients == "instant")
     overlap_notes = [n for n in plan.notes if n.startswith("offload.overlap is off")]
@@ -64,13 +69,16 @@ def test_the_plan_of_each_mode(name):
 
 
 def test_devices_that_cannot_share_the_run_are_a_note_not_an_error():
-    plan = _plan("model.remat=full", "offload.params=ssd", job=DEVICES)
-    assert plan.partition is None
-    assert [n for n in plan.notes if "devices is off" in n] == [
-        "data parallel over this process's 2 devices is off, the step runs on the first: offload.params: ssd "
-        "(each device would read every layer from the one SSD state)"]
     uneven = _plan("model.remat=full", "data.batch_size=3", job=DEVICES)
-    assert uneven.partition is None and any("3 rows do not split evenly" in n for n in uneven.notes)
+    assert uneven.partition is None and uneven.local_devices == 1
+    assert [n for n in uneven.notes if "devices is off" in n] == [
+        "data parallel over this process's 2 devices is off, the step runs on the first: data.batch_size: 3 rows "
+        "do not split evenly over the 2 devices"]
+    # A job of 2 processes x 2 devices whose 6 rows split over the processes, not over the 4 devices.
+    job = _plan("model.remat=full", "data.batch_size=6", job=JOB_DEVICES)
+    assert job.partition == Partition(1, 2) and job.local_devices == 1
+    assert job.notes == ("data parallel over each process's 2 devices is off, each process runs on its first: "
+                         "data.batch_size: 6 rows do not split evenly over the job's 2 x 2 devices",)
     in_memory = _plan("offload.enabled=false", job=DEVICES)
     assert in_memory.engine == "in-memory" and in_memory.partition is None and not in_memory.overlap
     assert any("the in-memory engine runs on one device" in n for n in in_memory.notes)
@@ -80,11 +88,15 @@ def test_devices_that_cannot_share_the_run_are_a_note_not_an_error():
     (["offload.enabled=false"], 259, "the in-memory engine runs one process"),
     (["data.batch_size=3"], 259, "data.batch_size: 3 rows do not split evenly over the job's 2 processes"),
     (["model.remat=full", "offload.fp32_grad_buffer=true"], 259, "the ablation switches"),
-    (["model.hidden_size=128"], 151936, "a token table computed in blocks"),
-], ids=["in-memory", "uneven-rows", "ablation", "large-table"])
+], ids=["in-memory", "uneven-rows", "ablation"])
 def test_what_a_job_cannot_run_is_refused_by_name(overrides, vocab, message):
     with pytest.raises(ConfigError, match=message):
         _plan(*overrides, job=JOB, vocab=vocab)
+
+
+def test_a_job_runs_a_token_table_in_blocks():
+    plan = _plan("model.hidden_size=128", "model.remat=full", job=JOB, vocab=151936)  # 19.4M elements: 16 blocks
+    assert plan.partition == Partition(1, 2) and not plan.notes
 
 
 def test_choices_made_before_are_notes_too():
