@@ -63,6 +63,14 @@ def weights(out: Path) -> dict[str, np.ndarray]:
     return load_file(out / "params.safetensors")
 
 
+def assert_trains_like(out: Path, ref: Path) -> None:
+    """The same losses (rtol 1e-5) and exported weights (atol 1e-5) as the reference run."""
+    np.testing.assert_allclose(losses(out), losses(ref), rtol=1e-5)
+    w, want = weights(out), weights(ref)
+    for name in want:
+        np.testing.assert_allclose(w[name], want[name], rtol=0, atol=1e-5, err_msg=name)
+
+
 def state_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file() and p.name.startswith("shard"))
 
@@ -157,10 +165,7 @@ def test_a_job_runs_vertical_micro_batches(runs, placement):
     # once; with the weights on SSD each process streams its slice of each layer once per step.
     extra = ("offload.params=ssd", "model.remat=full") if placement == "ssd" else ()
     out = trained(root / f"accumulated-{placement}", 2, "train.grad_accum=2", "data.batch_size=2", *extra)
-    np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
-    w, ref = weights(out), weights(one)
-    for name in ref:
-        np.testing.assert_allclose(w[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
+    assert_trains_like(out, one)
 
 
 def test_a_killed_process_stops_the_job_which_resumes_to_the_same_weights(runs):
@@ -260,10 +265,7 @@ def test_a_killed_job_with_a_table_in_blocks_resumes_with_one_process(runs):
     pieces = json.loads((out / "checkpoints" / "3" / "offloaded" / "process0" / "jaxascend_arrays.json").read_text())
     assert any(a.get("piece", {}).get("blocks") == 8 for a in pieces["arrays"])
     trained(out, 1, *TABLE, code=TABLE_TRAIN)
-    np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
-    w, ref = weights(out), weights(one)
-    for name in ref:
-        np.testing.assert_allclose(w[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
+    assert_trains_like(out, one)
 
 
 def test_two_processes_of_two_devices_train_like_one(runs):
@@ -282,7 +284,4 @@ def test_two_processes_of_two_devices_train_like_one(runs):
     assert json.loads((out / "samples.json").read_text())[0]["prompt"] == "def "
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["overlap"] is True and "overlap_refused" not in last
-    np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
-    w, ref = weights(out), weights(one)
-    for name in ref:
-        np.testing.assert_allclose(w[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
+    assert_trains_like(out, one)
