@@ -74,8 +74,9 @@ def generators(request):
         gen.close()
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["resident", "streamed"])
-@pytest.mark.parametrize("length", PROMPTS)
+# Every prompt length once per arch, the placements alternating over them.
+@pytest.mark.parametrize("length, stream", list(zip(PROMPTS, (False, True, False, True))),
+                         ids=[f"{n}-{s}" for n, s in zip(PROMPTS, ("resident", "streamed") * 2)])
 def test_blocked_prefill_gives_the_one_call_logits_and_tokens(generators, stream, length, monkeypatch):
     arch, gens = generators
     prompt = np.asarray(sample_ids(batch=1, length=length, seed=length))[0]
