@@ -27,7 +27,9 @@ class DataConfig:
     # (model.path's); or a local Hugging Face tokenizer folder.
     tokenizer: str = "auto"
     seq_len: int = 256  # tokens per row (each row holds seq_len + 1 tokens: inputs and shifted targets)
-    batch_size: int = 8  # rows per micro-batch (a job: in all, split over the processes)
+    # Rows per micro-batch; in a job, in all: they must split evenly over its processes (refused
+    # otherwise) and over each process's devices (else those devices go unused, said in a note).
+    batch_size: int = 8
     seed: int = 0  # shuffles the documents (and the examples) each epoch
     max_documents: Optional[int] = None  # cap on documents read (None: all)
     # "text": documents packed back to back, every token trained on; "prompt_completion": records
@@ -73,7 +75,7 @@ class EvalConfig:
     paths: list[str] = field(default_factory=list)
     every_steps: int = 0  # 0: at the end of the run only (when paths are given)
     batches: Optional[int] = None  # batches per evaluation; None: the whole held-out set
-    batch_size: Optional[int] = None  # None: data.batch_size
+    batch_size: Optional[int] = None  # None: data.batch_size; split over a job's processes and devices as it is
     # Prompts answered (greedy unless sample_temperature > 0) at the end of the run; with
     # data.format: chat each is sent as one user message through the chat template.
     sample_prompts: list[str] = field(default_factory=list)
@@ -120,7 +122,7 @@ class OptimizerConfig:
     loss_scale_growth_interval: int = 2000  # finite steps in a row before the scale grows
     loss_scale_min: float = 1.0  # the scale never goes below this
     loss_scale_max: float = 2.0**24  # nor above this
-    # How m and v are stored on SSD (the offloaded engine; the fp32 master weights stay fp32):
+    # How m and v are stored on SSD (needs offload.enabled; the fp32 master weights stay fp32):
     # float32 (12 B/param of state), bfloat16 (8) or int8 (6 + 8/block: block-wise 8-bit codes
     # with a float32 scale per block of state_block elements, 256-2048).
     state_dtype: Literal["float32", "bfloat16", "int8"] = "float32"
@@ -184,12 +186,17 @@ class OffloadConfig:
     ``staging_bytes`` to be multiples of ``block_bytes`` (I/O addresses whole blocks).
     """
 
-    enabled: bool = False  # true: the offloaded engine (state on SSD); false: the in-memory baseline
+    # true: the offloaded engine (state on SSD); false: the in-memory baseline (one process, one
+    # device; no overlap, no offload.params: ssd).
+    enabled: bool = False
     # Shard files live here (locked while a run uses it); None: <train.out_dir>/offload. "{process}"
     # in it becomes the process number (a multi-process job: each process its own directory).
     dir: Optional[str] = None
     arena_bytes: Optional[Any] = None  # e.g. "2GiB"; None: exactly what the arena plan needs
-    host_memory_budget: Optional[Any] = None  # e.g. "16GiB"; the arena must fit in it
+    # e.g. "16GiB": the run's host memory (the plan's total, the arena included) must fit in it,
+    # and offload.params: auto plans against it. None: what the machine can give (MemAvailable or
+    # the memory cgroup's headroom; see `python -m jaxascend.plan`).
+    host_memory_budget: Optional[Any] = None
     # Streaming granularity of the optimizer step: 8 MiB read and wrote faster than 64 MiB
     # (docs/bench_io.md: 3.24 vs 2.55 GB/s reads) and keeps the arena 8x smaller.
     chunk_bytes: Any = "8MiB"
@@ -213,14 +220,18 @@ class OffloadConfig:
     kernel_threads: int = 1  # threads of the fused AdamW kernel per chunk (the step is I/O bound)
     # Where the compute-dtype weights of the layer stack live: "resident" (device memory; on a
     # CPU machine, RAM: 2 B/param), "ssd" (shard store regions beside master/m/v, read layer by
-    # layer during the step: a few layers in RAM), "auto" (resident if the plan fits
-    # host_memory_budget, else ssd; resident without a budget). See `python -m jaxascend.plan`.
+    # layer during the step: a few layers in RAM; needs offload.enabled and model.remat other than
+    # none, refused with post_backward_overflow_check), or "auto": resident if the run's plan fits
+    # host_memory_budget (without one: what the machine can give, MemAvailable or the memory
+    # cgroup's headroom), else ssd where the config allows it (else resident over the limit). The
+    # choice is said in a note. See `python -m jaxascend.plan`.
     params: str = "auto"
     param_prefetch: int = 2  # layers the parameter source reads ahead (arena slots of one layer each)
     # The optimizer of step t runs on a thread while step t+1's forward/backward runs, layer by
-    # layer behind it (bit-identical results). Runs without overlap (said once) with
-    # train.grad_accum > 1, fp32_grad_buffer, post_backward_overflow_check, or resident weights
-    # under model.remat: none.
+    # layer behind it (bit-identical results): in the offloaded engine, with train.grad_accum > 1
+    # and in a job too. Off (said once, in a note) with fp32_grad_buffer,
+    # post_backward_overflow_check, or resident weights (params resident, or auto's choice) under
+    # model.remat: none.
     overlap: bool = True
     # Buffered I/O only (direct_io false, or the O_DIRECT fallback): drop each block from the
     # page cache after it is read or written. False is ZeRO-Infinity's page-cache I/O: the kernel
@@ -232,8 +243,9 @@ class OffloadConfig:
     # None changes the arithmetic: the losses and the SSD state stay the same.
     pow2_buffers: bool = False  # every arena buffer rounded up to a power of two bytes
     single_pool: bool = False  # one pool of step buffers, each sized for the largest tensor
-    fp32_grad_buffer: bool = False  # gradients land in a full fp32 host buffer (4 B/param)
-    post_backward_overflow_check: bool = False  # full gradient tree, then a scan with temporaries
+    fp32_grad_buffer: bool = False  # gradients land in a full fp32 host buffer (4 B/param); no overlap, one device
+    # The full gradient tree, then a scan with temporaries; no overlap, one device, no params: ssd.
+    post_backward_overflow_check: bool = False
     # Keep the offload files after a finished run. False: they are removed once the final
     # checkpoint is complete (a resume rebuilds them from it); they hold the whole optimizer state.
     keep_files: bool = False
@@ -352,7 +364,7 @@ class TrainConfig:
 
     steps: int = 100  # optimizer steps of the whole run
     seed: int = 0  # the init of a model from scratch, stochastic rounding of compressed state, sampling
-    grad_accum: int = 1  # micro-batches per optimizer step
+    grad_accum: int = 1  # micro-batches per optimizer step, each layer running them in turn (overlap and jobs alike)
     log_every: int = 10  # a metrics.jsonl record (and a progress bar update of the figures) every N steps
     out_dir: str = "runs/default"  # metrics.jsonl and checkpoints go here
     progress: bool = True  # show a progress bar
@@ -366,6 +378,7 @@ class TrainConfig:
     # says otherwise (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES set, as jaxascend.launch does).
     distributed: Optional[DistributedConfig] = None
     # Signals that stop the run at the end of the step in flight, with a checkpoint of that step
+    # Data parallel: needs offload.enabled (each process holds its slice of the SSD state).
     # (exit status 128 + the signal); a second SIGINT abandons the step in flight.
     stop_signals: list[str] = field(default_factory=lambda: list(STOP_SIGNALS))
     # Where the figures go besides metrics.jsonl (process 0 only): "tensorboard" (event files in
