@@ -376,9 +376,9 @@ class TrainConfig:
     stop_at_step: Optional[int] = None
     # A multi-process job (see DistributedConfig); None: one process, unless the environment
     # says otherwise (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES set, as jaxascend.launch does).
+    # Data parallel: needs offload.enabled (each process holds its slice of the SSD state).
     distributed: Optional[DistributedConfig] = None
     # Signals that stop the run at the end of the step in flight, with a checkpoint of that step
-    # Data parallel: needs offload.enabled (each process holds its slice of the SSD state).
     # (exit status 128 + the signal); a second SIGINT abandons the step in flight.
     stop_signals: list[str] = field(default_factory=lambda: list(STOP_SIGNALS))
     # Where the figures go besides metrics.jsonl (process 0 only): "tensorboard" (event files in
