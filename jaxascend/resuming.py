@@ -4,7 +4,7 @@ the learning-rate schedule's length, which a resumed run keeps.
 
     point = resume_point(cfg, processes)        # step 0: a fresh start
     if point.step >= last_step: print(point.finished_line(last_step)); return
-    cfg, note = with_schedule(cfg, point)       # optimizer.decay_steps resolved (and recorded)
+    cfg, notes = with_schedule(cfg, point)      # optimizer.decay_steps resolved (and recorded)
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 from jaxascend.checkpoint import check_resume_partition, default_directory, read_meta, resume_target
-from jaxascend.config import Config, ConfigError
+from jaxascend.config import Config
+from jaxascend.optim import unfinished_warmup_note
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,8 @@ class ResumePoint:
         return (f"{self.directory}: the run is already at step {self.step}, at or past train.steps {steps}; "
                 "nothing to do (raise train.steps to train further)" if last == steps else
                 f"{self.directory}: the run is already at step {self.step}, at or past train.stop_at_step {last}; "
-                "nothing to do")
+                f"nothing to do (to go on to train.steps {steps}, run the same command without train.stop_at_step "
+                "or with a later step)")
 
 
 def _duration(seconds: float) -> str:
@@ -82,10 +84,10 @@ def resume_point(cfg: Config, processes: int) -> ResumePoint:
     return ResumePoint(start, directory, read_meta(directory / str(start)))
 
 
-def with_schedule(cfg: Config, point: ResumePoint) -> tuple[Config, Optional[str]]:
+def with_schedule(cfg: Config, point: ResumePoint) -> tuple[Config, tuple[str, ...]]:
     """``cfg`` with ``optimizer.decay_steps`` resolved: as set, else the resumed run's recorded
     length, else (a fresh start) ``train.steps``; and the note a resumed run's changed length
-    gets. Refuses a warmup that does not end inside the schedule."""
+    gets, and the note of a warmup longer than the schedule (the rate never reaches its peak)."""
     asked, recorded = cfg.optimizer.decay_steps, point.recorded_schedule()
     note = None
     if asked is not None:
@@ -99,8 +101,6 @@ def with_schedule(cfg: Config, point: ResumePoint) -> tuple[Config, Optional[str
                     f"{recorded} steps (set optimizer.decay_steps to change it)")
     else:
         length = cfg.train.steps
-    if cfg.optimizer.warmup_steps and cfg.optimizer.warmup_steps >= length:
-        raise ConfigError(f"optimizer.warmup_steps: {cfg.optimizer.warmup_steps} is not below the schedule's length "
-                          f"(optimizer.decay_steps) {length}; the schedule would never leave its warmup")
     optimizer = dataclasses.replace(cfg.optimizer, decay_steps=length)
-    return dataclasses.replace(cfg, optimizer=optimizer), note
+    notes = tuple(line for line in (note, unfinished_warmup_note(optimizer, length)) if line)
+    return dataclasses.replace(cfg, optimizer=optimizer), notes

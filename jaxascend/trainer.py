@@ -27,8 +27,7 @@ from jaxascend.distributed import initialize as initialize_distributed
 from jaxascend.distributed import job_errors, process_dir
 from jaxascend.data import make_batch_stream, tokenizer_folder
 from jaxascend.engine_contract import Engine, EngineReport
-from jaxascend.hf import (NO_TOKENIZER_NOTE, HFParamReader, build_model_lean, export_hf, lean_init_reader,
-                          load_hf_model, save_params)
+from jaxascend.hf import HFParamReader, build_model_lean, lean_init_reader, load_hf_model
 from jaxascend.generation import SamplePrompts
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.metrics import MetricsLog, describe_rate, format_bytes, peak_rss_bytes, summary_table
@@ -37,79 +36,15 @@ from jaxascend.offload import JobShape, OffloadEngine, StepPlan, write_timeline_
 from jaxascend.preparation import PreparedRun, prepare_run
 from jaxascend.reporting import Reporter
 from jaxascend.resuming import resume_point, with_schedule
+from jaxascend.finishing import finish_from_checkpoint, remove_offload_files, stopped_line
+from jaxascend.run_outputs import Provenance, TrainResult, write_samples, write_summary, write_weights
 from jaxascend.stopping import StopSignals
 from jaxascend.training_loop import LoopSettings, TrainingLoop, tokens_per_step
-from jaxascend.ssd import LOCK_FILE, MemorySampler
+from jaxascend.ssd import MemorySampler
 
 log = logging.getLogger(__name__)
 
 MasterReader = Callable[[tuple, Optional[int]], np.ndarray]
-
-
-@dataclasses.dataclass
-class TrainResult:
-    """What a finished run hands back (also written to ``<out_dir>/summary.json``)."""
-
-    steps: int
-    losses: list[float]  # one per optimizer step
-    num_params: int
-    peak_rss_bytes: int
-    peak_page_cache_bytes: int  # page cache held by the offload files (buffered I/O hides memory there)
-    # Tokens per second after the invocation's first step (which compiles the step functions),
-    # evaluations left out; None when the invocation ran one step. tokens_per_s_steps: the steps
-    # measured; tokens_per_s_with_compile: over every step, the wall clock from the loop's start.
-    tokens_per_s: Optional[float]
-    engine: str  # "in-memory" or "offload"
-    skipped_steps: int  # overflowed steps (fp16), state untouched
-    arena_capacity_bytes: int
-    arena_high_water_bytes: int
-    ssd_bytes_read: int
-    ssd_bytes_written: int
-    out_dir: str
-    eval_loss: Optional[float] = None  # the held-out loss at the end (None: no eval.paths)
-    data: dict = dataclasses.field(default_factory=dict)  # examples seen / truncated / dropped
-    updates_this_run: int = 0  # updates applied by this invocation (a resumed run counts from its checkpoint)
-    # Everything this invocation wrote to the offload files (init or restore, every step, the
-    # gradients included): the SSD endurance cost of the run. 0 for the in-memory engine.
-    ssd_bytes_written_run: int = 0
-    steps_this_run: int = 0  # steps this invocation ran (skipped ones included)
-    state_dtype: str = "float32"  # how the optimizer's moments were stored (optimizer.state_dtype)
-    offload_files: str = "none"  # removed at the end (the final checkpoint holds the state), or kept
-    tokens_per_s_steps: Optional[list[int]] = None  # [first, last] step of tokens_per_s
-    tokens_per_s_with_compile: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Provenance:
-    """Where a run's weights came from: what an export (now or from a checkpoint later) needs
-    beyond the weights. Saved with every checkpoint and in ``params.safetensors``."""
-
-    model_config: ModelConfig  # resolved, vocab_size filled in
-    tokenizer: str | None  # the tokenizer folder (None: the byte tokenizer)
-    model_source: str | None  # the Hugging Face folder the run fine-tunes (None: from scratch)
-    source_dtype: str  # that checkpoint's dtype, or model.param_dtype from scratch
-
-    def export_dtype(self, dtype: str) -> str:
-        """``export.dtype`` with ``"source"`` resolved."""
-        return self.source_dtype if dtype == "source" else dtype
-
-    def to_dict(self) -> dict:
-        return {"model_config": dataclasses.asdict(self.model_config), "tokenizer": self.tokenizer,
-                "model_source": self.model_source, "source_dtype": self.source_dtype}
-
-
-def save_outputs(cfg: Config, out_dir: Path, params, origin: Provenance, step: int) -> None:
-    """The run's weights after ``step``: ``params.safetensors`` (exportable later) and, if asked,
-    a HF folder."""
-    if cfg.export.save_params:
-        save_params(out_dir / "params.safetensors", params, origin.model_config, tokenizer=origin.tokenizer,
-                    model_source=origin.model_source, source_dtype=origin.source_dtype, step=step)
-    if cfg.export.enabled:
-        export_hf(params, origin.model_config, cfg.export.dir or out_dir / "hf", tokenizer_src=origin.tokenizer,
-                  dtype=origin.export_dtype(cfg.export.dtype), shard_bytes=cfg.export.shard_bytes,
-                  model_src=origin.model_source)
-        if origin.tokenizer is None:
-            console.note(NO_TOKENIZER_NOTE)
 
 
 def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, plan: StepPlan,
@@ -142,6 +77,11 @@ class _Run:
     def last(self) -> int:
         return self.cfg.train.stop_at_step or self.cfg.train.steps
 
+    @property
+    def stopped(self) -> bool:
+        """The run ends at train.stop_at_step, before train.steps: a resume point, not a finished run."""
+        return self.last < self.cfg.train.steps
+
 
 def run(cfg: Config) -> TrainResult:
     """Trains ``cfg.train.steps`` optimizer steps and writes metrics and a summary to ``out_dir``."""
@@ -165,16 +105,14 @@ def _run(cfg: Config, group) -> TrainResult:
     prepared = prepare_run(cfg, JobShape(group.count, group.index, jax.local_device_count()))
     point = resume_point(prepared.cfg, group.count)
     last = cfg.train.stop_at_step or cfg.train.steps
-    if point.step >= last:
-        if group.is_main:
-            print(point.finished_line(last, cfg.train.steps), file=console.terminal(), flush=True)
-        return _finished_result(cfg, point)
+    if point.step >= last:  # nothing left to train; outputs a kill left unwritten are written
+        return finish_from_checkpoint(prepared, point, last, group.is_main)
     prepared.plan.check()
-    cfg, schedule_note = with_schedule(prepared.cfg, point)  # a resumed run keeps its recorded schedule
+    cfg, schedule_notes = with_schedule(prepared.cfg, point)  # a resumed run keeps its recorded schedule
     samples = SamplePrompts.from_config(cfg, prepared.tokenizer, prepared.sized)
     r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, point.step, group=group)
     if r.main:  # every choice the user did not ask for, and where the run starts
-        for line in prepared.step.notes + ((schedule_note,) if schedule_note else ()):
+        for line in prepared.step.notes + schedule_notes:
             console.note(line)
         if point.step:
             console.note(point.resume_line())
@@ -192,12 +130,14 @@ def _run(cfg: Config, group) -> TrainResult:
             loop = TrainingLoop(_loop_settings(r, ckpt), engine, ckpt, log, memory, signals)
             throughput, final_eval = loop.train(stream, losses)
             ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
-            _save_and_sample(r, engine, samples, reporter)
+            if not r.stopped:  # a run stopped at train.stop_at_step is a resume point: no final outputs
+                _save_and_sample(r, engine, samples, reporter)
             report = engine.report()
             shard_files = engine.shard_files()
             if r.main:
                 _write_timeline(engine.timeline(), r.out_dir)
-    offload_files = _remove_offload_files(cfg, shard_files) if prepared.step.engine == "offload" else "none"
+    offload_files = (remove_offload_files(cfg, shard_files, r.last) if prepared.step.engine == "offload"
+                     else "none")
     start = point.step
     tokens = (r.last - start) * tokens_per_step(cfg)
     steady = throughput.steady()
@@ -215,10 +155,12 @@ def _run(cfg: Config, group) -> TrainResult:
                          data=stream.stats(), updates_this_run=r.last - start - (report.skipped_steps - skipped_before),
                          ssd_bytes_written_run=report.ssd_written_bytes_run or 0,
                          state_dtype=report.state_dtype or "float32", steps_this_run=r.last - start,
-                         offload_files=offload_files)
+                         offload_files=offload_files, stop_at_step=r.last if r.stopped else None)
     if r.main:
-        (r.out_dir / "summary.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
+        write_summary(r.out_dir, result)  # last: with its step, it says the run's outputs are complete
         print(_summary(result, report, describe_rate(steady, start + 1)))
+        if r.stopped:
+            print(stopped_line(r.last, cfg.train.steps, point.directory), file=console.terminal(), flush=True)
     return result
 
 
@@ -279,29 +221,6 @@ def _newest_checkpoint(directory: Path) -> str:
     return f"checkpoint {steps[-1]} in {directory}" if steps else f"no checkpoint in {directory} (a fresh start)"
 
 
-def _finished_result(cfg: Config, point) -> TrainResult:
-    """What a run that had nothing left to do reports (it wrote nothing)."""
-    losses = list(point.meta.get("losses", []))
-    return TrainResult(steps=len(losses), losses=losses, num_params=0, peak_rss_bytes=peak_rss_bytes(),
-                       peak_page_cache_bytes=0, tokens_per_s=None, engine="offload" if cfg.offload.enabled else "in-memory",
-                       skipped_steps=0, arena_capacity_bytes=0, arena_high_water_bytes=0, ssd_bytes_read=0,
-                       ssd_bytes_written=0, out_dir=cfg.train.out_dir, offload_files="untouched")
-
-
-def _remove_offload_files(cfg: Config, shard_files: list[str]) -> str:
-    """Removes a finished run's offload files, whose final checkpoint is complete (a resume
-    rebuilds them from it), unless ``offload.keep_files``; what became of them, for the summary."""
-    if cfg.offload.keep_files:
-        return f"kept in {cfg.offload.dir} (offload.keep_files)"
-    for path in shard_files:
-        Path(path).unlink(missing_ok=True)
-    directory = Path(cfg.offload.dir)
-    (directory / LOCK_FILE).unlink(missing_ok=True)  # the store is closed: nothing holds it
-    with contextlib.suppress(OSError):
-        directory.rmdir()  # only when nothing else is in it
-    return f"removed from {cfg.offload.dir} (the final checkpoint holds the state; offload.keep_files keeps them)"
-
-
 def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts], reporter: Reporter) -> None:
     """The run's weights (``params.safetensors``, an export) and its answers to ``eval.sample_prompts``
     (``samples.json``, the terminal, and TensorBoard / W&B as text)."""
@@ -309,13 +228,13 @@ def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts], 
     if cfg.export.save_params or cfg.export.enabled:  # fp32 master weights, one tensor at a time
         with engine.exported_weights() as weights:  # a job's other processes serve their slices
             if weights is not None:
-                save_outputs(cfg, r.out_dir, weights, r.origin, r.last)
+                write_weights(cfg, r.out_dir, weights, r.origin, r.last)
     if samples is not None:  # the trained model answers eval.sample_prompts (on process 0)
         with engine.sampled_weights() as weights:  # a job's other processes serve their slices
             if weights is not None:
                 results = samples.generate(r.origin.model_config, weights, r.prepared.tokenizer,
                                            stream_layers=r.streamed)
-                _write_samples(results, r.out_dir)
+                write_samples(results, r.out_dir)
                 reporter.samples(results, r.last)
 
 def _write_timeline(data: Optional[dict], out_dir: Path) -> None:
@@ -328,13 +247,6 @@ def _write_timeline(data: Optional[dict], out_dir: Path) -> None:
         console.note("timeline.png not drawn: matplotlib is not installed (timeline.json has the events)")
 
 
-def _write_samples(results: list[dict], out_dir: Path) -> None:
-    """``samples.json``, and each prompt with its answer on the terminal."""
-    (out_dir / "samples.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
-    for r in results:
-        print(f"> {r['prompt']}\n{r['completion']}")
-
-
 def _summary(r: TrainResult, report: EngineReport, rate: str) -> str:
     processes, devices = report.data_parallel_processes, report.data_parallel_devices
     rows = [
@@ -342,7 +254,8 @@ def _summary(r: TrainResult, report: EngineReport, rate: str) -> str:
                                + (f" x {devices // processes} devices" if devices > processes else "")
                                + "; figures of process 0)" if processes > 1
                                else f" (data parallel over {devices} devices)" if devices > 1 else "")),
-        ("steps (skipped for overflow)", f"{r.steps} ({r.skipped_steps})"),
+        ("steps (skipped for overflow)", f"{r.steps} ({r.skipped_steps})"
+                                         + (f", stopped at train.stop_at_step {r.stop_at_step}" if r.stop_at_step else "")),
         ("parameters", f"{r.num_params:,}"),
         ("loss first -> last", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),
         *([("held-out loss (perplexity)", f"{r.eval_loss:.4f} ({math.exp(min(r.eval_loss, 700.0)):.2f})")]

@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxascend"
 # modules are named as modules, subpackages by their name.
 LAYERS = [
     ("jaxascend._native", "jaxascend.native", "jaxascend.config", "jaxascend.kill_points", "jaxascend.console",
-     "jaxascend.distributed", "jaxascend.stopping"),
+     "jaxascend.distributed", "jaxascend.stopping", "jaxascend.formats"),
     ("jaxascend.ssd",),
     ("jaxascend.models",),
     ("jaxascend.data",),
@@ -33,11 +33,12 @@ LAYERS = [
     ("jaxascend.offload",),
     ("jaxascend.metrics", "jaxascend.reporting", "jaxascend.in_memory_engine", "jaxascend.generation",
      "jaxascend.preparation",
-     "jaxascend.resuming", "jaxascend.training_loop"),
+     "jaxascend.resuming", "jaxascend.training_loop", "jaxascend.run_outputs", "jaxascend.finishing"),
     ("jaxascend.trainer",),
     ("jaxascend.train", "jaxascend.export", "jaxascend.plan", "jaxascend.plot", "jaxascend.generate",
      "jaxascend.launch"),
     ("jaxascend",),  # the package's own __init__: re-exports from below
+    ("jaxascend.cli", "jaxascend.__main__"),  # the jaxascend command: runs the CLIs above
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

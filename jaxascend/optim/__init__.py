@@ -22,12 +22,12 @@ from jaxascend.optim.fused_adam import (AdamHyperParams, adamw_reference, defaul
                                         fused_adamw_update_numpy)
 from jaxascend.optim.grad_stats import grad_stats, tree_grad_stats
 from jaxascend.optim.loss_scale import LossScaleState, update_loss_scale
-from jaxascend.optim.schedules import learning_rate_schedule
+from jaxascend.optim.schedules import learning_rate_schedule, unfinished_warmup_note
 from jaxascend.optim import state_codes  # the numpy reference of the moments' formats, as a namespace
 from jaxascend.optim.state_codes import StateFormat, StateRecord, chunk_seed
 
 __all__ = [
     "AdamHyperParams", "AdamWSettings", "LossScaleState", "StateFormat", "StateRecord", "adamw_in_memory",
     "adamw_reference", "check_decay_rule", "chunk_seed", "decay_mask", "default_isa", "fused_adamw_update", "fused_adamw_update_numpy", "grad_stats",
-    "leaf_decay", "learning_rate_schedule", "param_path", "state_codes", "tree_grad_stats", "update_loss_scale",
+    "leaf_decay", "learning_rate_schedule", "param_path", "state_codes", "tree_grad_stats", "unfinished_warmup_note", "update_loss_scale",
 ]

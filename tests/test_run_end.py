@@ -1,0 +1,104 @@
+"""The end of a run, through the CLI: a kill after the final checkpoint leaves outputs that the same
+command writes from that checkpoint, byte for byte those of an uninterrupted run; a run stopped at
+train.stop_at_step says how to go on and does what it says; a run shorter than its warmup runs,
+with one note on how far the learning rate gets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_signals import BASE, REPO, checkpoints
+
+SAMPLED = ["export.enabled=true", "eval.sample_prompts=['def ']", "eval.sample_max_tokens=4", "train.steps=4"]
+
+
+def train(out: Path, corpus: Path, *extra: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml"]
+    for s in BASE + [f"data.paths=[{corpus}]", f"train.out_dir={out}", *extra]:
+        args += ["--set", s]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXASCEND_KILL", "JAXASCEND_SIGNAL"))}
+    if kill_at:
+        env["JAXASCEND_KILL_AT"] = kill_at
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+
+
+def _digests(out: Path) -> dict[str, str]:
+    """sha256 of the weights a finished run wrote: params.safetensors and the export's shards."""
+    files = [out / "params.safetensors", *sorted((out / "hf").glob("*.safetensors")), out / "samples.json"]
+    return {f.relative_to(out).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from tests._corpus import write_word_corpus
+
+    return write_word_corpus(tmp_path_factory.mktemp("corpus"), docs=4, words_per_doc=400)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("straight") / "run"
+    done = train(out, corpus, *SAMPLED)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("kill_at, missing", [
+    ("final_outputs:1", "params.safetensors, {hf}, samples.json and summary.json"),  # after the checkpoint
+    ("export_tensor:2", "{hf}, samples.json and summary.json"),  # in the middle of the export
+])
+def test_a_kill_after_the_final_checkpoint_leaves_outputs_the_same_command_writes(tmp_path, corpus, straight,
+                                                                                  kill_at, missing):
+    out = tmp_path / "run"
+    killed = train(out, corpus, *SAMPLED, kill_at=kill_at)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert checkpoints(out)[-1] == 4 and not (out / "summary.json").exists()
+    assert list((out / "offload").glob("shard-*.bin"))  # left by the kill
+    again = train(out, corpus, *SAMPLED)
+    assert again.returncode == 0, again.stderr[-3000:]
+    notes = [line for line in again.stderr.splitlines() if line.startswith("note: the run reached")]
+    assert notes == [f"note: the run reached step 4, but {missing.format(hf=out / 'hf')} were not written (it was "
+                     f"stopped after its last checkpoint): writing them from checkpoint 4 in {out / 'checkpoints'}"]
+    assert _digests(out) == _digests(straight)  # the weights, the export and the samples, byte for byte
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["losses"] == json.loads((straight / "summary.json").read_text())["losses"]
+    assert summary["written_from_checkpoint"] and summary["num_params"] > 0
+    assert not (out / "offload").exists() and not list(out.glob(".hf.partial-*"))
+    finished = train(out, corpus, *SAMPLED)  # now complete: nothing to do, nothing touched
+    assert finished.returncode == 0 and "nothing to do" in finished.stderr and "note:" not in finished.stderr
+
+
+def test_a_run_stopped_at_stop_at_step_says_how_to_go_on_and_does(tmp_path, corpus, straight):
+    out = tmp_path / "run"
+    stopped = train(out, corpus, *SAMPLED, "train.stop_at_step=2")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        f"stopped at step 2 (train.stop_at_step), before train.steps 4: checkpoint 2 is in {out / 'checkpoints'}; "
+        "to go on, run the same command without train.stop_at_step (or with a later step)")
+    assert "checkpoint of step 2 holds the state" in stopped.stdout  # the summary's offload files line
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_at_step"] == 2 and summary["steps"] == 2
+    assert not (out / "params.safetensors").exists() and not (out / "hf").exists()  # not a finished run
+    same = train(out, corpus, *SAMPLED, "train.stop_at_step=2")
+    assert same.returncode == 0 and same.stderr.strip() == (
+        f"{out / 'checkpoints'}: the run is already at step 2, at or past train.stop_at_step 2; nothing to do (to go "
+        "on to train.steps 4, run the same command without train.stop_at_step or with a later step)")
+    on = train(out, corpus, *SAMPLED)
+    assert on.returncode == 0, on.stderr[-3000:]
+    assert _digests(out) == _digests(straight)
+
+
+def test_a_run_shorter_than_its_warmup_runs_with_a_note(tmp_path, corpus):
+    done = train(tmp_path / "run", corpus, "train.steps=3", "optimizer.warmup_steps=20", "checkpoint.every_steps=3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("note: optimizer.warmup_steps: the warmup (20 steps) is longer than the schedule (3 steps): the "
+            "learning rate ramps to 10% of its peak 0.002 and never reaches it") in done.stderr.splitlines()
+    rates = [json.loads(line)["learning_rate"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rates == pytest.approx([0.0, 2e-3 / 20, 2 * 2e-3 / 20], rel=1e-6)  # the ramp of a 20-step warmup
