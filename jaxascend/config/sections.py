@@ -371,8 +371,10 @@ class TrainConfig:
     # "auto": newest complete checkpoint in checkpoint.dir (fresh start if none); "none": fresh
     # start; an integer: that step's checkpoint (an error if it is missing).
     resume: Union[Literal["auto", "none"], int] = "auto"
-    # Stop after this step (saving a checkpoint there) as if interrupted: a time-boxed job that a
-    # later run with the same config resumes. None: run to train.steps.
+    # Stop after this step, saving a checkpoint there, as if interrupted (a time-boxed job): the
+    # run writes its metrics and summary.json but not the final weights or export, and says how to
+    # go on: the same command without train.stop_at_step (or with a later step) resumes from that
+    # checkpoint. None: run to train.steps.
     stop_at_step: Optional[int] = None
     # A multi-process job (see DistributedConfig); None: one process, unless the environment
     # says otherwise (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES set, as jaxascend.launch does).
