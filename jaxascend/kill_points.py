@@ -4,7 +4,9 @@
 kind, as a power cut or the OOM killer would) the 7th time :func:`kill_point` is reached with
 that name. Points: ``backward`` (a step's forward/backward has been dispatched and is running),
 ``optimizer_chunk`` (inside the streamed AdamW step, between chunks: some chunks written back,
-others not), ``checkpoint_chunk`` (inside a checkpoint save, between streamed chunks). Unset, a
+others not), ``checkpoint_chunk`` (inside a checkpoint save, between streamed chunks), ``final_outputs``
+(after the final checkpoint, before the run's weights are written), ``export_tensor`` (inside a
+Hugging Face export, before each tensor). Unset, a
 point costs one dictionary lookup. In a job, ``JAXASCEND_KILL_PROCESS=1`` arms the point in
 process 1 alone (the ``JAX_PROCESS_ID`` the launcher gives it).
 
