@@ -22,13 +22,14 @@ import sys
 from typing import Optional, Sequence
 
 from jaxascend import console
-from jaxascend.checkpoint import CheckpointError, open_weights
 from jaxascend.config import ConfigError, parse_bytes
-from jaxascend.hf import DEFAULT_SHARD_BYTES, DTYPE_NAMES, NO_TOKENIZER_NOTE, PARAMS_FILE, export_hf
+from jaxascend.formats import DEFAULT_SHARD_BYTES, DTYPE_NAMES, PARAMS_FILE  # no JAX: --help stays fast
+
+PROG = "python -m jaxascend.export"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jaxascend.export", description=__doc__.split("\n\n")[0])
+def _parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True,
                    help=f"run output folder, checkpoint step directory, checkpoint directory or {PARAMS_FILE}")
     p.add_argument("--out", required=True, help="new Hugging Face folder to write (must not exist or be empty)")
@@ -41,13 +42,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
+    """The CLI (``prog``: the name its usage line shows): 0 when the folder was written, 2 after
+    one ``error:`` line otherwise."""
+    args = _parser(prog).parse_args(argv)
     with console.one_line_output():
         return _export(args)
 
 
 def _export(args: argparse.Namespace) -> int:
+    # Imported here, after the arguments are parsed, so that --help answers without loading JAX.
+    from jaxascend.checkpoint import CheckpointError, open_weights
+    from jaxascend.hf import NO_TOKENIZER_NOTE, export_hf
+
     try:
         shard_bytes = parse_bytes(args.shard_size, "--shard-size")
         weights = open_weights(args.checkpoint)

@@ -16,18 +16,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import typing
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import TYPE_CHECKING, NoReturn, Optional, Sequence
 
 from jaxascend import console
-from jaxascend.checkpoint import CheckpointError, RunWeights
-from jaxascend.data import Tokenizer, load_tokenizer
-from jaxascend.generation import (MAX_LENGTH, STOP_ID, ChatFormat, Generator, SamplingConfig, TextStream,
-                                  check_prompt, generation_stop_ids, open_for_sampling, check_template_file,
-                                  streams_layers, template_chat_format)
-from jaxascend.models import DTYPES
+from jaxascend.config import DType
 
-_REASONS = {STOP_ID: "at a stop token", MAX_LENGTH: "at the model's max_position_embeddings"}
+# JAX, the checkpoint readers and the tokenizers are imported where they are used, after the
+# arguments are parsed, so that --help and bad usage answer without loading them.
+if TYPE_CHECKING:
+    from jaxascend.checkpoint import RunWeights
+    from jaxascend.data import Tokenizer
+    from jaxascend.generation import ChatFormat, Generator, SamplingConfig
+
+PROG = "python -m jaxascend.generate"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,8 +39,8 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m jaxascend.generate", description=__doc__.split("\n\n")[0])
+def _parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, metavar="RUN_OR_STEP",
                    help="run output folder, checkpoint step or directory, params.safetensors, or Hugging Face folder")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="text to continue (repeatable)")
@@ -48,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", help="tokenizer folder or 'byte' (default: the one the run used)")
-    p.add_argument("--dtype", choices=list(DTYPES), help="compute dtype (default: the run's model.dtype)")
+    p.add_argument("--dtype", choices=typing.get_args(DType), help="compute dtype (default: the run's model.dtype)")
     p.add_argument("--stream-layers", choices=["auto", "on", "off"], default="auto",
                    help="read the layers one at a time (auto: when the run kept them on SSD)")
     return p
@@ -56,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace) -> SamplingConfig:
     """The sampling settings, checked before anything is loaded; errors name the flag."""
+    from jaxascend.generation import SamplingConfig
+
     try:
         return SamplingConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     except ValueError as err:
@@ -69,6 +74,8 @@ def _tokenizer_spec(args: argparse.Namespace, weights: RunWeights) -> str:
 
 
 def _tokenizer(args: argparse.Namespace, weights: RunWeights) -> Tokenizer:
+    from jaxascend.data import load_tokenizer
+
     tokenizer = load_tokenizer(_tokenizer_spec(args, weights))
     if tokenizer.vocab_size > weights.model_config.vocab_size:
         raise ValueError(f"--tokenizer: {tokenizer.vocab_size} tokens, more than the model's vocabulary "
@@ -81,6 +88,8 @@ def chat_format(args: argparse.Namespace, tokenizer: Tokenizer, stop_ids: tuple[
     """How ``--chat`` becomes a prompt: ``--chat-template``, else the template the run trained
     with (its config's ``data.chat_template``, when that file still exists), else the
     tokenizer's own."""
+    from jaxascend.generation import check_template_file, template_chat_format
+
     template = check_template_file(args.chat_template) if args.chat_template else None
     if template is None:
         trained = ((run_config or {}).get("data") or {}).get("chat_template")
@@ -92,6 +101,9 @@ def chat_format(args: argparse.Namespace, tokenizer: Tokenizer, stop_ids: tuple[
 def run(args: argparse.Namespace, chat: Optional[ChatFormat] = None) -> int:
     """Generates for the parsed ``args`` (see the module doc), streaming to stdout. ``chat``
     overrides how a ``--chat`` message becomes prompt ids and which ids end the reply."""
+    from jaxascend.generation import (Generator, check_prompt, generation_stop_ids, open_for_sampling,
+                                      streams_layers)
+
     if bool(args.prompt) == (args.chat is not None):
         raise ValueError("give --prompt TEXT (one or more) or --chat TEXT" if not args.prompt
                          else "--prompt and --chat: give one or the other")
@@ -122,6 +134,9 @@ def run(args: argparse.Namespace, chat: Optional[ChatFormat] = None) -> int:
 def _generate(generator: Generator, tokenizer: Tokenizer, text: Optional[str], ids, settings: SamplingConfig,
               first: bool) -> None:
     """One generation, streamed to stdout: the prompt (not a chat's), then the new text."""
+    from jaxascend.generation import MAX_LENGTH, STOP_ID, TextStream
+
+    reasons = {STOP_ID: "at a stop token", MAX_LENGTH: "at the model's max_position_embeddings"}
     out = sys.stdout
     if not first:
         out.write("\n")
@@ -141,13 +156,16 @@ def _generate(generator: Generator, tokenizer: Tokenizer, text: Optional[str], i
     out.flush()
     console.note(f"{len(result.tokens)} new tokens in {result.seconds:.2f} s (the first after "
                  f"{result.token_seconds[0]:.2f} s, then {result.tokens_per_second:.1f} tokens/s), stopped "
-                 f"{_REASONS.get(result.stop_reason, 'after --max-new-tokens')}"
+                 f"{reasons.get(result.stop_reason, 'after --max-new-tokens')}"
                  f"{'; layers read one at a time' if generator.stream_layers else ''}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The CLI: 0 when every prompt was generated, 2 (after one ``error:`` line) otherwise."""
-    args = _parser().parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
+    """The CLI (``prog``: the name its usage line shows): 0 when every prompt was generated, 2
+    (after one ``error:`` line) otherwise."""
+    args = _parser(prog).parse_args(argv)
+    from jaxascend.checkpoint import CheckpointError
+
     with console.one_line_output():  # ConfigError is a ValueError
         return console.report_errors(lambda: run(args), (ValueError, OSError, CheckpointError))
 

@@ -48,6 +48,7 @@ from typing import IO, Callable, NoReturn, Sequence, TextIO
 
 from jaxascend import console
 
+PROG = "python -m jaxascend.launch"
 MAX_NPROC = 64
 _POLL_SECONDS = 0.05  # how often child exits and the grace deadline are checked
 _MAX_PENDING = 1 << 16  # a longer line without an end is forwarded in pieces
@@ -398,9 +399,9 @@ def _arg(convert: Callable[[str], object], check: Callable[[object], object]) ->
     return parse
 
 
-def _parser() -> _Parser:
-    p = _Parser(prog="python -m jaxascend.launch", description=__doc__.split("\n\n")[0],
-                usage="python -m jaxascend.launch --nproc N [--port P] [--grace-seconds S] -- COMMAND [ARG ...]")
+def _parser(prog: str = PROG) -> _Parser:
+    p = _Parser(prog=prog, description=__doc__.split("\n\n")[0],
+                usage=f"{prog} --nproc N [--port P] [--grace-seconds S] -- COMMAND [ARG ...]")
     p.add_argument("--nproc", type=_arg(int, _check_nproc), required=True, metavar="N",
                    help=f"number of processes, 1 to {MAX_NPROC}")
     p.add_argument("--port", type=_arg(int, _check_port), metavar="P", help="coordinator port (default: a free one)")
@@ -409,11 +410,12 @@ def _parser() -> _Parser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI: the children's status (see :func:`launch`), 2 after one ``error:`` line for bad usage."""
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """The CLI (``prog``: the name its usage line shows): the children's status (see
+    :func:`launch`), 2 after one ``error:`` line for bad usage."""
     argv = list(sys.argv[1:] if argv is None else argv)
     own, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
-    args = _parser().parse_args(own)
+    args = _parser(prog).parse_args(own)
     return console.report_errors(lambda: launch(command, args.nproc, args.port, args.grace_seconds),
                                  (ValueError, LaunchError))
 

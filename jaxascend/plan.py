@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+PROG = "python -m jaxascend.plan"
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Namespace:
     from jaxascend.config import sections_help  # no JAX: --help stays fast
 
-    parser = argparse.ArgumentParser(prog="python -m jaxascend.plan", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                      epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/qwen2.5-3b.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -35,8 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """The CLI (``prog``: the name its usage line shows): 0 when the run fits, 1 when it does not, 2
+    on bad input."""
+    args = parse_args(argv, prog)
     if args.disk_gbps is not None and not args.disk_gbps > 0:
         print("error: --disk-gbps: must be > 0", file=sys.stderr)
         return 2

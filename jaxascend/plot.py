@@ -200,16 +200,21 @@ def plot_runs(runs: Sequence[str | Path], out_dir: str | Path | None = None) -> 
             if draw_chart(chart, loaded, out / f"{chart.name}.png")]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jaxascend.plot", description=__doc__.splitlines()[0])
+PROG = "python -m jaxascend.plot"
+
+
+def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", metavar="RUN", help="a run directory or its metrics.jsonl")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="where the PNGs go (default: the run's directory; ./plots for several runs)")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """The CLI (``prog``: the name its usage line shows): 0 when the PNGs were written, 2 after one
+    ``error:`` line otherwise."""
+    args = parse_args(argv, prog)
     from jaxascend import console
 
     def plot() -> int:

@@ -11,11 +11,13 @@ import argparse
 import os
 import sys
 
+PROG = "python -m jaxascend.train"
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Namespace:
     from jaxascend.config import sections_help  # no JAX: --help stays fast
 
-    parser = argparse.ArgumentParser(prog="python -m jaxascend.train", epilog=sections_help(),
+    parser = argparse.ArgumentParser(prog=prog, epilog=sections_help(),
                                      description="Trains or fine-tunes a model as a YAML run config says.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/tiny.yaml (see configs/)")
@@ -24,8 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """The CLI (``prog``: the name its usage line shows): the run's exit status (see the module doc)."""
+    args = parse_args(argv, prog)
     # Imported here so that --help answers without loading JAX.
     from jaxascend import console
     from jaxascend.checkpoint import CheckpointError

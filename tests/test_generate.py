@@ -298,6 +298,24 @@ def test_cli_on_a_hugging_face_folder_with_a_chat_template(tmp_path, capsys):
     assert code == 2 and err.startswith("error: --chat: the tokenizer has no chat template")
 
 
+def test_cli_chat_prints_the_reply_alone(tmp_path, params_file, capsys, monkeypatch):
+    """--chat prints only the reply, as a chat does: not the message, not the rendered template."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    replies, generate = [], Generator.generate
+
+    def spy(self, *args, **kwargs):  # what the model said
+        replies.append(generate(self, *args, **kwargs))
+        return replies[-1]
+
+    monkeypatch.setattr(Generator, "generate", spy)
+    code, out, err = run_cli(capsys, "--checkpoint", params_file, "--chat", "hi", "--chat-template", template,
+                             "--max-new-tokens", 8)
+    assert code == 0, err
+    assert len(replies) == 1 and out == BYTES.decode(replies[0].tokens) + "\n"
+    assert err.startswith("note: ") and err.count("\n") == 1
+
+
 def test_cli_on_an_offloaded_runs_checkpoint(tmp_path, capsys):
     """A run that kept its layers on SSD, killed after its checkpoint (no params.safetensors): its
     folder and its step give the same text, sampled one layer at a time from the fp32 masters."""

@@ -18,10 +18,11 @@ from jaxascend.config.loading import check_param_placement, check_report_backend
 from jaxascend.config.model import LAYER_TYPES, ModelConfig, ROPE_TYPES, validate_rope_scaling
 from jaxascend.config.sections import (CheckpointConfig, Config, DataConfig, DistributedConfig, OffloadConfig,
                                        OptimizerConfig, TrainConfig)
-from jaxascend.config.values import ConfigError, parse_bytes
+from jaxascend.config.values import ConfigError, DType, did_you_mean, parse_bytes
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig", "LAYER_TYPES",
+    "CheckpointConfig", "Config", "ConfigError", "DType", "DataConfig", "DistributedConfig", "LAYER_TYPES",
     "ModelConfig", "OffloadConfig", "OptimizerConfig", "ROPE_TYPES", "TrainConfig", "check_param_placement",
-    "check_report_backends", "load_config", "parse_bytes", "sections_help", "validate_rope_scaling",
+    "check_report_backends", "did_you_mean", "load_config", "parse_bytes", "sections_help",
+    "validate_rope_scaling",
 ]

@@ -15,8 +15,13 @@ from jaxascend.config.field_docs import config_sections, describe
 from jaxascend.config.values import did_you_mean
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxascend.config", description=__doc__.split("\n\n")[0])
+PROG = "python -m jaxascend.config"
+
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """The CLI (``prog``: the name its usage line shows): 0, or 2 after one ``error:`` line for an
+    unknown section."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("sections", nargs="*", metavar="SECTION", help="sections to list (default: all)")
     args = parser.parse_args(argv)
     sections = config_sections()

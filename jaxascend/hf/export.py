@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxascend.config import ModelConfig
+from jaxascend.formats import DEFAULT_SHARD_BYTES  # transformers' historical max_shard_size="5GB"
 from jaxascend.hf.config_map import CONFIG_FILE, hf_config_dict
 from jaxascend.hf.errors import (DTypeMismatchError, HFCheckpointError, MissingTensorError, ShapeMismatchError,
                                  format_shape)
@@ -39,7 +40,6 @@ ParamReader = Callable[[tuple[str, ...], Optional[int]], Any]
 ParamSource = Union[nnx.Module, nnx.State, dict, ParamReader]
 
 _FLOAT_NUMPY = tuple(DTYPES[name] for name in FLOAT_DTYPES)
-DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' historical max_shard_size="5GB"
 
 GENERATION_CONFIG = "generation_config.json"
 # Files copied from tokenizer_src when present (tokenizers, vocabularies, chat templates,

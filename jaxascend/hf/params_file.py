@@ -25,12 +25,12 @@ import jax
 import numpy as np
 
 from jaxascend.config import ConfigError, ModelConfig
+from jaxascend.formats import PARAMS_FILE  # no JAX: the CLIs' --help names it
 from jaxascend.hf.errors import CorruptFileError, HFCheckpointError, MissingTensorError
 from jaxascend.hf.export import ParamSource, reader_from_params, vocab_size_of
 from jaxascend.hf.names import param_plan
 from jaxascend.hf.safetensors_io import DTYPES, SafetensorsFile, TensorSpec, dominant_dtype, write_safetensors
 
-PARAMS_FILE = "params.safetensors"
 FORMAT = "jaxascend-params-v1"
 _NAME_OF_DTYPE = {dtype: name for name, dtype in DTYPES.items()}
 

@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence
 import ml_dtypes
 import numpy as np
 
+from jaxascend.formats import DTYPE_NAMES  # our dtype names -> safetensors names (no JAX: the CLIs' --help)
 from jaxascend.hf.errors import CorruptFileError, HFCheckpointError, format_shape, one_line
 
 SINGLE_FILE = "model.safetensors"
@@ -47,8 +48,6 @@ DTYPES = {
 }
 # The dtypes a model weight may be stored in (8-bit floats need scales we do not read).
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
-# Our dtype names (ModelConfig.dtype, export dtype) -> safetensors names.
-DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 _MAX_HEADER_BYTES = 100 * 2**20  # the reference implementation's limit
 _ALIGN = 8  # header padded with spaces so the data starts 8-byte aligned, as safetensors does
