@@ -93,7 +93,7 @@ CLAIMS = [
           ("model.remat=full", "offload.host_memory_budget=64GiB"), mem_available=SCARCE,
           plan={"weights": "resident"}, note="offload.params: auto chose resident"),
     Claim(PARAMS, "without one: what the machine can give, MemAvailable", ("model.remat=full",),
-          mem_available=SCARCE, plan={"weights": "ssd"}, note=f"offload.params: auto chose ssd (resident would need"),
+          mem_available=SCARCE, plan={"weights": "ssd"}, note="offload.params: auto chose ssd (resident would need"),
     Claim(PARAMS, "without one: what the machine can give", ("model.remat=full",), mem_available=PLENTY,
           plan={"weights": "resident"}, note="offload.params: auto chose resident"),
     Claim(PARAMS, "else resident over the limit", ("model.remat=none", "offload.host_memory_budget=1MiB"),
