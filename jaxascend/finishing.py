@@ -72,7 +72,7 @@ def _left_offload_files(cfg: Config, step: int) -> str:
     return remove_offload_files(cfg, shards, step)
 
 
-def finish_from_checkpoint(prepared, point, last: int, main: bool) -> TrainResult:
+def finish_from_checkpoint(prepared, point, last: int, main: bool, stack: dict) -> TrainResult:
     """A run at or past its last step (``point``, checked): the outputs a kill left unwritten
     are written from the checkpoint (on process 0; every process removes its offload files),
     or one line says there is nothing to do."""
@@ -84,17 +84,17 @@ def finish_from_checkpoint(prepared, point, last: int, main: bool) -> TrainResul
     if not due:
         if main:
             print(point.finished_line(last, cfg.train.steps), file=console.terminal(), flush=True)
-        return _result(cfg, point, "untouched", stopped)
+        return _result(cfg, point, "untouched", stopped, stack)
     offload_files = _left_offload_files(cfg, point.step) if prepared.step.engine == "offload" else "none"
     if not main:
-        return _result(cfg, point, offload_files, stopped)
+        return _result(cfg, point, offload_files, stopped, stack)
     names = due.names(cfg, out_dir)
     console.note(f"the run reached step {point.step}, but {_listed(names)} {'was' if len(names) == 1 else 'were'} "
                  f"not written (it was stopped after its last checkpoint): writing "
                  f"{'it' if len(names) == 1 else 'them'} from checkpoint {point.step} in {point.directory}")
     if due.params or due.export or due.samples:
         _write_from(prepared, point, due)
-    result = _result(cfg, point, offload_files, stopped, written=names)
+    result = _result(cfg, point, offload_files, stopped, stack, written=names)
     result.num_params = sum(math.prod(m.shape) for m in param_plan(prepared.sized))
     write_summary(out_dir, result)  # last, as a run writes it
     if stopped:
@@ -123,7 +123,8 @@ def _listed(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
-def _result(cfg: Config, point, offload_files: str, stopped: bool, written: list[str] = ()) -> TrainResult:
+def _result(cfg: Config, point, offload_files: str, stopped: bool, stack: dict,
+            written: list[str] = ()) -> TrainResult:
     """The summary of a run this invocation trained no step of: the checkpoint's losses and the
     figures of its last logged step."""
     losses = list(point.meta.get("losses", []))
@@ -137,4 +138,5 @@ def _result(cfg: Config, point, offload_files: str, stopped: bool, written: list
                        eval_loss=eval_loss if isinstance(eval_loss, float) and math.isfinite(eval_loss) else None,
                        data={k[len("data_"):]: v for k, v in record.items() if k.startswith("data_") and k != "data_state"},
                        state_dtype=record.get("state_dtype", cfg.optimizer.state_dtype), offload_files=offload_files,
-                       stop_at_step=point.step if stopped else None, written_from_checkpoint=list(written))
+                       stop_at_step=point.step if stopped else None, written_from_checkpoint=list(written),
+                       stack=stack)

@@ -68,6 +68,9 @@ class TrainResult:
     # The outputs this invocation wrote from the checkpoint of the run's last step, which a kill
     # had left unwritten (empty: none, or the run wrote them itself).
     written_from_checkpoint: list[str] = dataclasses.field(default_factory=list)
+    # What made the run (jaxascend.provenance.RunStack.to_dict()): versions, commit, CPU, its
+    # vector ISA, the AdamW kernel dispatched, the devices.
+    stack: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)

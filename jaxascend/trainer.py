@@ -34,6 +34,8 @@ from jaxascend.metrics import MetricsLog, describe_rate, format_bytes, peak_rss_
 from jaxascend.models import count_params
 from jaxascend.offload import JobShape, OffloadEngine, StepPlan, write_timeline_png
 from jaxascend.preparation import PreparedRun, prepare_run
+from jaxascend.provenance import RunStack
+from jaxascend.provenance import collect as collect_stack
 from jaxascend.reporting import Reporter
 from jaxascend.resuming import resume_point, with_schedule
 from jaxascend.finishing import finish_from_checkpoint, remove_offload_files, stopped_line
@@ -67,6 +69,7 @@ class _Run:
     start: int  # the step resumed from (0: a fresh run)
     group: Any = None  # this process's place in the job (jaxascend.distributed.ProcessGroup)
     origin: Optional[Provenance] = None
+    stack: Optional[RunStack] = None  # what made the run (versions, CPU, kernel, devices)
     num_params: int = 0
 
     @property
@@ -91,10 +94,10 @@ def run(cfg: Config) -> TrainResult:
     # outputs (metrics, plan, exports). A process that loses its peers stops (JobLostError).
     group = initialize_distributed(cfg.train.distributed)
     with job_errors(group):
-        return _run(cfg, group)
+        return _run(cfg, group, collect_stack(cfg.optimizer.state_dtype))
 
 
-def _run(cfg: Config, group) -> TrainResult:
+def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
     if not group.is_main:
         logging.getLogger("jaxascend").setLevel(logging.ERROR)  # process 0 speaks for the job
     cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, dir=process_dir(cfg.offload.dir, group)))
@@ -106,16 +109,19 @@ def _run(cfg: Config, group) -> TrainResult:
     point = resume_point(prepared.cfg, group.count)
     last = cfg.train.stop_at_step or cfg.train.steps
     if point.step >= last:  # nothing left to train; outputs a kill left unwritten are written
-        return finish_from_checkpoint(prepared, point, last, group.is_main)
+        return finish_from_checkpoint(prepared, point, last, group.is_main, stack.to_dict())
     prepared.plan.check()
     cfg, schedule_notes = with_schedule(prepared.cfg, point)  # a resumed run keeps its recorded schedule
     samples = SamplePrompts.from_config(cfg, prepared.tokenizer, prepared.sized)
-    r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, point.step, group=group)
+    r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, point.step, group=group, stack=stack)
     if r.main:  # every choice the user did not ask for, and where the run starts
         for line in prepared.step.notes + schedule_notes:
             console.note(line)
         if point.step:
             console.note(point.resume_line())
+            changed = stack.resume_note(point.meta.get("stack") or {}, point.step)
+            if changed:  # another jax, CPU or kernel: the resumed steps may differ in the last bits
+                console.note(changed)
     with StopSignals(cfg.train.stop_signals, newest=lambda: _newest_checkpoint(point.directory)) as signals:
         engine = _build(r)
         with engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
@@ -155,10 +161,11 @@ def _run(cfg: Config, group) -> TrainResult:
                          data=stream.stats(), updates_this_run=r.last - start - (report.skipped_steps - skipped_before),
                          ssd_bytes_written_run=report.ssd_written_bytes_run or 0,
                          state_dtype=report.state_dtype or "float32", steps_this_run=r.last - start,
-                         offload_files=offload_files, stop_at_step=r.last if r.stopped else None)
+                         offload_files=offload_files, stop_at_step=r.last if r.stopped else None,
+                         stack=stack.to_dict())
     if r.main:
         write_summary(r.out_dir, result)  # last: with its step, it says the run's outputs are complete
-        print(_summary(result, report, describe_rate(steady, start + 1)))
+        print(_summary(result, report, describe_rate(steady, start + 1), stack.one_line()))
         if r.stopped:
             print(stopped_line(r.last, cfg.train.steps, point.directory), file=console.terminal(), flush=True)
     return result
@@ -205,7 +212,8 @@ def _restore(r: _Run, engine: Engine, ckpt: Checkpointer) -> tuple[Any, list[flo
 
 def _loop_settings(r: _Run, ckpt: Checkpointer) -> LoopSettings:
     return LoopSettings(r.cfg, r.start, r.last, r.main, r.prepared.held_out, r.origin.to_dict(),
-                        agree=lambda values: _agree(values, r.group), checkpoint_dir=str(ckpt.directory))
+                        agree=lambda values: _agree(values, r.group), checkpoint_dir=str(ckpt.directory),
+                        stack=r.stack.to_dict())
 
 
 def _agree(values: list[int], group) -> list[int]:
@@ -247,7 +255,7 @@ def _write_timeline(data: Optional[dict], out_dir: Path) -> None:
         console.note("timeline.png not drawn: matplotlib is not installed (timeline.json has the events)")
 
 
-def _summary(r: TrainResult, report: EngineReport, rate: str) -> str:
+def _summary(r: TrainResult, report: EngineReport, rate: str, stack: str) -> str:
     processes, devices = report.data_parallel_processes, report.data_parallel_devices
     rows = [
         ("engine", r.engine + (f" (data parallel over {processes} processes"
@@ -276,4 +284,5 @@ def _summary(r: TrainResult, report: EngineReport, rate: str) -> str:
             ("offload files", r.offload_files),
         ]
     rows.append(("outputs", r.out_dir))
+    rows.append(("made by", stack))
     return summary_table(rows)

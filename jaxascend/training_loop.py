@@ -65,6 +65,7 @@ class LoopSettings:
     origin: dict  # the run's provenance, saved with every checkpoint
     agree: Callable[[list[int]], list[int]]  # the max over the job's processes (identity for one)
     checkpoint_dir: str
+    stack: dict  # what made the run (jaxascend.provenance): in its first record and every checkpoint
 
 
 class TrainingLoop:
@@ -78,6 +79,7 @@ class TrainingLoop:
         self.schedule = learning_rate_schedule(cfg.optimizer, cfg.schedule_length())
         self.every_seconds = cfg.checkpoint.every_minutes * 60.0
         self.last_save = time.monotonic()  # the clock of checkpoint.every_minutes counts training time
+        self.logged = False  # this invocation has written a metrics record
 
     def train(self, stream, losses: list[float]) -> tuple[Throughput, Optional[dict]]:
         """The steps ``start + 1 .. last``; extends ``losses``. Raises :class:`RunStopped` after
@@ -108,6 +110,8 @@ class TrainingLoop:
                 losses.extend(result.loss for result in fetched)
                 throughput.mark(step)
                 record = self._record(step, fetched[-1], throughput, stream)
+                if not self.logged:  # this invocation's first record says what made it
+                    record["stack"], self.logged = self.s.stack, True
                 if evaluating:  # SYNC: the held-out loss on the weights after this step's update
                     final_eval = evaluate(self.engine, held_out)
                     throughput.exclude(final_eval["eval_seconds"])
@@ -135,7 +139,8 @@ class TrainingLoop:
         """A checkpoint of ``step``; a second SIGINT meanwhile waits for it to complete."""
         with self.signals.protected():
             self.engine.save_checkpoint(self.ckpt, step, {"data_state": stream.state(), "losses": losses,
-                                                          "origin": self.s.origin, "saved_at": time.time()})
+                                                          "origin": self.s.origin, "saved_at": time.time(),
+                                                          "stack": self.s.stack})
             if self.signals.requested:
                 self.ckpt.wait()  # SYNC: the run stops after this save; it must be complete
         self.last_save = time.monotonic()

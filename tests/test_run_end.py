@@ -102,3 +102,33 @@ def test_a_run_shorter_than_its_warmup_runs_with_a_note(tmp_path, corpus):
             "learning rate ramps to 10% of its peak 0.002 and never reaches it") in done.stderr.splitlines()
     rates = [json.loads(line)["learning_rate"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rates == pytest.approx([0.0, 2e-3 / 20, 2 * 2e-3 / 20], rel=1e-6)  # the ramp of a 20-step warmup
+
+
+def test_a_run_records_what_made_it_and_a_resume_says_what_changed(tmp_path, corpus, monkeypatch, capsys):
+    import dataclasses
+
+    import jax
+
+    from jaxascend import trainer
+    from jaxascend.config import load_config
+    from jaxascend.provenance import collect
+
+    def cfg(*extra):
+        return load_config("configs/tiny.yaml", BASE + [f"data.paths=[{corpus}]", f"train.out_dir={tmp_path / 'run'}",
+                                                        "train.steps=4", *extra])
+
+    first = trainer.run(cfg("train.stop_at_step=2"))
+    stack = first.stack
+    assert stack["jax"] == jax.__version__ and stack["python"] and stack["cpu"] and stack["cpu_isa"]
+    assert stack["adamw_kernel"] and stack["device_kind"] and stack["device_count"] == jax.device_count()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["stack"] == stack
+    first_record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first_record["stack"] == stack
+    assert "made by" in capsys.readouterr().out  # the summary table's line
+    # The same run resumed on another jax: one note names the change.
+    other = dataclasses.replace(collect(), jax="0.0.1")
+    monkeypatch.setattr(trainer, "collect_stack", lambda *_: other)
+    trainer.run(cfg())
+    notes = [line for line in capsys.readouterr().err.splitlines() if "changed since checkpoint" in line]
+    assert notes == [f"note: the software or machine changed since checkpoint step 2: jax {jax.__version__} -> 0.0.1; "
+                     "results may differ in the last bits"]
