@@ -15,7 +15,7 @@ import argparse
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 from jaxascend import __version__, console
 from jaxascend.config import did_you_mean
@@ -38,17 +38,12 @@ COMMANDS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, as every other error of the CLIs
-        console.error(message)
-        sys.exit(2)
 
-
-def _parser(prog: str) -> _Parser:
+def _parser(prog: str) -> console.ArgumentParser:
     width = max(map(len, COMMANDS))
     listing = "\n".join(f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items())
     module = "python -m jaxascend.COMMAND"
-    p = _Parser(prog=prog, usage=f"{prog} [-h] [--version] COMMAND [ARG ...]",
+    p = console.ArgumentParser(prog=prog, usage=f"{prog} [-h] [--version] COMMAND [ARG ...]",
                 description="Full-parameter LLM fine-tuning in JAX/Flax with optimizer state on SSD.",
                 epilog=f"commands:\n{listing}\n\n`{prog} COMMAND ARG ...` is the same as `{module} ARG ...`;\n"
                        f"`{prog} COMMAND --help` lists a command's options.",

@@ -16,6 +16,7 @@ them out of the children's forwarded output (all of it under ``JAXASCEND_DEBUG=1
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import io
@@ -24,7 +25,7 @@ import os
 import re
 import sys
 import warnings
-from typing import Callable, Iterator, TextIO
+from typing import Callable, Iterator, NoReturn, TextIO
 
 _terminal: TextIO | None = None  # the real stderr while one_line_output is active
 # gloo's connection line, and the info/warning lines of XLA's preemption notifier and sync manager
@@ -60,6 +61,15 @@ def first_line(err: BaseException) -> str:
 
 def error(message: str) -> None:
     print(f"error: {message}", file=terminal(), flush=True)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one ``error:`` line and exit status 2, as every
+    other error of the CLIs (argparse's own prints the usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        error(message)
+        sys.exit(2)
 
 
 def report_errors(fn: Callable[[], int], errors: tuple[type[BaseException], ...]) -> int:

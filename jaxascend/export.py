@@ -29,7 +29,7 @@ PROG = "python -m jaxascend.export"
 
 
 def _parser(prog: str = PROG) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = console.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True,
                    help=f"run output folder, checkpoint step directory, checkpoint directory or {PARAMS_FILE}")
     p.add_argument("--out", required=True, help="new Hugging Face folder to write (must not exist or be empty)")

@@ -18,7 +18,7 @@ import dataclasses
 import sys
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from jaxascend import console
 from jaxascend.config import DType
@@ -33,14 +33,9 @@ if TYPE_CHECKING:
 PROG = "python -m jaxascend.generate"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, as every other error of the CLI
-        console.error(message)
-        sys.exit(2)
-
 
 def _parser(prog: str = PROG) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = console.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, metavar="RUN_OR_STEP",
                    help="run output folder, checkpoint step or directory, params.safetensors, or Hugging Face folder")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="text to continue (repeatable)")

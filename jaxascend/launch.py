@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Callable, NoReturn, Sequence, TextIO
+from typing import IO, Callable, Sequence, TextIO
 
 from jaxascend import console
 
@@ -379,11 +379,6 @@ def launch(command: Sequence[str], nproc: int, port: int | None = None, grace_se
             signal.signal(s, handler)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, as every other error of the CLI
-        console.error(message)
-        sys.exit(2)
-
 
 def _arg(convert: Callable[[str], object], check: Callable[[object], object]) -> Callable[[str], object]:
     """An argparse type: ``convert`` then ``check``, errors as argparse's one-line messages."""
@@ -399,8 +394,8 @@ def _arg(convert: Callable[[str], object], check: Callable[[object], object]) ->
     return parse
 
 
-def _parser(prog: str = PROG) -> _Parser:
-    p = _Parser(prog=prog, description=__doc__.split("\n\n")[0],
+def _parser(prog: str = PROG) -> console.ArgumentParser:
+    p = console.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                 usage=f"{prog} --nproc N [--port P] [--grace-seconds S] -- COMMAND [ARG ...]")
     p.add_argument("--nproc", type=_arg(int, _check_nproc), required=True, metavar="N",
                    help=f"number of processes, 1 to {MAX_NPROC}")

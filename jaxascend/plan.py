@@ -18,13 +18,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxascend import console
+
 PROG = "python -m jaxascend.plan"
 
 
 def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Namespace:
     from jaxascend.config import sections_help  # no JAX: --help stays fast
 
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
+    parser = console.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
                                      epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/qwen2.5-3b.yaml")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",

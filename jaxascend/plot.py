@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+
 METRICS_FILE = "metrics.jsonl"
 GIB = 2**30
 
@@ -204,7 +205,9 @@ PROG = "python -m jaxascend.plot"
 
 
 def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    from jaxascend import console  # light; imported here so that the module's own imports stay stdlib
+
+    parser = console.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", metavar="RUN", help="a run directory or its metrics.jsonl")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="where the PNGs go (default: the run's directory; ./plots for several runs)")

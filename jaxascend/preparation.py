@@ -1,6 +1,6 @@
 """A run's first phase, shared by the trainer and the planner CLI: everything the run reads
-(``config.json``, the tokenizer, the data, the held-out data) and the plans made from it, before
-anything is written.
+(``config.json``, the weights' safetensors headers, the tokenizer, the data, the held-out data)
+and the plans made from it, before anything is written.
 
     prepared = prepare_run(cfg, JobShape(...))
     prepared.plan.check()                     # host memory, disk, arena: PlanError naming the part
@@ -21,7 +21,7 @@ from typing import Any, Optional
 from jaxascend.config import Config, ConfigError, ModelConfig
 from jaxascend.data import (eval_batches, has_tokenizer_files, load_tokenizer, make_batch_stream, missing_paths,
                             tokenizer_folder)
-from jaxascend.hf import model_config_from_hf, param_plan
+from jaxascend.hf import check_hf_weights, model_config_from_hf, param_plan
 from jaxascend.models import TokenBatch, token_batch
 from jaxascend.offload import JobShape, RunPlan, StepPlan
 from jaxascend.offload import resolve as plan_resolve
@@ -90,9 +90,12 @@ class RunInputs:
 
 
 def read_inputs(cfg: Config) -> RunInputs:
-    """Every input of the run (the trainer's): config.json, the tokenizer, the data index, the
-    held-out data. Raises ``ValueError``/``OSError`` naming what is missing or malformed."""
+    """Every input of the run (the trainer's): config.json, the weights' safetensors headers
+    (checked against the model, no tensor data read), the tokenizer, the data index, the held-out
+    data. Raises ``ValueError``/``OSError`` naming what is missing or malformed."""
     model_cfg = resolve_model_config(cfg)
+    if cfg.model.path is not None:  # a truncated file or a missing tensor stops the run here
+        check_hf_weights(cfg.model.path, model_cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     return RunInputs(model_cfg, tokenizer, make_batch_stream(cfg.data, tokenizer), held_out_batches(cfg, tokenizer))
 

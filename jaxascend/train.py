@@ -11,13 +11,15 @@ import argparse
 import os
 import sys
 
+from jaxascend import console
+
 PROG = "python -m jaxascend.train"
 
 
 def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Namespace:
     from jaxascend.config import sections_help  # no JAX: --help stays fast
 
-    parser = argparse.ArgumentParser(prog=prog, epilog=sections_help(),
+    parser = console.ArgumentParser(prog=prog, epilog=sections_help(),
                                      description="Trains or fine-tunes a model as a YAML run config says.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/tiny.yaml (see configs/)")

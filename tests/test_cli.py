@@ -100,6 +100,12 @@ def test_an_unknown_command_or_option_is_one_line_and_status_2(capsys, argv, mes
     assert (code, out, err) == (2, "", message)
 
 
+@pytest.mark.parametrize("name", list(cli.COMMANDS))
+def test_every_commands_usage_error_is_one_line_and_status_2(capsys, name):
+    code, out, err = run(capsys, name, "--no-such-option", "x")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1 and err.startswith("error: "), err
+
+
 def test_a_command_runs_as_its_module_does(capsys):
     code, out, err = run(capsys, "config", "optimizer")
     assert code == 0 and err == ""

@@ -41,6 +41,21 @@ def test_overrides_are_typed(data_file, tmp_path):
     assert cfg.optimizer.grad_clip_norm is None
 
 
+def test_a_nested_sections_field_is_set_at_any_depth(data_file, tmp_path):
+    job = ["train.distributed.coordinator=node0:29500", "train.distributed.num_processes=2",
+           "train.distributed.process_id=1"]
+    cfg = load_config(_write(tmp_path, f"data:\n  paths: [{data_file}]\n"), job)
+    assert (cfg.train.distributed.coordinator, cfg.train.distributed.num_processes) == ("node0:29500", 2)
+    assert cfg.train.distributed.process_id == 1 and cfg.train.steps == Config().train.steps
+    # Beside the YAML's own fields of that section, which stay.
+    yaml_job = f"data:\n  paths: [{data_file}]\ntrain:\n  distributed:\n    heartbeat_timeout_seconds: 7\n"
+    cfg = load_config(_write(tmp_path, yaml_job), ["train.distributed.shutdown_timeout_seconds=9"])
+    assert (cfg.train.distributed.heartbeat_timeout_seconds, cfg.train.distributed.shutdown_timeout_seconds) == (7, 9)
+    with pytest.raises(ConfigError, match=r"^train\.distributed: expected a mapping of fields, got 5$"):
+        load_config(_write(tmp_path, f"data: {{paths: [{data_file}]}}\ntrain: {{distributed: 5}}\n"),
+                    ["train.distributed.num_processes=2"])
+
+
 def test_list_override_with_a_yaml_reserved_character(data_file, tmp_path):
     # '@' cannot start a plain YAML scalar; a bracketed list is still split on commas.
     cfg = load_config(_write(tmp_path, "train: {steps: 1}\n"), [f"data.paths=[@stdlib, {data_file}]"])
@@ -70,6 +85,17 @@ def test_int_widens_to_float(data_file, tmp_path):
         ("data.tokenizer=/no/such/folder", r"^data\.tokenizer: expected 'auto', 'byte', 'model' or a tokenizer folder"),
         ("data.seq_len=4096", r"^data\.seq_len: 4096 exceeds model\.max_position_embeddings=2048$"),
         ("train.steps", r"^--set 'train\.steps': expected section\.field=value$"),
+        ("train.distributd.num_processes=2",
+         r"^train\.distributd: unknown section in train; did you mean 'distributed'\? \(allowed: distributed\)$"),
+        ("train.distributed.num_proceses=2",
+         r"^train\.distributed\.num_proceses: unknown key; did you mean 'num_processes'\? \(allowed: coordinator, "),
+        ("model.rope.factor=8", r"^model\.rope: unknown section in model \(model has no nested section\)$"),
+        ("train.steps.max=3", r"^--set 'train\.steps\.max': train\.steps is a field \(an integer\), not a section; "
+                              r"set it with --set train\.steps=VALUE$"),
+        ("model.rope_scaling.factor=8", r"^--set 'model\.rope_scaling\.factor': model\.rope_scaling is a field "
+                                        r"\(a mapping or null\), not a section"),
+        ("train.distributed.num_processes=0", r"^train\.distributed\.num_processes: must be >= 1, got 0$"),
+        ("train..steps=3", r"^--set 'train\.\.steps': expected section\.field \(e\.g\. train\.steps or "),
         ("offload.overlap=maybe", r"^offload\.overlap: expected true/false, got 'maybe'$"),
     ],
 )

@@ -7,7 +7,6 @@ default and meaning (from the dataclasses' own comments); loads no JAX.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from jaxascend import console
@@ -21,7 +20,7 @@ PROG = "python -m jaxascend.config"
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     """The CLI (``prog``: the name its usage line shows): 0, or 2 after one ``error:`` line for an
     unknown section."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = console.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("sections", nargs="*", metavar="SECTION", help="sections to list (default: all)")
     args = parser.parse_args(argv)
     sections = config_sections()

@@ -103,23 +103,57 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+def _section_type(tp) -> Any:
+    """The section class an annotation holds (``SomeConfig`` or ``Optional[SomeConfig]``), or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+    return inner[0] if len(inner) == 1 else None
+
+
+def _override_target(key: str) -> list[str]:
+    """The parts of an override's dotted ``key`` (``section[.sub ...].field``), each checked against
+    the section it names a field of: an unknown name, or a plain field with more parts after it,
+    is refused."""
+    parts = key.split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"--set {key!r}: expected section.field (e.g. train.steps or "
+                          "train.distributed.num_processes)")
+    cls, hints = Config, typing.get_type_hints(Config)
+    for depth, part in enumerate(parts[:-1]):
+        prefix, name = ".".join(parts[:depth]), ".".join(parts[:depth + 1])
+        sections = [f.name for f in dataclasses.fields(cls) if _section_type(hints[f.name])]
+        if part in hints and part not in sections:
+            raise ConfigError(f"--set {key!r}: {name} is a field ({type_text(hints[part])}), not a section; "
+                              f"set it with --set {name}=VALUE")
+        if part not in hints:
+            where = f" in {prefix}" if prefix else ""
+            listing = f"allowed: {', '.join(sections)}" if sections else f"{prefix} has no nested section"
+            raise ConfigError(f"{name}: unknown section{where}{did_you_mean(part, sections)} ({listing})")
+        cls = _section_type(hints[part])
+        hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    if parts[-1] not in names:
+        raise ConfigError(f"{key}: unknown key{did_you_mean(parts[-1], names)} (allowed: {', '.join(names)})")
+    return parts
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Applies ``section.field=value`` strings to a nested dict (in place) and returns it."""
+    """Applies ``section[.sub ...].field=value`` strings to a nested dict (in place) and returns it;
+    a nested section (``train.distributed``) is reached through its own mapping."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected section.field=value")
         key, text = item.split("=", 1)
-        parts = key.strip().split(".")
-        if len(parts) != 2 or not all(parts):
-            raise ConfigError(f"--set {key!r}: expected section.field (e.g. train.steps)")
-        section, fld = parts
-        if section not in {f.name for f in dataclasses.fields(Config)}:
-            names = [f.name for f in dataclasses.fields(Config)]
-            raise ConfigError(f"{section}: unknown section{did_you_mean(section, names)} (allowed: {', '.join(names)})")
-        data.setdefault(section, {})
-        if data[section] is None:
-            data[section] = {}
-        data[section][fld] = _parse_scalar(text)
+        parts = _override_target(key.strip())
+        node = data
+        for depth, part in enumerate(parts[:-1]):
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):  # the YAML gave the section a plain value
+                raise ConfigError(f"{'.'.join(parts[:depth + 1])}: expected a mapping of fields, got {node!r}")
+        node[parts[-1]] = _parse_scalar(text)
     return data
 
 
@@ -176,7 +210,9 @@ def _validate_cross_fields(cfg: Config) -> None:
     if cfg.optimizer.state_dtype != "float32" and not cfg.offload.enabled:
         raise ConfigError(f"optimizer.state_dtype: {cfg.optimizer.state_dtype!r} needs offload.enabled: true (the "
                           "in-memory engine keeps optax's float32 moments)")
-    if cfg.data.seq_len > cfg.model.max_position_embeddings:
+    # With model.path, config.json's limit applies: checked once it is read
+    # (jaxascend.preparation.resolve_model_config); the section's own is a default then.
+    if cfg.model.path is None and cfg.data.seq_len > cfg.model.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len: {cfg.data.seq_len} exceeds model.max_position_embeddings="
             f"{cfg.model.max_position_embeddings}")

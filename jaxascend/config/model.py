@@ -82,9 +82,14 @@ class ModelConfig:
         check_range("model.rope_theta", self.rope_theta, lo=0, lo_open=True)
         check_range("model.layer_norm_epsilon", self.layer_norm_epsilon, lo=0, lo_open=True)
         check_range("model.sliding_window", self.sliding_window, lo=1)
-        self._check_gemma3_fields()
+        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
+            check_range(f"model.{name}", getattr(self, name), lo=0, lo_open=True)
+        for i, kind in enumerate(self.layer_types or ()):
+            if kind not in LAYER_TYPES:
+                raise ConfigError(f"model.layer_types[{i}]: {kind!r} is not supported (allowed: "
+                                  f"{', '.join(map(repr, LAYER_TYPES))})")
         self.rope_scaling = validate_rope_scaling(self.rope_scaling)
-        self._check_rotary_fields()
+        check_range("model.partial_rotary_factor", self.partial_rotary_factor, lo=0, hi=1, lo_open=True)
         check_range("model.init_std", self.init_std, lo=0, lo_open=True)
         if self.attention not in typing.get_args(AttentionImpl):
             allowed = ", ".join(map(repr, typing.get_args(AttentionImpl)))
@@ -92,20 +97,30 @@ class ModelConfig:
         if self.loss not in typing.get_args(LossImpl):
             allowed = ", ".join(map(repr, typing.get_args(LossImpl)))
             raise ConfigError(f"model.loss: {self.loss!r} is not supported (allowed: {allowed})")
+        # With model.path the architecture fields are config.json's, which replace these when it
+        # is read (jaxascend.hf.model_config_from_hf checks the shape it reads): how the section's
+        # own fields fit together does not matter then.
         if self.path is None:
-            if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-                raise ConfigError(
-                    f"model.hidden_size: {self.hidden_size} is not divisible by "
-                    f"model.num_attention_heads={self.num_attention_heads}; set model.head_dim")
-            if self.num_attention_heads % self.num_key_value_heads:
-                raise ConfigError(
-                    f"model.num_key_value_heads: {self.num_key_value_heads} must divide "
-                    f"model.num_attention_heads={self.num_attention_heads}")
+            self.check_shape()
+
+    def check_shape(self) -> None:
+        """How the architecture fields fit together: heads, the per-layer-type fields, the rotary
+        width. Run at construction for a model from scratch; for one read from config.json by
+        :func:`jaxascend.hf.model_config_from_hf`, on what config.json says."""
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size: {self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}; set model.head_dim")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"model.num_key_value_heads: {self.num_key_value_heads} must divide "
+                f"model.num_attention_heads={self.num_attention_heads}")
+        self._check_gemma3_fields()
+        self._check_rotary_fields()
 
     def _check_rotary_fields(self) -> None:
-        """partial_rotary_factor, and longrope's factor lists against the rotary width they
+        """partial_rotary_factor and longrope's factor lists against the rotary width they
         scale (half of it: one factor per frequency), as transformers' Phi3Config checks."""
-        check_range("model.partial_rotary_factor", self.partial_rotary_factor, lo=0, hi=1, lo_open=True)
         longrope = self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope"
         # gpt2 has learned position embeddings (its model refuses rope_scaling); a plain head_dim
         # is checked by the model when it is built (a base config's shape may be overridden).
@@ -129,17 +144,11 @@ class ModelConfig:
             if getattr(self, name) is not None and self.arch != "gemma3":
                 raise ConfigError(f"model.{name}: only arch 'gemma3' uses it; must be null for "
                                   f"arch {self.arch!r}")
-        for name in ("rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping"):
-            check_range(f"model.{name}", getattr(self, name), lo=0, lo_open=True)
         if self.layer_types is None:
             return
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(f"model.layer_types: {len(self.layer_types)} entries, but "
                               f"model.num_hidden_layers={self.num_hidden_layers}")
-        for i, kind in enumerate(self.layer_types):
-            if kind not in LAYER_TYPES:
-                raise ConfigError(f"model.layer_types[{i}]: {kind!r} is not supported (allowed: "
-                                  f"{', '.join(map(repr, LAYER_TYPES))})")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ConfigError("model.sliding_window: must be set when model.layer_types has "
                               "'sliding_attention' layers")

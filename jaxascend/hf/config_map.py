@@ -22,7 +22,7 @@ import json
 import os
 from typing import Any, Optional
 
-from jaxascend.config import ROPE_TYPES, ModelConfig, validate_rope_scaling
+from jaxascend.config import ROPE_TYPES, ConfigError, ModelConfig, validate_rope_scaling
 from jaxascend.hf.errors import HFCheckpointError, UnsupportedModelError, one_line
 from jaxascend.hf.gemma3_config import gemma3_config_dict, gemma3_fields
 
@@ -116,7 +116,12 @@ def model_config_from_hf_dict(hf: dict, base: Optional[ModelConfig] = None, *,
                     "num_key_value_heads", "vocab_size", "max_position_embeddings"):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise HFCheckpointError(f"{source}: {name} must be an integer >= 1, got {value!r}")
-    return ModelConfig(**fields)
+    try:  # with a path, ModelConfig leaves how the shape fits together to us: it is config.json's
+        cfg = ModelConfig(**fields)
+        cfg.check_shape()
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    return cfg
 
 
 def _rope_fields(hf: dict, arch: str, source: str) -> tuple[float, Optional[dict], float]:

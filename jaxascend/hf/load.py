@@ -121,6 +121,32 @@ def check_checkpoint(ckpt: CheckpointFiles, plan: list[ParamMapping], cfg: Model
     return prefix
 
 
+def open_checked(folder: str, cfg: ModelConfig) -> tuple[CheckpointFiles, str]:
+    """The checkpoint in ``folder``, open, once every safetensors header is read and checked: the
+    index's shard list, each file's tensor names, dtypes, shapes and byte ranges against its size
+    (:class:`CheckpointFiles`), then the tensors against ``cfg``'s parameters
+    (:func:`check_checkpoint`). No tensor data is read. Returns it with the HF name prefix in use;
+    raises the first problem as a one-line ``HFCheckpointError`` (closing what it opened)."""
+    ckpt = CheckpointFiles(folder)
+    try:
+        return ckpt, check_checkpoint(ckpt, param_plan(cfg), cfg)
+    except BaseException:
+        ckpt.close()
+        raise
+
+
+def check_hf_weights(folder: str | os.PathLike, model_cfg: ModelConfig) -> None:
+    """Checks the weights in ``folder`` against ``model_cfg`` from their headers alone (see
+    :func:`open_checked`): what a run reads before it writes anything, so that a truncated file
+    or a missing tensor stops it at the start.
+
+        check_hf_weights("/models/Qwen2.5-7B", model_config_from_hf("/models/Qwen2.5-7B"))
+    """
+    folder = os.path.expanduser(str(folder))
+    ckpt, _ = open_checked(folder, _resolve(folder, model_cfg))
+    ckpt.close()
+
+
 def iter_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] = None, *,
                    dtype: Optional[str] = None, layer_stack: bool = True) -> Iterator[tuple[ParamMapping, np.ndarray]]:
     """Yields ``(mapping, array)`` for each of our parameters, in tree order, read from the
@@ -134,10 +160,9 @@ def iter_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] =
     folder = os.path.expanduser(str(folder))
     cfg = _resolve(folder, model_cfg)
     target = np.dtype(DTYPES[dtype or cfg.param_dtype])
-    plan = param_plan(cfg)
-    with CheckpointFiles(folder) as ckpt:
-        prefix = check_checkpoint(ckpt, plan, cfg)
-        plan = [m for m in plan if layer_stack or not m.stacked]
+    ckpt, prefix = open_checked(folder, cfg)
+    with ckpt:
+        plan = [m for m in param_plan(cfg) if layer_stack or not m.stacked]
 
         def sources(m: ParamMapping):
             return [(layer, source_entry(ckpt.entries, m, layer, prefix))
@@ -208,12 +233,7 @@ class HFParamReader:
         self.cfg = _resolve(self.folder, model_cfg)
         self.dtype = np.dtype(DTYPES[dtype])
         self.plan = {m.path: m for m in param_plan(self.cfg)}
-        self._ckpt = CheckpointFiles(self.folder)
-        try:
-            self._prefix = check_checkpoint(self._ckpt, list(self.plan.values()), self.cfg)
-        except BaseException:
-            self._ckpt.close()
-            raise
+        self._ckpt, self._prefix = open_checked(self.folder, self.cfg)
         self._scratch = np.empty(0, np.uint8)
         # The checkpoint's own dtype (what export.dtype "source" exports in).
         self.source_dtype = dominant_dtype(self._ckpt.entries.values())

@@ -1,12 +1,17 @@
 """Every way a Hugging Face folder can be wrong gives a one-line ValueError naming the file,
 the tensor and both shapes: unsupported architectures, missing/unexpected tensors, shape and
-dtype surprises, truncated and corrupt files, broken indexes, and bad export targets."""
+dtype surprises, truncated and corrupt files, broken indexes, and bad export targets. The
+trainer's CLI stops on a bad weight file with that one line, before any note and before it
+writes anything."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,6 +88,24 @@ def test_missing_or_broken_config_json(tmp_path):
         model_config_from_hf(tmp_path)
 
 
+def train_cli(folder, tokenizer, tmp_path) -> str:
+    """``python -m jaxascend.train`` fine-tuning ``folder``: the one line it prints, once checked
+    that nothing else was printed (no ``note:`` first), that it exited with status 2 and that it
+    wrote nothing (no out_dir, so no offload files or checkpoints either)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a few words to fine-tune on\n" * 20)
+    out = tmp_path / "run"
+    args = [f"model.path={folder}", f"data.tokenizer={tokenizer}", f"data.paths=[{corpus}]", "data.seq_len=32",
+            f"train.out_dir={out}"]
+    proc = subprocess.run([sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml",
+                           *[a for o in args for a in ("--set", o)]],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stdout + proc.stderr
+    assert not out.exists()
+    return lines[0]
+
+
 def test_missing_tensor_names_it_and_its_shape(llama, tmp_path):
     folder = rewrite(llama, tmp_path / "c",
                      lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
@@ -91,6 +114,7 @@ def test_missing_tensor_names_it_and_its_shape(llama, tmp_path):
     message = check_one_line(err)
     assert "'model.layers.1.mlp.up_proj.weight' (expected shape [96, 64]) is missing" in message
     assert str(folder) in message
+    assert train_cli(folder, llama, tmp_path) == f"error: {message}"
 
 
 def test_untied_model_without_lm_head_is_missing_a_tensor(llama, tmp_path):
@@ -143,6 +167,7 @@ def test_truncated_shard_is_named(sharded, tmp_path):
         load(folder)
     message = check_one_line(err)
     assert str(shard) in message and "truncated" in message
+    assert train_cli(folder, folder, tmp_path) == f"error: {message}"
 
 
 def test_corrupt_header_is_named(sharded, tmp_path):
