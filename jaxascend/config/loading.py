@@ -202,11 +202,6 @@ def _validate_cross_fields(cfg: Config) -> None:
     if cfg.model.path is not None and not os.path.isdir(os.path.expanduser(cfg.model.path)):
         raise ConfigError(f"model.path: {cfg.model.path!r} is not a directory")
     check_param_placement(cfg)
-    schedule_steps = cfg.optimizer.decay_steps or cfg.train.steps
-    if cfg.optimizer.warmup_steps and cfg.optimizer.warmup_steps >= schedule_steps:
-        where = "optimizer.decay_steps" if cfg.optimizer.decay_steps else "train.steps (the schedule's length)"
-        raise ConfigError(f"optimizer.warmup_steps: {cfg.optimizer.warmup_steps} is not below {where}: "
-                          f"{schedule_steps}; the schedule would never leave its warmup")
     if cfg.optimizer.state_dtype != "float32" and not cfg.offload.enabled:
         raise ConfigError(f"optimizer.state_dtype: {cfg.optimizer.state_dtype!r} needs offload.enabled: true (the "
                           "in-memory engine keeps optax's float32 moments)")

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxascend.kill_points import kill_point
 from jaxascend.config import ModelConfig
 from jaxascend.formats import DEFAULT_SHARD_BYTES  # transformers' historical max_shard_size="5GB"
 from jaxascend.hf.config_map import CONFIG_FILE, hf_config_dict
@@ -139,6 +140,7 @@ def export_hf(params: ParamSource, model_cfg: ModelConfig, out_dir: str | os.Pat
     specs = [TensorSpec(name, hf_dtype, parts[0][0].hf_shape) for name, parts in source.items()]
 
     def produce(spec: TensorSpec) -> np.ndarray:
+        kill_point("export_tensor")  # tests: a kill in the middle of an export
         out = np.empty(spec.shape, DTYPES[hf_dtype])
         for m, layer in source[spec.name]:
             value = read(m.path, layer)
