@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         print(plan.format())
         for line in prepared.assumed:
             print(f"note: {line}")
-        for line in step.notes:
+        for line in prepared.notes + step.notes:
             if line not in plan.choices:
                 print(f"note: {line}")
     return 1 if plan.problems() else 0

@@ -40,6 +40,20 @@ def resolve_model_config(cfg: Config) -> ModelConfig:
     return model_cfg
 
 
+def replaced_fields_note(asked: ModelConfig, resolved: ModelConfig) -> Optional[str]:
+    """The ``note:`` for the model section's architecture fields that ``model.path``'s config.json
+    replaced: set to a value other than the default, and not the model's (None when none was)."""
+    default = ModelConfig()
+    replaced = [f.name for f in dataclasses.fields(ModelConfig) if f.name != "path"
+                and getattr(asked, f.name) != getattr(default, f.name)
+                and getattr(asked, f.name) != getattr(resolved, f.name)]
+    if not replaced:
+        return None
+    pairs = ", ".join(f"{name} {getattr(asked, name)!r} -> {getattr(resolved, name)!r}" for name in replaced)
+    return (f"model: {pairs}: {asked.path}/config.json decides the architecture (with model.path, the model "
+            "section sets only dtype, param_dtype, remat, attention, loss and init_std)")
+
+
 def vocabulary_size(cfg: Config, model_cfg: ModelConfig, tokenizer) -> int:
     """The embedding rows: the model's vocabulary (config.json or model.vocab_size), or the
     tokenizer's for a model from scratch; refuses a tokenizer whose ids do not fit the model.
@@ -134,6 +148,7 @@ class PreparedRun:
     plan: RunPlan  # host memory, disk, SSD traffic
     step: StepPlan  # the step's modes, refusals and notes
     assumed: tuple[str, ...] = ()  # what the plan assumed for inputs it did not read
+    notes: tuple[str, ...] = ()  # the model section's fields config.json replaced (a note line, or none)
 
 
 def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
@@ -150,5 +165,6 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     # measured here, after the tokenizer and the data index; estimated for those not read).
     cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete, processes=job.processes)
     step = StepPlan.resolve(cfg, sized, job, choices=plan.choices)
+    replaced = replaced_fields_note(cfg.model, model_cfg) if cfg.model.path else None
     return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, plan, step,
-                       inputs.assumed)
+                       inputs.assumed, (replaced,) if replaced else ())

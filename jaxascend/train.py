@@ -24,7 +24,8 @@ def parse_args(argv: list[str] | None = None, prog: str = PROG) -> argparse.Name
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config, e.g. configs/tiny.yaml (see configs/)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override one config field (repeatable), e.g. --set train.steps=20")
+                        help="override one config field (repeatable), e.g. --set train.steps=20 or a nested one, "
+                             "--set train.distributed.num_processes=2")
     return parser.parse_args(argv)
 
 

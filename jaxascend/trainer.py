@@ -115,7 +115,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
     samples = SamplePrompts.from_config(cfg, prepared.tokenizer, prepared.sized)
     r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, point.step, group=group, stack=stack)
     if r.main:  # every choice the user did not ask for, and where the run starts
-        for line in prepared.step.notes + schedule_notes:
+        for line in prepared.notes + prepared.step.notes + schedule_notes:
             console.note(line)
         if point.step:
             console.note(point.resume_line())

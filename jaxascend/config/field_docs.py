@@ -139,7 +139,7 @@ def sections_help() -> str:
     """The CLIs' ``--help`` epilog: the config's sections, and where every field is described."""
     summaries = section_summaries()
     width = max(len(name) for name, _ in summaries)
-    lines = ["config sections (a YAML file with any of them; --set SECTION.FIELD=VALUE overrides one field):"]
+    lines = ["config sections (a YAML file with any of them; --set SECTION.FIELD=VALUE overrides one field, SECTION.SUB.FIELD a nested one):"]
     for name, summary in summaries:
         lines += textwrap.wrap(summary, 100, initial_indent=f"  {name.ljust(width)}  ",
                                subsequent_indent=" " * (width + 4))

@@ -88,3 +88,14 @@ def test_a_config_json_whose_shape_does_not_fit_together_is_refused_naming_it(qw
     with pytest.raises(ConfigError, match=f"^{qwen_7b}/config.json: {message}") as err:
         resolve_model_config(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_a_model_field_that_config_json_replaces_is_one_note(tmp_path, qwen_7b, roomy, capsys):
+    args = [a for a in _plan(tmp_path, qwen_7b) if a != "--json"]
+    plan_main(args)  # the shipped config sets only the run's numerics: nothing replaced
+    assert "decides the architecture" not in capsys.readouterr().out
+    plan_main(args + ["--set", "model.hidden_size=1024", "--set", "model.max_position_embeddings=4096"])
+    notes = [line for line in capsys.readouterr().out.splitlines() if "decides the architecture" in line]
+    assert notes == [f"note: model: hidden_size 1024 -> 3584, max_position_embeddings 4096 -> 131072: {qwen_7b}/"
+                     "config.json decides the architecture (with model.path, the model section sets only dtype, "
+                     "param_dtype, remat, attention, loss and init_std)"]
