@@ -4,8 +4,8 @@ reference, the remat policies, init, and the config checks.
 The reference is written from Hugging Face's ``modeling_gemma3`` (float64, zero-centred
 ``(1 + w)`` norms, sandwich norms, q/k norms, ``query_pre_attn_scalar``, the local RoPE and the
 sliding window on sliding layers, linear-scaled global RoPE, final logit softcapping) and loops
-over the layers in Python, so it shares nothing with the scan. fp32 logits must match it to
-atol 1e-4 (rtol 1e-4).
+over the layers in Python, so it shares nothing with the scan. fp32 logits must match it within
+float32 sums in any order (tests/_tolerances.py: 1.7e-4 with the softcap, 4.8e-4 without).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from flax import nnx
 
 from jaxascend.config import ConfigError, ModelConfig
 from jaxascend.models import build_model
-from tests.models.test_models import (VOCAB, forward, jitted_loss_and_grads, layer_slice, np_rope, np_softmax,
-                                      numpy_params, randomized_model, sample_ids)
+from tests._tolerances import assert_reordered_close, logits_atol
+from tests.models.test_models import (VOCAB, assert_loss_and_grads_close, forward, jitted_loss_and_grads, layer_slice,
+                                      np_rope, np_softmax, numpy_params, randomized_model, sample_ids)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = [SLIDING, SLIDING, FULL, SLIDING]
@@ -96,7 +97,8 @@ def test_scanned_mixed_stack_matches_unrolled_reference(overrides, derived):
     reference = gemma3_reference(numpy_params(model), dataclasses.replace(cfg, **derived),
                                  np.asarray(ids), np.asarray(positions))
     assert np.abs(reference).max() > 1.0
-    np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=1e-4)
+    # float32 against float64: within float32 sums in any order (tests/_tolerances.py)
+    assert_reordered_close(logits, reference, logits_atol(cfg, reference, 16), "gemma3 against numpy")
 
 
 def test_each_layer_type_matters():
@@ -121,9 +123,8 @@ def test_remat_policies_give_the_same_logits_and_gradients(remat):
     (ref_loss, ref_grads), _, _ = jitted_loss_and_grads(randomized_model(gemma3_config()), ids)
     model = randomized_model(gemma3_config(remat=remat))
     np.testing.assert_array_equal(forward(model, ids), forward(randomized_model(gemma3_config()), ids))
-    (loss, grads), _, _ = jitted_loss_and_grads(model, ids)
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, atol=1e-6, rtol=1e-5), grads, ref_grads)
+    assert_loss_and_grads_close(gemma3_config(), 16, jitted_loss_and_grads(model, ids)[0], (ref_loss, ref_grads),
+                                f"gemma3 {remat}")
 
 
 def test_norm_scales_start_at_zero_and_the_embedding_scale_is_rounded_like_hf():

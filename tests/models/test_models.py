@@ -3,7 +3,8 @@ causality, sliding windows, remat policies, low-precision compute, init and argu
 
 The numpy references below are written from the Hugging Face architectures (float64, HF's
 ``rotate_half`` RoPE, ``repeat_kv`` for grouped-query attention, an explicit -inf mask) and read
-the same weights as the model. fp32 logits must match them to atol 1e-4 (rtol 1e-4).
+the same weights as the model. fp32 logits must match them within float32 sums in any order
+(tests/_tolerances.py: ~1e-4 on these models).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from jaxascend.config import ConfigError, ModelConfig
 from jaxascend.models import build_model, count_params
 from jaxascend.models.rope import rope_inverse_frequencies
 from jaxascend.models.rope import rope_attention_factor
+from tests._tolerances import assert_reordered_close, logits_atol, model_depth, model_reduction, reordering_atol, \
+    reordering_rtol
 
 VOCAB = 97
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -230,7 +233,8 @@ def test_logits_match_numpy_reference(arch):
     reference = (gpt2_reference if arch == "gpt2" else llama_reference)(
         numpy_params(model), cfg, np.asarray(ids), np.asarray(positions))
     assert np.abs(reference).max() > 1.0  # the comparison is not between near-zero numbers
-    np.testing.assert_allclose(logits, reference, atol=1e-4, rtol=1e-4)
+    # float32 against float64: within float32 sums in any order (tests/_tolerances.py)
+    assert_reordered_close(logits, reference, logits_atol(cfg, reference, 16), f"{arch} against numpy")
 
 
 def test_default_positions_are_arange():
@@ -282,6 +286,22 @@ def mean_cross_entropy(model, ids):
     return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
 
 
+def assert_loss_and_grads_close(cfg: ModelConfig, length: int, got, want, label: str) -> None:
+    """(loss, grads) of the model computed another way (another remat policy: other fusions)
+    against ``want``, within float32 sums in another order through the layers, forward for the
+    loss and forward and backward for each gradient (tests/_tolerances.py)."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    reduction = model_reduction(cfg, length)
+    rtol = reordering_rtol(reduction=reduction, depth=model_depth(cfg))
+    error = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
+    print(f"{label} loss: relative difference {error:.2e}, derived rtol {rtol:.2e}")
+    assert error <= rtol, (label, error, rtol)
+    depth = model_depth(cfg, backward=True)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        assert_reordered_close(g, r, reordering_atol(r, reduction=reduction, depth=depth),
+                               f"{label} {jax.tree_util.keystr(path)}")
+
+
 def jitted_loss_and_grads(model, ids):
     graphdef, state = nnx.split(model)
     fn = jax.jit(jax.value_and_grad(lambda s, i: mean_cross_entropy(nnx.merge(graphdef, s), i)))
@@ -307,9 +327,7 @@ def no_remat_loss_and_grads():
 def test_remat_policy_matches_no_remat(remat, arch, no_remat_loss_and_grads):
     model = randomized_model(tiny_config(arch, remat=remat))
     (loss, grads), fn, state = jitted_loss_and_grads(model, sample_ids(2, 17))
-    ref_loss, ref_grads = no_remat_loss_and_grads[arch]
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    jax.tree.map(lambda g, r: np.testing.assert_allclose(g, r, atol=1e-6, rtol=1e-5), grads, ref_grads)
+    assert_loss_and_grads_close(tiny_config(arch), 16, (loss, grads), no_remat_loss_and_grads[arch], f"{arch} {remat}")
     if remat == "offload":
         # The saved activations are moved to host memory in the differentiated program.
         jaxpr = str(jax.make_jaxpr(fn)(state, sample_ids(2, 17)))
