@@ -17,6 +17,15 @@ state (``--xla_force_host_platform_device_count=2``).
     python scripts/bench_distributed.py --shape qwen0.5b --rounds 1   # Qwen2.5-0.5B, its 151936-token table
     python scripts/bench_distributed.py                               # ~55M-parameter Llama, 2 rounds
     python scripts/bench_distributed.py --shape small --rounds 1      # a smoke run
+
+``--stress N`` (shape ``table`` by default: a tied 151936-row table in 16 blocks at width 128)
+runs the P = 2 job N times instead, each run from the same restored start (checkpoint step 0),
+with a process burning a core from the second run on, and checks that every run is bit-identical
+(the masters' SHA-256 and the losses): the collectives of a step run in the order the step fixes
+(``offload.collective_order``) whatever the load. Prints JSON, writes
+docs/bench_distributed_stress.json, and exits 1 if two runs differ.
+
+    python scripts/bench_distributed.py --stress 10
 """
 
 from __future__ import annotations
@@ -46,25 +55,43 @@ SHAPES = {
             "tied": False},
     "small": {"layers": 4, "hidden": 256, "intermediate": 688, "vocab": 4096, "heads": 4, "kv_heads": 4,
               "tied": False},
+    # --stress: Qwen's vocabulary, tied, at a small width (still 2^24 elements: 16 blocks of rows).
+    "table": {"layers": 2, "hidden": 128, "intermediate": 256, "vocab": 151936, "heads": 4, "kv_heads": 2,
+              "tied": True},
 }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="55m")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="default: 55m (table with --stress)")
     p.add_argument("--layers", type=int, help="fewer layers than the shape's (the step time with all is long)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5, help="steps per run (the first --warmup excluded)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, help="steps per run (the first --warmup excluded; default: 5, 2 with --stress)")
+    p.add_argument("--warmup", type=int, help="default: 2 (0 with --stress)")
     p.add_argument("--batch", type=int, default=4, help="global batch rows")
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seq", type=int, help="default: 128 (16 with --stress)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="the update after the forward/backward (default: overlapped, as the trainer runs)")
     p.add_argument("--devices", action="store_true", help="also one process on two devices (D2)")
+    p.add_argument("--stress", type=int, default=0, metavar="N",
+                   help="instead: the P = 2 job N times from one restored start, a core busy from the second run "
+                        "on; checks every run is bit-identical (default shape: table, --steps 2 --warmup 0 "
+                        "--seq 16)")
     p.add_argument("--dir", default="/tmp/bench_distributed", help="scratch directory (offload state)")
-    p.add_argument("--out", default=str(REPO / "docs" / "bench_distributed.json"))
+    p.add_argument("--out", help="default: docs/bench_distributed.json (docs/bench_distributed_stress.json with "
+                                 "--stress)")
     p.add_argument("--child", nargs=2, metavar=("OUT", "SHAPE"), help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    defaults = {"shape": "table", "steps": 2, "warmup": 0, "seq": 16} if args.stress else \
+        {"shape": "55m", "steps": 5, "warmup": 2, "seq": 128}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.stress < 0 or args.stress == 1:
+        p.error(f"--stress: at least 2 runs to compare, got {args.stress}")
+    if args.out is None:
+        args.out = str(REPO / "docs" / ("bench_distributed_stress.json" if args.stress else "bench_distributed.json"))
+    return args
 
 
 def _shape(args) -> dict:
@@ -74,27 +101,32 @@ def _shape(args) -> dict:
     return shape
 
 
-def child(args) -> None:
-    """One process of a contender: trains, then writes its figures to OUT/result-<i>.json."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
+def _child_config(args, out: Path, shape: dict, index: int):
     from jaxascend.config import load_config
-    from jaxascend.distributed import initialize
-    from jaxascend.models import build_model, count_params, token_batch
-    from jaxascend.offload import JobShape, OffloadEngine, StepPlan
 
-    out, shape = Path(args.child[0]), _shape(args)
-    group = initialize(None)
-    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), [
+    return load_config(str(REPO / "configs" / "tiny.yaml"), [
         f"model.hidden_size={shape['hidden']}", f"model.intermediate_size={shape['intermediate']}",
         f"model.num_hidden_layers={shape['layers']}", f"model.num_attention_heads={shape['heads']}",
         f"model.num_key_value_heads={shape['kv_heads']}", f"model.vocab_size={shape['vocab']}",
         f"model.tie_word_embeddings={str(shape['tied']).lower()}", "model.param_dtype=bfloat16",
         "model.remat=full", "model.loss=blocked", f"data.seq_len={args.seq}", f"data.batch_size={args.batch}",
         f"offload.overlap={str(args.overlap).lower()}", "offload.chunk_bytes=8MiB",
-        f"offload.dir={out}/offload-{group.index}", f"train.out_dir={out}"])
+        f"offload.dir={out}/offload-{index}", f"train.out_dir={out}", f"checkpoint.dir={out}/checkpoints"])
+
+
+def child(args) -> None:
+    """One process of a contender: trains, then writes its figures to OUT/result-<i>.json."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxascend.distributed import initialize
+    from jaxascend.models import build_model, count_params, token_batch
+    from jaxascend.offload import JobShape, OffloadEngine, StepPlan
+
+    out, shape = Path(args.child[0]), _shape(args)
+    group = initialize(None)
+    cfg = _child_config(args, out, shape, group.index)
     model = build_model(cfg.model, shape["vocab"], rngs=nnx.Rngs(0))
     params = count_params(model)
     plan = StepPlan.resolve(cfg, cfg.model, JobShape(group.count, group.index, jax.local_device_count()))
@@ -124,6 +156,79 @@ def child(args) -> None:
         "losses": losses, "params": params, "table_blocks": blocks, "overlap": plan.overlap}))
 
 
+def stress_child(args) -> None:
+    """One process of the stressed job: ``--stress`` runs of ``--steps`` steps, each from the
+    restored step 0, a core kept busy from the second run on (by process 0); writes each run's
+    losses and the SHA-256 of its master weights to OUT/result-<i>.json."""
+    import hashlib
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxascend.checkpoint import Checkpointer
+    from jaxascend.distributed import initialize
+    from jaxascend.models import build_model, token_batch
+    from jaxascend.offload import JobShape, OffloadEngine, StepPlan
+
+    out, shape = Path(args.child[0]), _shape(args)
+    group = initialize(None)
+    cfg = _child_config(args, out, shape, group.index)
+    model = build_model(cfg.model, shape["vocab"], rngs=nnx.Rngs(0))
+    plan = StepPlan.resolve(cfg, cfg.model, JobShape(group.count, group.index, jax.local_device_count()))
+    runs, burner = [], None
+    with OffloadEngine(cfg, model, cfg.model, plan) as engine, Checkpointer(cfg.checkpoint, cfg) as ckpt:
+        del model
+        blocks = max(leaf.row_blocks for leaf in engine.state.leaves)
+        engine.save_checkpoint(ckpt, 0, {})
+        ckpt.wait()
+        try:
+            for run in range(args.stress):
+                if run == 1 and group.index == 0:  # the first run compiles the step
+                    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                engine.restore_checkpoint(ckpt, 0)
+                rng = np.random.default_rng(0)
+                started = time.perf_counter()
+                losses = [engine.step(token_batch(rng.integers(0, shape["vocab"], (1, args.batch, args.seq + 1))
+                                                  .astype(np.int32))).loss for _ in range(args.steps)]
+                engine.finish_update()
+                digest = hashlib.sha256()
+                for leaf in engine.state.leaves:
+                    digest.update(engine.state.read_state(leaf, "master").tobytes())
+                runs.append({"losses": [float(x) for x in losses], "master_sha256": digest.hexdigest(),
+                             "seconds": time.perf_counter() - started, "core_busy": burner is not None})
+        finally:
+            if burner is not None:
+                burner.kill()
+                burner.wait()
+    (out / f"result-{group.index}.json").write_text(json.dumps({"runs": runs, "table_blocks": blocks,
+                                                                "overlap": plan.overlap}))
+
+
+def stress(args) -> int:
+    """The P = 2 job's runs under load: bit-identical or not (exit status 1), as JSON."""
+    started = time.time()
+    results = run_contender(args, 2, Path(args.dir) / "stress")
+    runs = [r["runs"] for r in results]
+    per_process = [{"distinct_masters": len({r["master_sha256"] for r in process}),
+                    "distinct_losses": len({tuple(r["losses"]) for r in process})} for process in runs]
+    identical = all(p["distinct_masters"] == 1 and p["distinct_losses"] == 1 for p in per_process)
+    shape = _shape(args)
+    report = {"stress_runs": args.stress, "processes": 2, "shape": args.shape, "layers": shape["layers"],
+              "hidden": shape["hidden"], "vocab": shape["vocab"], "tied": shape["tied"],
+              "table_blocks": results[0]["table_blocks"], "overlap": results[0]["overlap"], "steps": args.steps,
+              "global_batch": [args.batch, args.seq], "cpu": _cpu(), "per_process": per_process,
+              "losses": runs[0][0]["losses"], "master_sha256_per_process": [p[0]["master_sha256"] for p in runs],
+              "run_seconds": summarize([r["seconds"] for process in runs for r in process[1:]] or [0.0]),
+              "peak_rss_bytes": [r["peak_rss_bytes"] for r in results],
+              "bit_identical": identical, "wall_seconds": round(time.time() - started)}
+    print(json.dumps(report, indent=1))
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    if not identical:
+        print(f"error: the {args.stress} runs of the job are not bit-identical: {per_process}", file=sys.stderr)
+    return 0 if identical else 1
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -144,7 +249,8 @@ def run_contender(args, processes: int, out: Path, devices: int = 1) -> list[dic
             env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes),
                        JAX_PROCESS_ID=str(i))
         cmd = [sys.executable, __file__, "--child", str(out), args.shape, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq)]
+               "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
+               "--stress", str(args.stress)]
         cmd += (["--layers", str(args.layers)] if args.layers else []) + ([] if args.overlap else ["--no-overlap"])
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     watched = [psutil.Process(p.pid) for p in procs]
@@ -190,8 +296,10 @@ def summarize(values: list[float]) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
-        child(args)
+        (stress_child if args.stress else child)(args)
         return 0
+    if args.stress:
+        return stress(args)
     names = ("P1", "P2", "D2") if args.devices else ("P1", "P2")
     rounds: dict[str, list[list[dict]]] = {name: [] for name in names}
     started = time.time()

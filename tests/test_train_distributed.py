@@ -150,11 +150,12 @@ def test_a_job_streams_its_slice_of_each_layer_from_ssd(runs):
     # The samples of process 0, from the streamed layers gathered from both (greedy).
     samples = [json.loads((out / "samples.json").read_text()) for out in (one, two)]
     assert samples[0] == samples[1] and samples[0][0]["prompt"] == "def "
-    # The compute weights on SSD are re-partitioned on resume too.
+    # A checkpoint of 2 processes resumes with 1: the optimizer state and the compute weights on
+    # SSD re-partitioned as they stream in (1 -> 2 with resident weights: a test below).
     out = root / "streamed-2to1"
     trained(out, 2, *streamed, "train.stop_at_step=3")
     trained(out, 1, *streamed)
-    np.testing.assert_allclose(losses(out), losses(one), rtol=1e-5)
+    assert_trains_like(out, one)
 
 
 @pytest.mark.parametrize("placement", ["resident", "ssd"])
@@ -200,19 +201,15 @@ def test_without_the_launcher_the_survivor_stops_with_one_line(runs, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: train.distributed: process 0 of 2 lost the job"), err[-2000:]
 
 
-@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_with_another_number_of_processes(runs, first, then):
-    root, one, two = runs
-    out = root / f"from{first}to{then}"
-    trained(out, first, "train.stop_at_step=3")
-    trained(out, then)
+def test_a_checkpoint_of_one_process_resumes_with_two(runs):
+    root, _, two = runs
+    out = root / "from1to2"
+    trained(out, 1, "train.stop_at_step=3")
+    trained(out, 2)
     # The state re-partitioned as it streamed in: the run continues as if uninterrupted (the
-    # reduction order of the processes after the resume is that of `then` processes).
-    reference = two if then == 2 else one
-    np.testing.assert_allclose(losses(out), losses(reference), rtol=1e-5)
-    w, ref = weights(out), weights(reference)
-    for name in ref:
-        np.testing.assert_allclose(w[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
+    # reduction order of the processes after the resume is that of 2 processes). 2 -> 1: the
+    # streamed test above, the compute weights on SSD re-partitioned too.
+    assert_trains_like(out, two)
 
 
 @pytest.mark.parametrize("where", ["launcher", "one-process"])

@@ -1,0 +1,84 @@
+"""The order in which pytest-xdist hands the test files to its workers, and each file's time.
+
+With ``--dist loadfile`` each worker runs whole files (a module fixture is built once), taken
+one at a time from a single queue. xdist sorts that queue by each file's number of tests unless
+``--no-loadscope-reorder`` is given (pyproject.toml gives it): that put the files of a few
+minutes-long jobs last, and one worker idled for minutes at the end while the other ran them.
+Here the queue is the longest files first (the longest-processing-time rule), then the rest by
+their number of tests, fewest first (a file of a few tests is an end-to-end run more often than
+a file of many, which are parametrized unit tests): the last file either worker takes is a short
+one, so the two finish together. The terminal summary lists the slowest files, to keep
+:data:`SLOW_FIRST` up to date as files grow.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+# Files that take half a minute or more, longest first. Seconds alone (-n 0) on a 2-core AMD
+# EPYC at load 1-2 where measured (they double and triple under load); the others are ordered by
+# the runs they make (trainings through the CLI or an engine, jobs of processes: seconds to tens
+# of seconds each, mostly compiling), to be replaced by the figures of the summary below.
+SLOW_FIRST = (
+    "tests/test_train_distributed.py",  # 184 s: 20 trainings, jobs of 1-2 processes through jaxascend.launch
+    "tests/test_workflow.py",
+    "tests/test_launch.py",
+    "tests/offload/test_streamed_params.py",
+    "tests/offload/test_overlap.py",
+    "tests/test_signals.py",
+    "tests/models/test_models.py",  # with test_gemma3: 130 s under load
+    "tests/test_run_end.py",
+    "tests/offload/test_vertical_micro_batches.py",
+    "tests/offload/test_masked_loss_and_eval.py",
+    "tests/test_resume.py",
+    "tests/test_compressed_state_training.py",
+    "tests/offload/test_blocked_loss_runs.py",
+    "tests/offload/test_offloaded_training.py",
+    "tests/test_sft.py",
+    "tests/test_train.py",
+    "tests/offload/test_host_callbacks.py",
+    "tests/models/test_decode.py",  # 81 s under load
+    "tests/models/test_blocked_loss.py",  # 79 s
+    "tests/test_blocked_prefill.py",  # 59 s
+    "tests/models/test_blockwise_attention.py",  # 55 s
+    "tests/test_generate.py",
+    "tests/offload/test_data_parallel.py",  # 35 s: 4 jobs
+    "tests/offload/test_data_parallel_table_job.py",  # 35 s: the 151936-row table, 2 jobs of 2-3 cases
+    "tests/offload/test_finetune_flax_example.py",
+    "tests/test_throughput.py",
+    "tests/offload/test_grad_scatter.py",
+    "tests/offload/test_collective_order.py",
+    "tests/offload/test_ablations.py",
+    "tests/data/test_sft_tiny.py",
+)
+
+_durations: dict[str, float] = defaultdict(float)
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Longest files first, the rest by their number of tests, fewest first (a stable sort: each
+    file's tests keep their order and stay together)."""
+    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
+    counts: dict[str, int] = defaultdict(int)
+    for item in items:
+        counts[_file_of(item.nodeid)] += 1
+    items.sort(key=lambda item: (rank.get(_file_of(item.nodeid), len(rank)), counts[_file_of(item.nodeid)]))
+
+
+def pytest_runtest_logreport(report):
+    """Each file's time: its tests' setup, call and teardown (on the controller with xdist)."""
+    _durations[_file_of(report.nodeid)] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _durations:
+        return
+    slowest = sorted(_durations.items(), key=lambda kv: -kv[1])[:15]
+    terminalreporter.write_sep("=", "slowest 15 files (setup + call + teardown of their tests)")
+    for path, seconds in slowest:
+        mark = "" if path in SLOW_FIRST else "  (not in SLOW_FIRST, tests/conftest.py)"
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}{mark}")
