@@ -21,10 +21,9 @@ from collections import defaultdict
 # of seconds each, mostly compiling), to be replaced by the figures of the summary below.
 SLOW_FIRST = (
     "tests/test_train_distributed.py",  # 184 s: 20 trainings, jobs of 1-2 processes through jaxascend.launch
-    "tests/test_workflow.py",
-    "tests/test_launch.py",
-    "tests/offload/test_streamed_params.py",
-    "tests/offload/test_overlap.py",
+    "tests/test_workflow.py",  # 178 s: 18 trainings through the CLI, exports
+    "tests/offload/test_streamed_params.py",  # 83 s: a SIGKILL test of 6 CLI runs is half
+    "tests/offload/test_overlap.py",  # 72 s
     "tests/test_signals.py",
     "tests/models/test_models.py",  # with test_gemma3: 130 s under load
     "tests/test_run_end.py",

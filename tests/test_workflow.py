@@ -259,16 +259,30 @@ def _finished_run(tmp_path, corpus, *extra) -> Path:
     return out
 
 
-def test_a_corrupt_optimizer_state_chunk_is_one_line(tmp_path, corpus):
-    out = _finished_run(tmp_path, corpus)
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, corpus):
+    """A finished run of 4 steps with checkpoints 2 and 4, trained once; tests that break it
+    take a copy (``finished_copy``), the others only read it."""
+    return _finished_run(tmp_path_factory.mktemp("finished"), corpus)
+
+
+@pytest.fixture
+def finished_copy(tmp_path, finished) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(finished, out, symlinks=True)
+    return out
+
+
+def test_a_corrupt_optimizer_state_chunk_is_one_line(finished_copy, corpus):
+    out = finished_copy
     chunk = out / "checkpoints" / "4" / "offloaded" / "master.norm.scale.value" / "0"
     flip_byte(chunk)
     proc = scratch_run(out, corpus, "train.steps=6", "checkpoint.every_steps=2")
     assert_one_error_line(proc, str(chunk), "corrupt")
 
 
-def test_a_corrupt_params_file_is_one_line_naming_the_file(tmp_path, corpus):
-    out = _finished_run(tmp_path, corpus)
+def test_a_corrupt_params_file_is_one_line_naming_the_file(finished_copy, corpus):
+    out = finished_copy
     data_files = sorted((out / "checkpoints" / "4" / "params").rglob("d/*"))
     target = max(data_files, key=lambda p: p.stat().st_size)
     flip_byte(target, at=target.stat().st_size // 2)
@@ -276,8 +290,8 @@ def test_a_corrupt_params_file_is_one_line_naming_the_file(tmp_path, corpus):
     assert_one_error_line(proc, str(target))
 
 
-def test_a_missing_meta_file_is_one_line(tmp_path, corpus):
-    out = _finished_run(tmp_path, corpus)
+def test_a_missing_meta_file_is_one_line(finished_copy, corpus):
+    out = finished_copy
     meta = out / "checkpoints" / "4" / "meta" / "metadata"
     meta.unlink()
     proc = scratch_run(out, corpus, "train.steps=6", "checkpoint.every_steps=2")
@@ -285,8 +299,8 @@ def test_a_missing_meta_file_is_one_line(tmp_path, corpus):
     assert "train.resume=2" in line  # the way out: the newest earlier checkpoint
 
 
-def test_a_fresh_start_over_another_runs_checkpoints_is_refused(tmp_path, corpus):
-    out = _finished_run(tmp_path, corpus)
+def test_a_fresh_start_over_another_runs_checkpoints_is_refused(finished_copy, corpus):
+    out = finished_copy
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
     proc = scratch_run(out, corpus, "train.steps=4", "checkpoint.every_steps=2", "train.resume=none")
     assert_one_error_line(proc, "train.resume=none", "[2, 4]")
@@ -378,9 +392,8 @@ def test_resuming_a_finished_run_keeps_keep_last_checkpoints(tmp_path, corpus):
         assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [steps - 1, steps]
 
 
-def test_an_explicit_earlier_step_replaces_a_corrupt_newest_checkpoint(tmp_path, corpus):
-    straight = _finished_run(tmp_path / "straight", corpus)
-    out = _finished_run(tmp_path, corpus)
+def test_an_explicit_earlier_step_replaces_a_corrupt_newest_checkpoint(finished, finished_copy, corpus):
+    straight, out = finished, finished_copy
     flip_byte(out / "checkpoints" / "4" / "meta" / "metadata", at=40)
     line = assert_one_error_line(scratch_run(out, corpus, "train.steps=4", "checkpoint.every_steps=2"),
                                  "train.resume=2")
@@ -390,4 +403,3 @@ def test_an_explicit_earlier_step_replaces_a_corrupt_newest_checkpoint(tmp_path,
     assert sorted(int(p.name) for p in (out / "checkpoints").iterdir()) == [2, 4]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["losses"] == json.loads((straight / "summary.json").read_text())["losses"]
-    shutil.rmtree(straight)
