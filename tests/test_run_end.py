@@ -7,26 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_signals import BASE, REPO, checkpoints
+from tests.test_signals import BASE, checkpoints, train
 
 SAMPLED = ["export.enabled=true", "eval.sample_prompts=['def ']", "eval.sample_max_tokens=4", "train.steps=4"]
-
-
-def train(out: Path, corpus: Path, *extra: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml"]
-    for s in BASE + [f"data.paths=[{corpus}]", f"train.out_dir={out}", *extra]:
-        args += ["--set", s]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXASCEND_KILL", "JAXASCEND_SIGNAL"))}
-    if kill_at:
-        env["JAXASCEND_KILL_AT"] = kill_at
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
 
 
 def _digests(out: Path) -> dict[str, str]:

@@ -28,13 +28,16 @@ BASE = [
 OVERLAP, SEQUENTIAL = ["offload.overlap=true"], ["offload.overlap=false"]
 
 
-def train(out: Path, corpus: Path, *extra: str, signal_at: str | None = None) -> subprocess.CompletedProcess:
+def train(out: Path, corpus: Path, *extra: str, signal_at: str | None = None,
+          kill_at: str | None = None) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml"]
     for s in BASE + [f"data.paths=[{corpus}]", f"train.out_dir={out}", *extra]:
         args += ["--set", s]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXASCEND_KILL", "JAXASCEND_SIGNAL"))}
     if signal_at:
         env["JAXASCEND_SIGNAL_AT"] = signal_at
+    if kill_at:
+        env["JAXASCEND_KILL_AT"] = kill_at
     return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
 
 
