@@ -3,6 +3,7 @@ TensorBoard (read back with tensorboard's own reader) and W&B (offline); only pr
 backend whose package is missing is refused in one line naming the pip command."""
 
 import json
+import time
 
 import pytest
 
@@ -116,7 +117,11 @@ def test_wandb_offline_run_holds_the_figures_and_the_samples(tmp_path, monkeypat
         reporter.samples([{"prompt": "Capital of Japan?", "completion": "Tokyo."}], step=3)
     (run_dir,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
     (log,) = run_dir.glob("run-*.wandb")
-    data = log.read_bytes()  # the run's records (protobuf): the keys are there as written
+    # The run's records (protobuf): the keys are there as written. W&B's service process writes
+    # the file on its own, and under load it may still be flushing after finish() returned.
+    deadline = time.monotonic() + 60
+    while b"data_state/document" not in (data := log.read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.2)
     for key in (b"loss", b"eval_loss", b"data_state/document"):
         assert key in data, key
     tables = list(run_dir.glob("files/media/table/samples_*.table.json"))
