@@ -94,8 +94,8 @@ def finish_from_checkpoint(prepared, point, last: int, main: bool, stack: dict) 
                  f"{'it' if len(names) == 1 else 'them'} from checkpoint {point.step} in {point.directory}")
     if due.params or due.export or due.samples:
         _write_from(prepared, point, due)
-    result = _result(cfg, point, offload_files, stopped, stack, written=names)
-    result.num_params = sum(math.prod(m.shape) for m in param_plan(prepared.sized))
+    result = _result(cfg, point, offload_files, stopped, stack, written=names,
+                     num_params=sum(math.prod(m.shape) for m in param_plan(prepared.sized)))
     write_summary(out_dir, result)  # last, as a run writes it
     if stopped:
         print(stopped_line(point.step, cfg.train.steps, point.directory), file=console.terminal(), flush=True)
@@ -124,13 +124,13 @@ def _listed(names: list[str]) -> str:
 
 
 def _result(cfg: Config, point, offload_files: str, stopped: bool, stack: dict,
-            written: list[str] = ()) -> TrainResult:
+            written: list[str] = (), num_params: int = 0) -> TrainResult:
     """The summary of a run this invocation trained no step of: the checkpoint's losses and the
     figures of its last logged step."""
     losses = list(point.meta.get("losses", []))
     record = last_record(Path(cfg.train.out_dir), point.step) if written else {}
     eval_loss = record.get("eval_loss")
-    return TrainResult(steps=len(losses), losses=losses, num_params=0,
+    return TrainResult(steps=len(losses), losses=losses, num_params=num_params,
                        peak_rss_bytes=peak_rss_bytes(), peak_page_cache_bytes=0, tokens_per_s=None,
                        engine="offload" if cfg.offload.enabled else "in-memory",
                        skipped_steps=int(record.get("skipped_steps", 0)), arena_capacity_bytes=0,
