@@ -186,9 +186,10 @@ class OffloadConfig:
     ``staging_bytes`` to be multiples of ``block_bytes`` (I/O addresses whole blocks).
     """
 
-    # true: the offloaded engine (state on SSD); false: the in-memory baseline (one process, one
-    # device; no overlap, no offload.params: ssd).
-    enabled: bool = False
+    # true (the default): the offloaded engine (the AdamW state and the gradients on SSD); false:
+    # the in-memory engine, everything in RAM (one process, one device; no overlap, no
+    # offload.params: ssd; configs/tiny-in-memory.yaml).
+    enabled: bool = True
     # Shard files live here (locked while a run uses it); None: <train.out_dir>/offload. "{process}"
     # in it becomes the process number (a multi-process job: each process its own directory).
     dir: Optional[str] = None

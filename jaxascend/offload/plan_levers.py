@@ -41,9 +41,12 @@ def _kept(levers: list[Lever], short: int) -> tuple[Lever, ...]:
 
 
 def host_levers(cfg: Config, model_cfg: ModelConfig, plan, replan: Replan) -> tuple[Lever, ...]:
-    """What each host-memory setting would save: the weights on SSD, remat, a smaller batch or
-    sequence, fewer micro-batches per step, an arena of exactly the plan's size."""
+    """What each host-memory setting would save: the offloaded engine (for an in-memory run), the
+    weights on SSD, remat, a smaller batch or sequence, fewer micro-batches per step, an arena of
+    exactly the plan's size."""
     variants = []
+    if not cfg.offload.enabled:  # the in-memory engine: the whole AdamW state and the gradients in RAM
+        variants.append(("offload.enabled: true", _section(cfg, "offload", enabled=True), model_cfg))
     if plan.params == "resident" and plan.streamable:
         variants.append(("offload.params: ssd", _section(cfg, "offload", params="ssd"), model_cfg))
     if model_cfg.remat != "full":
