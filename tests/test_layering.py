@@ -22,7 +22,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxascend"
 # modules are named as modules, subpackages by their name.
 LAYERS = [
     ("jaxascend._native", "jaxascend.native", "jaxascend.config", "jaxascend.kill_points", "jaxascend.console",
-     "jaxascend.distributed", "jaxascend.stopping", "jaxascend.formats", "jaxascend.provenance"),
+     "jaxascend.distributed", "jaxascend.stopping", "jaxascend.formats", "jaxascend.provenance",
+     "jaxascend.devices"),
     ("jaxascend.ssd",),
     ("jaxascend.models",),
     ("jaxascend.data",),

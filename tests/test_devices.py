@@ -1,0 +1,84 @@
+"""The run's devices: a record per local device, JAXASCEND_DEVICE_MEM_BYTES (its parsing, its one
+error line, the live arrays measured under it on CPU), the run's first line, and a GPU's
+memory_stats read as a GPU reports them (a stand-in device)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxascend.config import ConfigError
+from jaxascend.devices import (DEVICE_MEM_ENV, DeviceMonitor, backend_line, device_capacity, injected_capacity,
+                               memory_fields, read_devices)
+
+GiB = 2**30
+
+
+class FakeGpu:
+    """What a CUDA device answers (the figures of an H200 with 3 GiB in use)."""
+
+    platform, device_kind = "gpu", "NVIDIA H200"
+
+    def memory_stats(self):
+        return {"bytes_limit": 150_000_000_000, "bytes_in_use": 3 * GiB, "peak_bytes_in_use": 5 * GiB}
+
+
+def test_a_cpu_device_without_the_variable_reports_no_device_memory(monkeypatch):
+    monkeypatch.delenv(DEVICE_MEM_ENV, raising=False)
+    [device] = read_devices()
+    assert (device.platform, device.kind) == ("cpu", "cpu")
+    assert device.capacity is device.in_use is device.peak is None and device.source == ""
+    assert device_capacity() is None  # the CPU backend's device memory is host RAM
+    assert memory_fields(read_devices()) == {} and DeviceMonitor().record() == {}
+    assert backend_line() == "backend: cpu, 1 device: cpu (memory: host RAM)"
+
+
+@pytest.mark.parametrize("value, nbytes", [("4GiB", 4 * GiB), (" 123 ", 123), ("1.5MiB", 3 * 2**19)])
+def test_the_variable_sets_each_devices_capacity(monkeypatch, value, nbytes):
+    monkeypatch.setenv(DEVICE_MEM_ENV, value)
+    assert injected_capacity() == nbytes
+    assert [d.capacity for d in read_devices()] == [nbytes] * jax.local_device_count()
+    capacity = device_capacity()
+    assert (capacity.nbytes, capacity.source) == (nbytes, DEVICE_MEM_ENV)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("lots", "JAXASCEND_DEVICE_MEM_BYTES: expected a byte size like 4096 or '512MiB', got 'lots' "
+             "(environment variable)"),
+    ("0", "JAXASCEND_DEVICE_MEM_BYTES: must be > 0, got '0' (environment variable)"),
+])
+def test_a_bad_value_is_one_error_naming_the_variable(monkeypatch, value, message):
+    monkeypatch.setenv(DEVICE_MEM_ENV, value)
+    with pytest.raises(ConfigError) as err:
+        read_devices()
+    assert str(err.value) == message
+
+
+def test_under_the_variable_the_live_arrays_on_cpu_are_the_bytes_in_use(monkeypatch):
+    monkeypatch.setenv(DEVICE_MEM_ENV, "1GiB")
+    monitor = DeviceMonitor()
+    before = monitor.record()["device_mem_bytes"]
+    held = jnp.ones((1 << 20,), jnp.float32)  # 4 MiB on the device
+    pinned = jax.device_put(held, held.sharding.with_memory_kind("pinned_host"))  # not device memory
+    during = monitor.record()
+    assert during["device_mem_bytes"] - before == 4 * 2**20
+    assert during["device_mem_capacity_bytes"] == GiB
+    del held, pinned
+    after = monitor.record()
+    assert after["device_mem_bytes"] == before  # freed
+    assert after["device_mem_peak_bytes"] >= before + 4 * 2**20 == monitor.peak()  # the readings' largest
+    assert backend_line() == "backend: cpu, 1 device: cpu (1.0 GiB: JAXASCEND_DEVICE_MEM_BYTES)"
+
+
+def test_a_gpus_memory_stats_are_its_figures(monkeypatch):
+    monkeypatch.delenv(DEVICE_MEM_ENV, raising=False)
+    devices = read_devices([FakeGpu(), FakeGpu()])
+    assert devices[0].capacity == 150_000_000_000 and devices[0].source == "memory_stats"
+    assert (devices[0].in_use, devices[0].peak) == (3 * GiB, 5 * GiB)
+    assert memory_fields(devices) == {"device_mem_bytes": 3 * GiB, "device_mem_peak_bytes": 5 * GiB,
+                                      "device_mem_capacity_bytes": 150_000_000_000}
+    capacity = device_capacity(devices)
+    assert (capacity.nbytes, capacity.source) == (150_000_000_000, "memory_stats (NVIDIA H200)")
+    assert backend_line(devices).endswith(", 2 devices: NVIDIA H200 (139.7 GiB each)")
+    monkeypatch.setenv(DEVICE_MEM_ENV, "4GiB")  # the variable replaces the capacity, not the readings
+    [device] = read_devices([FakeGpu()])
+    assert (device.capacity, device.source, device.in_use) == (4 * GiB, DEVICE_MEM_ENV, 3 * GiB)
