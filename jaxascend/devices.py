@@ -192,5 +192,6 @@ class DeviceMonitor:
         return memory_fields(self.read())
 
     def peak(self) -> Optional[int]:
-        """The largest peak of any local device so far (None: none reported)."""
+        """The largest peak of any local device so far, this reading included (None: none reported)."""
+        self.read()
         return max(self._peaks) if self._reported else None

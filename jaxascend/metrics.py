@@ -110,9 +110,24 @@ def _supersede_after(path: Path, step: int, superseded: Path) -> None:
     os.replace(tmp, path)
 
 
+def device_postfix(record: dict[str, Any]) -> str:
+    """The progress bar's device memory: ``" dev=3.1/4.0 GiB"`` (the peak over the local devices
+    and the capacity, in the capacity's unit), ``" dev=3.10 GiB"`` without a capacity, ``""``
+    where the record has none (the CPU backend without JAXASCEND_DEVICE_MEM_BYTES)."""
+    peak = record.get("device_mem_peak_bytes")
+    if peak is None:
+        return ""
+    capacity = record.get("device_mem_capacity_bytes")
+    if capacity is None:
+        return f" dev={format_bytes(peak)}"
+    unit, scale = next(((u, s) for u, s in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)) if capacity >= s), ("B", 1))
+    return f" dev={peak / scale:.1f}/{capacity / scale:.1f} {unit}"
+
+
 class Progress:
-    """A tqdm bar showing step, loss, the last held-out loss, tokens/s, peak host memory and SSD
-    throughput (or nothing when disabled)."""
+    """A tqdm bar showing step, loss, the last held-out loss, tokens/s, peak host memory, peak
+    device memory against its capacity (where reported) and SSD throughput (or nothing when
+    disabled)."""
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True):
         self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
@@ -127,7 +142,7 @@ class Progress:
             ssd = f" ssd={record['ssd_gbps']:.2f}GB/s" if record.get("ssd_gbps") else ""
             self._bar.set_postfix_str(
                 f"loss={record['loss']:.4f}{self._eval} tok/s={record['tokens_per_s']:.0f} "
-                f"peak={format_bytes(record['peak_rss_bytes'])}{ssd}")
+                f"peak={format_bytes(record['peak_rss_bytes'])}{device_postfix(record)}{ssd}")
 
     def close(self) -> None:
         self._bar.close()

@@ -71,6 +71,10 @@ class TrainResult:
     # What made the run (jaxascend.provenance.RunStack.to_dict()): versions, commit, CPU, its
     # vector ISA, the AdamW kernel dispatched, the devices.
     stack: dict = dataclasses.field(default_factory=dict)
+    devices: str = ""  # the run's first line: "backend: gpu, 1 device: NVIDIA H200 (139.8 GiB)"
+    # The largest peak of device memory over the local devices (None: not reported, the CPU
+    # backend without JAXASCEND_DEVICE_MEM_BYTES); jaxascend.devices.
+    peak_device_mem_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from jaxascend.config import Config, ModelConfig
 from jaxascend.distributed import initialize as initialize_distributed
 from jaxascend.distributed import job_errors, process_dir
 from jaxascend.data import make_batch_stream, tokenizer_folder
+from jaxascend.devices import DeviceMonitor, backend_line
 from jaxascend.engine_contract import Engine, EngineReport
 from jaxascend.hf import HFParamReader, build_model_lean, lean_init_reader, load_hf_model
 from jaxascend.generation import SamplePrompts
@@ -70,6 +71,7 @@ class _Run:
     group: Any = None  # this process's place in the job (jaxascend.distributed.ProcessGroup)
     origin: Optional[Provenance] = None
     stack: Optional[RunStack] = None  # what made the run (versions, CPU, kernel, devices)
+    devices: str = ""  # the run's first line: backend, devices, their memory (process 0's)
     num_params: int = 0
 
     @property
@@ -114,7 +116,10 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
     cfg, schedule_notes = with_schedule(prepared.cfg, point)  # a resumed run keeps its recorded schedule
     samples = SamplePrompts.from_config(cfg, prepared.tokenizer, prepared.sized)
     r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, point.step, group=group, stack=stack)
-    if r.main:  # every choice the user did not ask for, and where the run starts
+    devices = DeviceMonitor()
+    if r.main:  # the backend, the devices and their memory (process 0 speaks for the job); then every
+        r.devices = backend_line()  # choice the user did not ask for, and where the run starts
+        print(r.devices, flush=True)
         for line in prepared.notes + prepared.step.notes + schedule_notes:
             console.note(line)
         if point.step:
@@ -133,7 +138,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
                 (r.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             stream, losses = _restore(r, engine, ckpt)
             skipped_before = engine.report().skipped_steps
-            loop = TrainingLoop(_loop_settings(r, ckpt), engine, ckpt, log, memory, signals)
+            loop = TrainingLoop(_loop_settings(r, ckpt), engine, ckpt, log, memory, devices, signals)
             throughput, final_eval = loop.train(stream, losses)
             ckpt.wait()  # SYNC: the last (asynchronous) save is complete before the run reports success
             if not r.stopped:  # a run stopped at train.stop_at_step is a resume point: no final outputs
@@ -162,7 +167,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
                          ssd_bytes_written_run=report.ssd_written_bytes_run or 0,
                          state_dtype=report.state_dtype or "float32", steps_this_run=r.last - start,
                          offload_files=offload_files, stop_at_step=r.last if r.stopped else None,
-                         stack=stack.to_dict())
+                         stack=stack.to_dict(), devices=r.devices, peak_device_mem_bytes=devices.peak())
     if r.main:
         write_summary(r.out_dir, result)  # last: with its step, it says the run's outputs are complete
         print(_summary(result, report, describe_rate(steady, start + 1), stack.one_line()))
@@ -271,6 +276,8 @@ def _summary(r: TrainResult, report: EngineReport, rate: str, stack: str) -> str
         ("tokens/s", rate),
         ("peak host memory (RSS)", f"{format_bytes(r.peak_rss_bytes)} ({r.peak_rss_bytes / r.num_params:.1f} B/param)"),
         ("peak page cache of offload files", format_bytes(r.peak_page_cache_bytes)),
+        *([("peak device memory", format_bytes(r.peak_device_mem_bytes))] if r.peak_device_mem_bytes is not None
+          else []),
     ]
     if r.engine == "offload":
         rows += [

@@ -1,7 +1,7 @@
 """The training loop: a step per batch, the figures written every ``log_every`` steps, checkpoints
 by step count and by the clock, and the stop on a signal at a step boundary.
 
-    loop = TrainingLoop(LoopSettings(...), engine, ckpt, log, memory, signals)
+    loop = TrainingLoop(LoopSettings(...), engine, ckpt, log, memory, devices, signals)
     throughput, final_eval = loop.train(stream, losses)     # raises RunStopped on a signal
 
 Host<->device synchronisation happens only where marked ``# SYNC``. In a job the processes agree,
@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxascend.checkpoint import Checkpointer
 from jaxascend.config import Config
+from jaxascend.devices import DeviceMonitor
 from jaxascend.engine_contract import Engine, StepResult
 from jaxascend.kill_points import kill_point
 from jaxascend.metrics import MetricsLog, Progress, Throughput, peak_rss_bytes
@@ -72,9 +73,10 @@ class TrainingLoop:
     """Runs the steps of one invocation (see the module doc)."""
 
     def __init__(self, settings: LoopSettings, engine: Engine, ckpt: Checkpointer, log: MetricsLog,
-                 memory: MemorySampler, signals: StopSignals):
+                 memory: MemorySampler, devices: DeviceMonitor, signals: StopSignals):
         self.s, self.engine, self.ckpt, self.log, self.memory, self.signals = (settings, engine, ckpt, log, memory,
                                                                                signals)
+        self.devices = devices  # device memory in each record, where the backend reports it
         cfg = settings.cfg
         self.schedule = learning_rate_schedule(cfg.optimizer, cfg.schedule_length())
         self.every_seconds = cfg.checkpoint.every_minutes * 60.0
@@ -161,6 +163,8 @@ class TrainingLoop:
             "peak_rss_bytes": peak_rss_bytes(),
             "page_cache_bytes": sample.page_cache,
             "peak_page_cache_bytes": self.memory.peak_page_cache,
+            # device_mem_bytes / _peak_bytes / _capacity_bytes: absent where no device reports them
+            **self.devices.record(),
             "data_state": stream.state(),
             **{f"data_{k}": v for k, v in stream.stats().items()},
             **report.record(),

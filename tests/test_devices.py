@@ -2,6 +2,11 @@
 error line, the live arrays measured under it on CPU), the run's first line, and a GPU's
 memory_stats read as a GPU reports them (a stand-in device)."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -9,6 +14,7 @@ import pytest
 from jaxascend.config import ConfigError
 from jaxascend.devices import (DEVICE_MEM_ENV, DeviceMonitor, backend_line, device_capacity, injected_capacity,
                                memory_fields, read_devices)
+from jaxascend.metrics import device_postfix
 
 GiB = 2**30
 
@@ -82,3 +88,32 @@ def test_a_gpus_memory_stats_are_its_figures(monkeypatch):
     monkeypatch.setenv(DEVICE_MEM_ENV, "4GiB")  # the variable replaces the capacity, not the readings
     [device] = read_devices([FakeGpu()])
     assert (device.capacity, device.source, device.in_use) == (4 * GiB, DEVICE_MEM_ENV, 3 * GiB)
+
+
+def test_a_run_names_its_devices_first_and_records_their_memory(tmp_path):
+    # The tiny shapes of test_train, 2 steps: under the variable the CPU run takes the GPU's path.
+    from tests.test_train import SMALL
+
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml"]
+    for o in SMALL + ["data.max_documents=20", "train.steps=2", "train.log_every=1", f"train.out_dir={out}"]:
+        args += ["--set", o]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, DEVICE_MEM_ENV: "1GiB"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = "backend: cpu, 1 device: cpu (1.0 GiB: JAXASCEND_DEVICE_MEM_BYTES)"
+    assert proc.stdout.splitlines()[0] == first
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:  # the compute params at least are live on the device
+        assert 0 < r["device_mem_bytes"] <= r["device_mem_peak_bytes"] < r["device_mem_capacity_bytes"] == GiB
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["devices"] == first and summary["peak_device_mem_bytes"] >= records[-1]["device_mem_peak_bytes"]
+    assert any(line.startswith("peak device memory ") for line in proc.stdout.splitlines())
+
+
+def test_the_progress_bar_shows_the_device_peak_against_its_capacity():
+    record = {"device_mem_peak_bytes": int(3.1 * GiB), "device_mem_capacity_bytes": 4 * GiB}
+    assert device_postfix(record) == " dev=3.1/4.0 GiB"
+    assert device_postfix({"device_mem_peak_bytes": 3 * 2**20}) == " dev=3.00 MiB"
+    assert device_postfix({}) == ""  # not reported: not shown

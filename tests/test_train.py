@@ -43,6 +43,9 @@ def test_cli_has_a_pulse(tmp_path, corpus):
     assert [r["step"] for r in lines] == [1, 2]
     for r in lines:
         assert np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["peak_rss_bytes"] > 0
+        assert "device_mem_bytes" not in r  # the CPU backend's device memory is host RAM: not reported
+    # The run's first line names the backend and the devices (tests/test_devices.py: with their memory).
+    assert proc.stdout.splitlines()[0] == "backend: cpu, 1 device: cpu (memory: host RAM)"
     assert "loss first -> last" in proc.stdout
     # The summary's tokens/s leaves out the first step, which compiled, and says so.
     assert any(line.startswith("tokens/s ") and line.endswith("(step 2; step 1 compiled)")
