@@ -118,3 +118,18 @@ def test_fine_tune_hf_checkpoint_and_export(tmp_path, corpus):
     changed = [not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
                for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)) if np.ndim(a) >= 2]
     assert all(changed)
+
+
+def test_a_config_with_no_offload_section_offloads(tmp_path, corpus):
+    """The headline path is the default: a config that names no offload section trains with the
+    AdamW state and the gradients on SSD, under <train.out_dir>/offload."""
+    config = tmp_path / "no_offload.yaml"
+    config.write_text("model:\n  arch: llama\n  dtype: bfloat16\ntrain:\n  steps: 2\n  log_every: 1\n")
+    out = tmp_path / "plain"
+    cfg = load_config(str(config), SMALL + [f"data.paths=[{corpus}]", "data.include=['*.txt']",
+                                           f"train.out_dir={out}", "offload.keep_files=true"])
+    assert cfg.offload.enabled
+    result = run(cfg)
+    assert result.engine == "offload"
+    assert sorted(p.name for p in (out / "offload").iterdir() if p.suffix == ".bin"), "no offload shard files"
+    assert json.loads((out / "summary.json").read_text())["engine"] == "offload"
