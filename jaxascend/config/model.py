@@ -5,14 +5,37 @@ and the RoPE scaling every type transformers defines (checked here, computed in
 from __future__ import annotations
 
 from dataclasses import dataclass
+import re
 import typing
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional
 
 from jaxascend.config.values import AttentionImpl, ConfigError, LossImpl, DType, HiddenAct, RematPolicy, check_range
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's layer_types entries
 GEMMA3_FIELDS = ("layer_types", "rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping")
 ROPE_TYPES = (None, "default", "linear", "dynamic", "yarn", "longrope", "llama3")
+# A Hugging Face hub id as model.path: org/name (hub's rules: letters, digits, "-", "_", ".", not at
+# either end of a part, at most 96 characters each), then optionally @revision (a branch, tag or commit).
+_HUB_PART = r"(?:\w|\w[\w.-]{0,94}\w)"
+_HUB_ID = re.compile(rf"(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<revision>[\w.-]+(?:/[\w.-]+)*))?")
+
+
+class HubId(NamedTuple):
+    """``model.path`` read as a Hugging Face hub id: ``org/name`` and the revision after ``@``."""
+
+    repo_id: str  # org/name
+    revision: Optional[str]  # None: the default branch (main)
+
+
+def parse_hub_id(path: str) -> Optional[HubId]:
+    """``path`` as a hub id (``Qwen/Qwen2.5-0.5B``, ``org/name@v1.0``), or None when it cannot be
+    one (``./model``, ``/abs/path``, ``a/b/c``, ``a--b/c``); whether it names a folder is not asked."""
+    found = _HUB_ID.fullmatch(path)
+    if found is None or "--" in found["repo"] or ".." in found["repo"] or found["repo"].endswith(".git"):
+        return None
+    return HubId(found["repo"], found["revision"])
+
+
 # rope_type -> keys transformers' modeling_rope_utils requires (numbers > 0 unless listed below).
 _ROPE_REQUIRED = {
     "linear": ("factor",),
