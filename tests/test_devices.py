@@ -117,3 +117,20 @@ def test_the_progress_bar_shows_the_device_peak_against_its_capacity():
     assert device_postfix(record) == " dev=3.1/4.0 GiB"
     assert device_postfix({"device_mem_peak_bytes": 3 * 2**20}) == " dev=3.00 MiB"
     assert device_postfix({}) == ""  # not reported: not shown
+
+
+def test_the_trainer_refuses_a_device_too_small_in_one_line_before_anything_is_written(tmp_path):
+    from tests.test_train import SMALL
+    from tests.test_workflow import assert_one_error_line
+
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml"]
+    for o in SMALL + ["data.max_documents=20", f"train.out_dir={out}"]:
+        args += ["--set", o]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, DEVICE_MEM_ENV: "64KiB"})
+    line = assert_one_error_line(proc, "device memory: the plan needs ", "it has (JAXASCEND_DEVICE_MEM_BYTES)",
+                                 "levers: model.remat: full saves ")
+    assert proc.stdout == "" and not out.exists(), line  # refused before the run's first line
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, DEVICE_MEM_ENV: "lots"})
+    assert_one_error_line(proc, "JAXASCEND_DEVICE_MEM_BYTES: expected a byte size")
+    assert not out.exists()

@@ -2,6 +2,7 @@
 
     levers = host_levers(cfg, model_cfg, plan, replan)   # offload.params: ssd, model.remat: full, ...
     levers = disk_levers(cfg, model_cfg, plan, fs, replan)  # optimizer.state_dtype: int8, ...
+    levers = device_levers(cfg, model_cfg, plan, replan)  # model.remat: full, offload.params: ssd, ...
 
 ``replan(cfg, model_cfg)`` is the planner itself (without levers); a lever is listed only where
 it saves something (at least 1% of the shortfall), largest saving first.
@@ -15,6 +16,7 @@ from typing import Any, Callable
 
 from jaxascend.config import Config, ModelConfig
 from jaxascend.offload.disk_plan import FilesystemUse
+from jaxascend.offload.step_memory import REMAT
 
 Replan = Callable[[Config, ModelConfig], Any]  # -> RunPlan, without levers
 CHEAPER_STATES = {"float32": ("int8", "bfloat16"), "bfloat16": ("int8",), "int8": ()}
@@ -69,6 +71,32 @@ def host_levers(cfg: Config, model_cfg: ModelConfig, plan, replan: Replan) -> tu
         planned = replan(variant, variant_model)
         levers.append(Lever(setting, plan.host_peak - planned.host_peak, planned.host_peak))
     return _kept(levers, plan.host_peak - (plan.host_limit or 0))
+
+
+def device_levers(cfg: Config, model_cfg: ModelConfig, plan, replan: Replan) -> tuple[Lever, ...]:
+    """What each setting would save of one device's memory: the offloaded engine (for an
+    in-memory run), the weights on SSD, every other remat policy (its activations and
+    temporaries by the step's estimator, step_memory), half the batch in twice the micro-batches
+    (the same rows per step: only a layer's working set shrinks)."""
+    variants = []
+    if not cfg.offload.enabled:  # the in-memory engine: the AdamW state and the gradients on the device
+        variants.append(("offload.enabled: true", _section(cfg, "offload", enabled=True), model_cfg))
+    if plan.params == "resident" and plan.streamable:
+        variants.append(("offload.params: ssd", _section(cfg, "offload", params="ssd"), model_cfg))
+    for policy in REMAT:  # the estimator's policies; offload.params: ssd needs some remat
+        if policy != model_cfg.remat and not (policy == "none" and plan.params == "ssd"):
+            variants.append((f"model.remat: {policy}", dataclasses.replace(cfg, model=dataclasses.replace(
+                cfg.model, remat=policy)), dataclasses.replace(model_cfg, remat=policy)))
+    data, accum = cfg.data, cfg.train.grad_accum
+    if data.batch_size % 2 == 0:
+        half = _section(_section(cfg, "data", batch_size=data.batch_size // 2), "train", grad_accum=2 * accum)
+        variants.append((f"data.batch_size: {data.batch_size // 2} with train.grad_accum: {2 * accum}", half,
+                         model_cfg))
+    levers = []
+    for setting, variant, variant_model in variants:
+        planned = replan(variant, variant_model)
+        levers.append(Lever(setting, plan.device_peak - planned.device_peak, planned.device_peak))
+    return _kept(levers, plan.device_peak - plan.device_limit.nbytes)
 
 
 def _need_on(plan, folder: str) -> int:

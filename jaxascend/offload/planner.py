@@ -27,7 +27,9 @@ Host memory is predicted part by part (bytes, for one process):
 The total is checked against ``offload.host_memory_budget`` when set, else against what the
 machine can give (``MemAvailable`` or the memory cgroup's headroom, see machine_limits, plus
 what this process already holds of the runtime part). Disk: the offload files, the checkpoints
-kept at once and the end-of-run weights, per filesystem (disk_plan). A part that does not fit is
+kept at once and the end-of-run weights, per filesystem (disk_plan). Device memory, against the
+smallest device's capacity where known (jaxascend.devices: a GPU's, or JAXASCEND_DEVICE_MEM_BYTES;
+on CPU it is host RAM, counted above). A part that does not fit is
 one line with its levers (plan_levers), e.g. ``optimizer.state_dtype: int8 saves 47.70 GiB``.
 
 ``offload.params: auto`` is resolved here: resident if the resident plan fits the budget (or,
@@ -46,13 +48,14 @@ import numpy as np
 import psutil
 
 from jaxascend.config import Config, ConfigError, ModelConfig, check_param_placement
+from jaxascend.devices import DeviceCapacity, device_capacity
 from jaxascend.hf import abstract_params
 from jaxascend.models import DTYPES
 from jaxascend.offload.disk_plan import FilesystemUse, disk_use, run_disk_parts
 from jaxascend.offload.layout import OffloadLayout
 from jaxascend.offload.machine_limits import available_host_memory
 from jaxascend.offload.partition import Partition
-from jaxascend.offload.plan_levers import disk_levers, host_levers
+from jaxascend.offload.plan_levers import device_levers, disk_levers, host_levers
 from jaxascend.offload.state_layout import StateLayoutOptions, TableLayout, checkpoint_slot_requests
 from jaxascend.offload.step_memory import step_memory
 from jaxascend.offload.step_plan import overlap_refusal
@@ -78,7 +81,7 @@ def format_bytes(n: int) -> str:
 
 
 class PlanError(ConfigError):
-    """The run does not fit: host memory, disk or the arena; the message names the part."""
+    """The run does not fit: host memory, device memory, disk or the arena; the message names the part."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,8 @@ class RunPlan:
     host_levers: tuple = ()  # Lever, when host memory does not fit
     disk_levers: tuple = ()  # (filesystem folder, (Lever, ...)) for each filesystem that does not fit
     phase: str = ""  # the forward/backward's largest working set: "attention", "mlp" or "head"
+    device_limit: Optional[DeviceCapacity] = None  # None: not known (the CPU backend: host RAM, checked above)
+    device_levers: tuple = ()  # Lever, when device memory does not fit
 
     @property
     def streamable(self) -> bool:
@@ -127,6 +132,10 @@ class RunPlan:
     @property
     def host_peak(self) -> int:
         return sum(self.host.values())
+
+    @property
+    def device_peak(self) -> int:
+        return sum(self.device.values())
 
     @property
     def host_limit(self) -> Optional[int]:
@@ -146,6 +155,12 @@ class RunPlan:
         out = [self.arena_problem] if self.arena_problem else []
         if self.limit is not None and self.host_peak > self.limit.nbytes:
             out.append(self._host_problem())
+        if self.device_limit is not None and self.device_peak > self.device_limit.nbytes:
+            worst, limit = max(self.device, key=self.device.get), self.device_limit
+            out.append(f"device memory: the plan needs {format_bytes(self.device_peak)} per device, "
+                       f"{format_bytes(self.device_peak - limit.nbytes)} more than the {format_bytes(limit.nbytes)} "
+                       f"it has ({limit.source}) (largest part: {worst}, {format_bytes(self.device[worst])})"
+                       + _lever_text(self.device_levers))
         out.extend(_disk_problem(fs, dict(self.disk_levers).get(fs.folder, ())) for fs in self.disk if fs.short > 0)
         return out
 
@@ -169,6 +184,7 @@ class RunPlan:
         out = {**dataclasses.asdict(self), "host_peak": self.host_peak,
                "host_bytes_per_param": self.host_peak / max(self.num_params, 1),
                "step_floor_seconds": self.step_floor_seconds, "host_limit": self.host_limit,
+               "device_peak": self.device_peak,
                "problems": self.problems()}
         out["disk"] = [{"folder": fs.folder, "free": fs.free, "need": fs.need,
                         "parts": {p.name: p.nbytes for p in fs.parts}} for fs in self.disk]
@@ -184,9 +200,11 @@ class RunPlan:
         against = "" if limit is None else (f"  (budget {format_bytes(limit.nbytes)})" if limit.source == BUDGET else
                                             f"  ({limit.describe()})")
         lines.append(f"  {'total':<20} {format_bytes(self.host_peak):>12}  {self.host_peak / n:6.2f} B/param{against}")
-        lines.append("device memory:" + (" (the CPU backend's device memory is host RAM, counted above)"
+        device = self.device_limit
+        lines.append("device memory:" + (f" (per device; {format_bytes(device.nbytes)}, {device.source})" if device else
+                                          " (the CPU backend's device memory is host RAM, counted above)"
                                           if jax.default_backend() == "cpu" else ""))
-        for part, nbytes in self.device.items():
+        for part, nbytes in {**self.device, **({"total": self.device_peak} if device else {})}.items():
             lines.append(f"  {part:<20} {format_bytes(nbytes):>12}")
         for fs in self.disk:
             parts = " + ".join(f"{p.name} {format_bytes(p.nbytes)}" for p in fs.parts)
@@ -336,7 +354,8 @@ def _in_memory_plan(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout, 
     host = {"runtime": runtime.nbytes, "arena": 0, "resident params": n * p, "optimizer state": 8 * n, "gradients": n * p,
             "activations": step["activations"], "temporaries": max(step["temporaries"], 8 * n)}
     disk = disk_use(run_disk_parts(cfg, 0, n * (p + 8), 4 * n, _export_itemsize(cfg, model_cfg) * n))
-    return RunPlan("in-memory", n, host, {"params + state": n * (2 * p + 8)}, 0, str(cfg.offload.dir), n * (p + 8),
+    device = {"params + state": n * (2 * p + 8), "activations + temps": sum(step.values())}
+    return RunPlan("in-memory", n, host, device, 0, str(cfg.offload.dir), n * (p + 8),
                    0, 0, gbps, _host_limit(cfg, runtime), disk, None, (),
                    max(leaf.layer_elements for leaf in layout.leaves), _streaming_refusal(cfg), phase=phase)
 
@@ -402,11 +421,13 @@ def _with_levers(plan: RunPlan, cfg: Config, model_cfg: ModelConfig, params: str
         return _plan(variant, variant_model, variant.offload.params, gbps, runtime, levers=False,
                      processes=processes)
 
-    host = ()
+    host = device = ()
     if plan.limit is not None and plan.host_peak > plan.limit.nbytes:
         host = host_levers(cfg, model_cfg, plan, replan)
+    if plan.device_limit is not None and plan.device_peak > plan.device_limit.nbytes:
+        device = device_levers(cfg, model_cfg, plan, replan)
     disk = tuple((fs.folder, disk_levers(cfg, model_cfg, plan, fs, replan)) for fs in plan.disk if fs.short > 0)
-    return dataclasses.replace(plan, host_levers=host, disk_levers=disk)
+    return dataclasses.replace(plan, host_levers=host, device_levers=device, disk_levers=disk)
 
 
 def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
@@ -433,6 +454,7 @@ def _plan(cfg: Config, model_cfg: ModelConfig, params: str, gbps: float, runtime
         plan = _in_memory_plan(cfg, model_cfg, _layout(cfg, model_cfg, False), runtime, gbps)
     else:
         plan = _offloaded_plan(cfg, model_cfg, params == "ssd", runtime, gbps, processes)
+    plan = dataclasses.replace(plan, device_limit=device_capacity())  # None on CPU without the variable
     if levers and plan.problems():
         plan = _with_levers(plan, cfg, model_cfg, params, gbps, runtime, processes)
     return plan

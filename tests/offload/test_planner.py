@@ -14,6 +14,7 @@ import jax
 import pytest
 
 from jaxascend.config import load_config
+from jaxascend.devices import DEVICE_MEM_ENV
 from jaxascend.hf import abstract_params, model_config_from_hf_dict, preset_config
 from jaxascend.offload import disk_plan, machine_limits
 from jaxascend.offload.planner import PlanError, format_bytes, plan_run
@@ -258,11 +259,14 @@ def test_the_memory_override_is_checked(monkeypatch):
         machine_limits.available_host_memory()
 
 
-def _plan_cli(tmp_path, config, *overrides, available="1TiB"):
+def _plan_cli(tmp_path, config, *overrides, available="1TiB", device_memory=None):
     args = [sys.executable, "-m", "jaxascend.plan", "--config", config, "--disk-gbps", "2"]
     for o in (f"train.out_dir={tmp_path / 'run'}", f"offload.dir={tmp_path / 'run' / 'offload'}", *overrides):
         args += ["--set", o]
     env = {**os.environ, machine_limits.MEM_AVAILABLE_ENV: available}
+    env.pop(DEVICE_MEM_ENV, None)
+    if device_memory is not None:  # each device's capacity (JAX's CPU backend reports none)
+        env[DEVICE_MEM_ENV] = device_memory
     return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -309,3 +313,65 @@ def test_a_job_is_planned_one_process_at_a_time(tmp_path, roomy, params):
     assert saved == (pytest.approx(stack / 2, rel=1e-4) if params == "resident" else 0)
     assert any(n.startswith("a job of 2 processes: host memory, the offload files and the SSD traffic are one "
                             "process's (2 of each batch's 4 rows") for n in two.notes)
+
+
+def test_device_memory_over_its_capacity_names_remat_the_weights_on_ssd_and_micro_batches(tmp_path, roomy,
+                                                                                            monkeypatch):
+    cfg = _cfg(tmp_path, "model.remat=dots", "offload.params=resident", "data.batch_size=4")
+    model_cfg = _model(cfg)
+    monkeypatch.delenv(DEVICE_MEM_ENV, raising=False)
+    plan = plan_run(cfg, model_cfg, runtime_bytes=0)
+    assert plan.device_limit is None and plan.problems() == []  # the CPU backend: device memory is host RAM
+    monkeypatch.setenv(DEVICE_MEM_ENV, str(plan.device_peak // 4))
+    plan = plan_run(cfg, model_cfg, runtime_bytes=0)
+    assert (plan.device_limit.nbytes, plan.device_limit.source) == (plan.device_peak // 4, DEVICE_MEM_ENV)
+    [problem] = plan.problems()
+    assert problem.startswith(f"device memory: the plan needs {format_bytes(plan.device_peak)} per device, ")
+    assert "it has (JAXASCEND_DEVICE_MEM_BYTES) (largest part: activations + temps, " in problem
+    # Each lever's figure is the plan made again with it (the step's estimator for each remat policy).
+    full = plan_run(cfg, dataclasses.replace(model_cfg, remat="full"), runtime_bytes=0, levers=False)
+    halves = plan_run(_cfg(tmp_path, "model.remat=dots", "offload.params=resident", "data.batch_size=2",
+                           "train.grad_accum=2"), model_cfg, runtime_bytes=0, levers=False)
+    levers = {lever.setting: lever for lever in plan.device_levers}
+    assert levers["model.remat: full"].needs == full.device_peak < plan.device_peak
+    assert levers["data.batch_size: 2 with train.grad_accum: 2"].needs == halves.device_peak < plan.device_peak
+    assert levers["offload.params: ssd"].saves > 0 and "model.remat: none" not in levers  # none keeps more
+    assert f"model.remat: full saves {format_bytes(plan.device_peak - full.device_peak)} (needs " in problem
+    assert "\n" not in problem
+
+
+def test_the_plan_cli_refuses_a_device_too_small_and_carries_its_capacity(tmp_path):
+    overrides = SMALL + ["model.remat=dots", "offload.params=resident", "data.batch_size=4", "data.paths=[@stdlib]",
+                         "data.max_documents=20"]
+    proc = _plan_cli(tmp_path, "configs/tiny.yaml", *overrides, device_memory="1MiB")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    [device] = [line for line in proc.stdout.splitlines() if line.startswith("does not fit: device memory: ")]
+    assert "more than the 1.00 MiB it has (JAXASCEND_DEVICE_MEM_BYTES)" in device
+    for lever in ("model.remat: full saves ", "offload.params: ssd saves ",
+                  "data.batch_size: 2 with train.grad_accum: 2 saves "):
+        assert lever in device, lever
+    assert "device memory: (per device; 1.00 MiB, JAXASCEND_DEVICE_MEM_BYTES)" in proc.stdout
+
+def test_a_device_that_fits_and_its_capacity_in_the_plans_json(tmp_path, monkeypatch, capsys):
+    from jaxascend.plan import main
+
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "1TiB")
+    monkeypatch.setenv(DEVICE_MEM_ENV, "64GiB")
+    args = ["--config", "configs/tiny.yaml", "--disk-gbps", "2", "--json"]
+    for o in SMALL + ["data.paths=[@stdlib]", "data.max_documents=20", f"train.out_dir={tmp_path / 'run'}"]:
+        args += ["--set", o]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["device_limit"] == {"nbytes": 64 * GiB, "source": DEVICE_MEM_ENV} and plan["problems"] == []
+    assert 0 < plan["device_peak"] == sum(plan["device"].values())
+
+
+def test_an_in_memory_run_over_the_device_names_the_offloaded_engine(tmp_path, roomy, monkeypatch):
+    cfg = _cfg(tmp_path, "offload.enabled=false", "model.remat=full")
+    monkeypatch.setenv(DEVICE_MEM_ENV, "64KiB")
+    plan = plan_run(cfg, _model(cfg), runtime_bytes=0)
+    offloaded = plan_run(_cfg(tmp_path, "model.remat=full"), _model(cfg), "resident", runtime_bytes=0, levers=False)
+    assert set(plan.device) == {"params + state", "activations + temps"}  # the state and gradients on the device
+    levers = {lever.setting: lever for lever in plan.device_levers}
+    assert levers["offload.enabled: true"].needs == offloaded.device_peak < plan.device_peak
+    assert plan.problems()[0].startswith("device memory: the plan needs ")
