@@ -7,7 +7,8 @@
 #      device->host path inside a GPU backward pass, instant offload on the real models, the
 #      "offload" remat policy (device -> pinned_host activations), vertical micro-batches
 #      (train.grad_accum: each layer's A micro-batches in turn, their gradient summed in float32);
-#   3. a short offloaded training run with the compute params on the GPU;
+#   3. a short offloaded training run with the compute params on the GPU: its first line names the
+#      GPU backend (`backend: gpu, ...`) and metrics.jsonl carries device_mem_bytes (memory_stats);
 #   4. the same run with offload.params: ssd (the parameter source's host callback feeding each
 #      layer to the device) against the resident run: the losses must be equal;
 #   5. offload.overlap on and off, weights resident and streamed: the losses must be equal;
@@ -49,6 +50,20 @@ $py - <<'PY' 2>&1 | tee -a "$out/train.txt"
 import json
 rows = [json.loads(l) for l in open("/tmp/gpu_run/metrics.jsonl")]
 print("losses", [round(r["loss"], 4) for r in rows], "arena_pinned", rows[-1].get("arena_pinned"))
+PY
+echo "== the run's first line names the GPU backend; metrics.jsonl carries the device's memory"
+first=$(grep -m1 '^backend: ' "$out/train.txt")  # stdout's first line (stderr's notes share train.txt)
+echo "$first" | tee -a "$out/train.txt"
+case "$first" in "backend: gpu, "*) echo "first line names the GPU backend: pass";; *) echo "first line: FAIL";; esac \
+    | tee -a "$out/train.txt"
+$py - <<'PY' 2>&1 | tee -a "$out/train.txt"
+import json
+rows = [json.loads(l) for l in open("/tmp/gpu_run/metrics.jsonl")]
+fields = ("device_mem_bytes", "device_mem_peak_bytes", "device_mem_capacity_bytes")
+print("device memory (GiB):", [[round(r.get(f, -2**30) / 2**30, 2) for f in fields] for r in rows])
+ok = all(0 < r.get("device_mem_bytes", 0) <= r.get("device_mem_peak_bytes", 0) < r.get("device_mem_capacity_bytes", 0)
+         for r in rows)
+print("metrics.jsonl carries device_mem_bytes <= device_mem_peak_bytes < capacity:", "pass" if ok else "FAIL")
 PY
 echo "== offloaded training, params streamed from SSD to the GPU layer by layer"
 rm -rf /tmp/gpu_run_ssd
