@@ -21,7 +21,7 @@ from typing import Any, Optional
 from jaxascend.config import Config, ConfigError, ModelConfig
 from jaxascend.data import (eval_batches, has_tokenizer_files, load_tokenizer, make_batch_stream, missing_paths,
                             tokenizer_folder)
-from jaxascend.hf import check_hf_weights, model_config_from_hf, param_plan
+from jaxascend.hf import ModelSource, check_hf_weights, locate_model, model_config_from_hf, param_plan
 from jaxascend.models import TokenBatch, token_batch
 from jaxascend.offload import JobShape, RunPlan, StepPlan
 from jaxascend.offload import resolve as plan_resolve
@@ -40,6 +40,25 @@ def resolve_model_config(cfg: Config) -> ModelConfig:
     return model_cfg
 
 
+def with_model_folder(cfg: Config, weights: bool = True) -> Config:
+    """``cfg`` with ``model.path`` the folder it is read from: itself, or a hub id's snapshot in
+    the Hugging Face cache (downloaded there when missing and the hub is online; ``weights``
+    False: config.json and the tokenizer only). The run's own config keeps what the user wrote."""
+    if cfg.model.path is None:
+        return cfg
+    folder = locate_model(cfg.model.path, weights).folder
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=folder))
+
+
+def model_notes(asked: ModelConfig, resolved: ModelConfig) -> tuple[str, ...]:
+    """The ``note:`` lines of ``model.path`` (none for a model from scratch): the snapshot a hub
+    id is read from, and the model section's fields config.json replaced."""
+    if asked.path is None:
+        return ()
+    lines = (ModelSource.of(asked.path, resolved.path).note(), replaced_fields_note(asked, resolved))
+    return tuple(line for line in lines if line)
+
+
 def replaced_fields_note(asked: ModelConfig, resolved: ModelConfig) -> Optional[str]:
     """The ``note:`` for the model section's architecture fields that ``model.path``'s config.json
     replaced: set to a value other than the default, and not the model's (None when none was)."""
@@ -50,7 +69,7 @@ def replaced_fields_note(asked: ModelConfig, resolved: ModelConfig) -> Optional[
     if not replaced:
         return None
     pairs = ", ".join(f"{name} {getattr(asked, name)!r} -> {getattr(resolved, name)!r}" for name in replaced)
-    return (f"model: {pairs}: {asked.path}/config.json decides the architecture (with model.path, the model "
+    return (f"model: {pairs}: {resolved.path}/config.json decides the architecture (with model.path, the model "
             "section sets only dtype, param_dtype, remat, attention, loss and init_std)")
 
 
@@ -60,12 +79,12 @@ def vocabulary_size(cfg: Config, model_cfg: ModelConfig, tokenizer) -> int:
     ``tokenizer`` None (not read): the model's own."""
     if tokenizer is None:
         if not model_cfg.vocab_size:
-            raise ConfigError(f"data.tokenizer: no tokenizer files in {tokenizer_folder(cfg.data.tokenizer, cfg.model.path)}"
+            raise ConfigError(f"data.tokenizer: no tokenizer files in {tokenizer_folder(cfg.data.tokenizer, model_cfg.path)}"
                               " and no vocabulary in the model's config (model.vocab_size: 0); the plan needs one")
         return model_cfg.vocab_size
     vocab_size = model_cfg.vocab_size or tokenizer.vocab_size
     if vocab_size < tokenizer.vocab_size:
-        where = f"{cfg.model.path}/config.json" if cfg.model.path else "model.vocab_size"
+        where = f"{model_cfg.path}/config.json" if model_cfg.path else "model.vocab_size"
         raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer!r} has {tokenizer.vocab_size} tokens but the model "
                           f"has {vocab_size} ({where}); its ids would not fit the embedding")
     return vocab_size
@@ -107,6 +126,7 @@ def read_inputs(cfg: Config) -> RunInputs:
     """Every input of the run (the trainer's): config.json, the weights' safetensors headers
     (checked against the model, no tensor data read), the tokenizer, the data index, the held-out
     data. Raises ``ValueError``/``OSError`` naming what is missing or malformed."""
+    cfg = with_model_folder(cfg)  # a hub id: its snapshot in the Hugging Face cache, from here on
     model_cfg = resolve_model_config(cfg)
     if cfg.model.path is not None:  # a truncated file or a missing tensor stops the run here
         check_hf_weights(cfg.model.path, model_cfg)
@@ -117,6 +137,7 @@ def read_inputs(cfg: Config) -> RunInputs:
 def read_available_inputs(cfg: Config) -> RunInputs:
     """The inputs that are there (the plan CLI's): config.json (or the config's model) is needed;
     the tokenizer, the data and the held-out data are read when present, else assumed."""
+    cfg = with_model_folder(cfg, weights=False)  # a hub id: config.json and the tokenizer from the cache
     model_cfg = resolve_model_config(cfg)
     folder = tokenizer_folder(cfg.data.tokenizer, cfg.model.path)
     if folder is not None and not has_tokenizer_files(folder):
@@ -150,6 +171,16 @@ class PreparedRun:
     assumed: tuple[str, ...] = ()  # what the plan assumed for inputs it did not read
     notes: tuple[str, ...] = ()  # the model section's fields config.json replaced (a note line, or none)
 
+    @property
+    def model_folder(self) -> Optional[str]:
+        """The folder the model is read from (a hub id's snapshot in the cache); None: from scratch."""
+        return self.model_cfg.path
+
+    @property
+    def source(self) -> Optional[ModelSource]:
+        """``model.path`` as written and the folder it is read from (None: a model from scratch)."""
+        return ModelSource.of(self.cfg.model.path, self.model_cfg.path) if self.cfg.model.path else None
+
 
 def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
                 inputs: Optional[RunInputs] = None) -> PreparedRun:
@@ -165,6 +196,6 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     # measured here, after the tokenizer and the data index; estimated for those not read).
     cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete, processes=job.processes)
     step = StepPlan.resolve(cfg, sized, job, choices=plan.choices)
-    replaced = replaced_fields_note(cfg.model, model_cfg) if cfg.model.path else None
+    model_lines = model_notes(cfg.model, model_cfg)
     return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, plan, step,
-                       inputs.assumed, (replaced,) if replaced else ())
+                       inputs.assumed, model_lines)

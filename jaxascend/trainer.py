@@ -127,6 +127,10 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
             changed = stack.resume_note(point.meta.get("stack") or {}, point.step)
             if changed:  # another jax, CPU or kernel: the resumed steps may differ in the last bits
                 console.note(changed)
+            saved_source = (point.meta.get("origin") or {}).get("model_source")  # the folder it trained from
+            moved = prepared.source.resume_note(saved_source, point.step) if prepared.source else None
+            if moved:  # a hub id that now resolves to another snapshot than the checkpoint's
+                console.note(moved)
     with StopSignals(cfg.train.stop_signals, newest=lambda: _newest_checkpoint(point.directory)) as signals:
         engine = _build(r)
         with engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
@@ -181,9 +185,10 @@ def _build(r: _Run) -> Engine:
     creates the output directory and writes ``plan.json``."""
     cfg, prepared = r.cfg, r.prepared
     model_cfg = prepared.model_cfg
+    folder = prepared.model_folder  # model.path's folder (a hub id's snapshot in the Hugging Face cache)
     # The checkpoint's tensors (names, shapes, dtypes) are checked when the reader opens.
-    with HFParamReader(cfg.model.path, model_cfg) if cfg.model.path else contextlib.nullcontext() as source:
-        r.origin = Provenance(prepared.sized, tokenizer_folder(cfg.data.tokenizer, cfg.model.path), cfg.model.path,
+    with HFParamReader(folder, model_cfg) if folder else contextlib.nullcontext() as source:
+        r.origin = Provenance(prepared.sized, tokenizer_folder(cfg.data.tokenizer, folder), folder,
                               source.source_dtype if source else model_cfg.param_dtype)
         r.out_dir.mkdir(parents=True, exist_ok=True)
         if r.main:
@@ -192,7 +197,7 @@ def _build(r: _Run) -> Engine:
         # Streamed weights (offload.params: ssd): the layer stack is never loaded whole; the
         # engine reads it layer by layer into the SSD regions (with the master weights).
         if source is not None:
-            model = load_hf_model(cfg.model.path, model_cfg, layer_stack=not r.streamed)  # tensor by tensor
+            model = load_hf_model(folder, model_cfg, layer_stack=not r.streamed)  # tensor by tensor
         else:
             model = build_model_lean(model_cfg, prepared.sized.vocab_size, cfg.train.seed, layer_stack=not r.streamed)
         r.num_params = count_params(model)

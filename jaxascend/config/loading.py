@@ -14,6 +14,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from jaxascend.config.model import parse_hub_id
 from jaxascend.config.sections import REPORT_BACKENDS, Config
 from jaxascend.config.values import ConfigError, did_you_mean, type_text
 
@@ -199,7 +200,10 @@ def _validate_cross_fields(cfg: Config) -> None:
         raise ConfigError("data.paths: missing; give at least one .txt/.jsonl file or directory")
     if cfg.data.tokenizer == "model" and cfg.model.path is None:
         raise ConfigError("data.tokenizer: 'model' needs model.path to be set")
-    if cfg.model.path is not None and not os.path.isdir(os.path.expanduser(cfg.model.path)):
+    # A hub id (org/name) is looked up in the Hugging Face cache when the run reads its inputs
+    # (jaxascend.hf.hub); a folder of that name wins.
+    if cfg.model.path is not None and not os.path.isdir(os.path.expanduser(cfg.model.path)) \
+            and parse_hub_id(cfg.model.path) is None:
         raise ConfigError(f"model.path: {cfg.model.path!r} is not a directory")
     check_param_placement(cfg)
     if cfg.optimizer.state_dtype != "float32" and not cfg.offload.enabled:
