@@ -39,6 +39,8 @@ SLOW_FIRST = (
     "tests/offload/test_blocked_loss_runs.py",
     "tests/offload/test_offloaded_training.py",
     "tests/test_sft.py",
+    "tests/data/test_format_auto.py",  # 70 s: 3 trainings of a tiny Qwen2 by configs/qwen2.5-0.5b.yaml
+    "tests/hf/test_hub.py",  # 43 s: 2 CLI trainings from a hub id in a temporary cache (a resume), a refusal, a plan
     "tests/test_train.py",
     "tests/offload/test_host_callbacks.py",
     "tests/models/test_decode.py",  # 81 s under load
