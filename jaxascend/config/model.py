@@ -55,7 +55,10 @@ _ROPE_OPTIONAL = {
 class ModelConfig:
     """Architecture and numerics of the model. Field names follow Hugging Face's config.json."""
 
-    path: Optional[str] = None  # Hugging Face folder (config.json + safetensors); overrides the shape fields
+    # A Hugging Face model folder (config.json + safetensors; its config.json sets the shape fields), or
+    # a hub id org/name[@revision]: its snapshot in the Hugging Face cache (HF_HUB_CACHE), downloaded
+    # there first when missing and the hub is online. A folder of that name wins.
+    path: Optional[str] = None
     # The model family (jaxascend.models): llama also serves Qwen2, Mistral, Qwen3 and Phi-3 through switches.
     arch: Literal["llama", "qwen2", "mistral", "gpt2", "gemma3", "qwen3", "phi3"] = "llama"
     vocab_size: int = 0  # 0: take it from the tokenizer
