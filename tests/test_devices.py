@@ -119,18 +119,21 @@ def test_the_progress_bar_shows_the_device_peak_against_its_capacity():
     assert device_postfix({}) == ""  # not reported: not shown
 
 
-def test_the_trainer_refuses_a_device_too_small_in_one_line_before_anything_is_written(tmp_path):
+def test_the_trainer_refuses_a_device_too_small_in_one_line_before_anything_is_written(tmp_path, monkeypatch,
+                                                                                       capsys):
+    from jaxascend.train import main
     from tests.test_train import SMALL
     from tests.test_workflow import assert_one_error_line
 
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml"]
+    args = ["--config", "configs/tiny.yaml"]
     for o in SMALL + ["data.max_documents=20", f"train.out_dir={out}"]:
         args += ["--set", o]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, DEVICE_MEM_ENV: "64KiB"})
-    line = assert_one_error_line(proc, "device memory: the plan needs ", "it has (JAXASCEND_DEVICE_MEM_BYTES)",
-                                 "levers: model.remat: full saves ")
-    assert proc.stdout == "" and not out.exists(), line  # refused before the run's first line
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, DEVICE_MEM_ENV: "lots"})
-    assert_one_error_line(proc, "JAXASCEND_DEVICE_MEM_BYTES: expected a byte size")
-    assert not out.exists()
+    for value, fragments in (("64KiB", ("device memory: the plan needs ", "it has (JAXASCEND_DEVICE_MEM_BYTES)",
+                                        "levers: model.remat: full saves ")),
+                             ("lots", ("JAXASCEND_DEVICE_MEM_BYTES: expected a byte size",))):
+        monkeypatch.setenv(DEVICE_MEM_ENV, value)
+        status = main(args)
+        printed = capsys.readouterr()
+        assert_one_error_line(subprocess.CompletedProcess(args, status, printed.out, printed.err), *fragments)
+        assert printed.out == "" and not out.exists()  # refused before the run's first line
