@@ -25,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MACHINE_RAM = "32 GiB"  # what the plan assumes the machine gives the run (the README's user: 32-128 GB)
+MEM_AVAILABLE_ENV = "JAXASCEND_MEM_AVAILABLE_BYTES"  # the planner's stand-in for the machine's MemAvailable
 RUNTIME_BYTES = 600 * 2**20  # the runtime part (JAX, the compiled step, tokenizer, data index), estimated
 BEGIN = "# --- the plan (scripts/config_comments.py writes this block from the planner; a test checks it) ---"
 END = "# --- end of the plan ---"
@@ -54,8 +55,7 @@ def plan_of(config: Path, arch: str, size: str):
     """The plan of ``config`` as shipped, for the preset's ``config.json`` (in a temporary folder)."""
     from jaxascend.config import load_config
     from jaxascend.hf import model_config_from_hf, preset_config
-    from jaxascend.offload.machine_limits import MEM_AVAILABLE_ENV
-    from jaxascend.offload.planner import plan_run
+    from jaxascend.offload import plan_run
 
     with tempfile.TemporaryDirectory() as folder:
         Path(folder, "config.json").write_text(json.dumps(preset_config(arch, size)))

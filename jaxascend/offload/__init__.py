@@ -7,7 +7,7 @@ What the rest of jaxascend (and its users) take from here:
 * :class:`OffloadEngine` -- the trainer's offloaded engine (an ``engine_contract.Engine``),
   composed from the plan: the compute weights (``compute_weights``), the gradient routing
   (``gradient_routing``), the update runner (``update_runner``) and the weight readers;
-* :func:`resolve` / :class:`RunPlan` -- the run planner (host memory by part, SSD footprint and
+* :func:`resolve` / :func:`plan_run` / :class:`RunPlan` -- the run planner (host memory by part, SSD footprint and
   traffic, the step-time floor; ``offload.params: auto``);
 * :class:`OffloadedAdamState` / :class:`OffloadLayout` / :data:`STATE_SLOT_CLASS` -- the SSD layout
   of fp32 master/m/v and the per-layer gradient regions, init, the streamed fused step;
@@ -31,13 +31,13 @@ from jaxascend.offload.step_plan import JobShape, StepPlan
 from jaxascend.offload.grad_sink import offload_on_backward, sink_gradient
 from jaxascend.offload.layout import OffloadLayout, STATE_SLOT_CLASS
 from jaxascend.offload.param_source import fetch_layer
-from jaxascend.offload.planner import RunPlan, resolve
+from jaxascend.offload.planner import RunPlan, plan_run, resolve
 from jaxascend.offload.ssd_adamw import ssd_adamw
 from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.timeline import write_timeline_png
 
 __all__ = [
     "JobShape", "OffloadEngine", "OffloadLayout", "OffloadedAdamState", "RunPlan", "STATE_SLOT_CLASS", "StepPlan",
-    "fetch_layer", "offload_on_backward", "resolve", "sink_gradient", "specs_for_offload_layout", "ssd_adamw",
+    "fetch_layer", "offload_on_backward", "plan_run", "resolve", "sink_gradient", "specs_for_offload_layout", "ssd_adamw",
     "write_timeline_png",
 ]
