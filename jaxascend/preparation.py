@@ -4,12 +4,14 @@ and the plans made from it, before anything is written.
 
     prepared = prepare_run(cfg, JobShape(...))
     prepared.plan.check()                     # host memory, disk, arena: PlanError naming the part
-    for line in prepared.step.notes: console.note(line)
+    for line in prepared.notes + prepared.step.notes: console.note(line)
 
 The trainer reads every input (:func:`read_inputs`, the default). The planner CLI plans from what
 is there (:func:`read_available_inputs`): ``config.json`` alone is enough. Without the tokenizer
 the vocabulary is config.json's; without the data the runtime part is estimated; each such
-assumption is one line of ``prepared.assumed``.
+assumption is one line of ``prepared.assumed``. Both read the first record of every data file
+first, with no tokenizer (:func:`resolve_data`): ``data.format: auto`` is resolved into
+``prepared.cfg`` there, and a wrong field is the same error from both.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from jaxascend.config import Config, ConfigError, ModelConfig
+from jaxascend.config import Config, ConfigError, DataConfig, ModelConfig
 from jaxascend.data import (eval_batches, has_tokenizer_files, load_tokenizer, make_batch_stream, missing_paths,
-                            tokenizer_folder)
+                            read_data_format, tokenizer_folder)
 from jaxascend.hf import ModelSource, check_hf_weights, locate_model, model_config_from_hf, param_plan
 from jaxascend.models import TokenBatch, token_batch
 from jaxascend.offload import JobShape, RunPlan, StepPlan
@@ -107,6 +109,16 @@ def held_out_batches(cfg: Config, tokenizer) -> list[TokenBatch]:
     return batches
 
 
+def resolve_data(cfg: Config) -> tuple[Config, tuple[str, ...]]:
+    """``cfg`` with ``data.format`` resolved (auto -> what the data's first records hold) and the
+    first record of every ``data.paths`` and ``eval.paths`` file (those on disk) checked against
+    it, with no tokenizer: a wrong field or a mixed format is the same one line from the planner
+    as from the trainer. The notes: what auto chose (one line), or none."""
+    eval_paths = [p for p in cfg.eval.paths if p not in missing_paths(list(cfg.eval.paths))]
+    choice = read_data_format(cfg.data, eval_paths)
+    return dataclasses.replace(cfg, data=choice.data), (choice.note,) if choice.note else ()
+
+
 @dataclass
 class RunInputs:
     """What a run reads before it plans."""
@@ -116,6 +128,8 @@ class RunInputs:
     stream: Any  # the training batches, from the start; None: not read
     held_out: list[TokenBatch]
     assumed: tuple[str, ...] = ()  # what the plan assumed for what was not read, one line each
+    data: Optional[DataConfig] = None  # the data section, data.format resolved; None: the data is not there
+    notes: tuple[str, ...] = ()  # the choices made reading them (what data.format: auto found)
 
     @property
     def complete(self) -> bool:
@@ -128,10 +142,12 @@ def read_inputs(cfg: Config) -> RunInputs:
     data. Raises ``ValueError``/``OSError`` naming what is missing or malformed."""
     cfg = with_model_folder(cfg)  # a hub id: its snapshot in the Hugging Face cache, from here on
     model_cfg = resolve_model_config(cfg)
+    cfg, notes = resolve_data(cfg)  # before the weights and the tokenizer, as the planner reads it
     if cfg.model.path is not None:  # a truncated file or a missing tensor stops the run here
         check_hf_weights(cfg.model.path, model_cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
-    return RunInputs(model_cfg, tokenizer, make_batch_stream(cfg.data, tokenizer), held_out_batches(cfg, tokenizer))
+    return RunInputs(model_cfg, tokenizer, make_batch_stream(cfg.data, tokenizer), held_out_batches(cfg, tokenizer),
+                     data=cfg.data, notes=notes)
 
 
 def read_available_inputs(cfg: Config) -> RunInputs:
@@ -139,28 +155,34 @@ def read_available_inputs(cfg: Config) -> RunInputs:
     the tokenizer, the data and the held-out data are read when present, else assumed."""
     cfg = with_model_folder(cfg, weights=False)  # a hub id: config.json and the tokenizer from the cache
     model_cfg = resolve_model_config(cfg)
+    missing = missing_paths(list(cfg.data.paths))
+    notes: tuple[str, ...] = ()
+    if not missing:  # the format and the first records, checked as the trainer checks them
+        cfg, notes = resolve_data(cfg)
+    data = None if missing else cfg.data
     folder = tokenizer_folder(cfg.data.tokenizer, cfg.model.path)
     if folder is not None and not has_tokenizer_files(folder):
+        read = "no data read" if missing else "the data's first records checked, nothing tokenized"
         return RunInputs(model_cfg, None, None, [], (
-            f"no tokenizer in {folder}: vocabulary from config.json ({model_cfg.vocab_size}); no data read: "
-            "runtime part estimated",))
+            f"no tokenizer in {folder}: vocabulary from config.json ({model_cfg.vocab_size}); {read}: "
+            "runtime part estimated",), data, notes)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
-    missing = missing_paths(list(cfg.data.paths))
     if missing:
         return RunInputs(model_cfg, tokenizer, None, [], (
             f"no data read (data.paths: {', '.join(missing)} not found): runtime part estimated",))
     stream = make_batch_stream(cfg.data, tokenizer)
     missing = missing_paths(list(cfg.eval.paths or []))
     if missing:
-        return RunInputs(model_cfg, tokenizer, stream, [], (f"eval.paths: {', '.join(missing)} not found: not read",))
-    return RunInputs(model_cfg, tokenizer, stream, held_out_batches(cfg, tokenizer))
+        return RunInputs(model_cfg, tokenizer, stream, [], (f"eval.paths: {', '.join(missing)} not found: not read",),
+                         data, notes)
+    return RunInputs(model_cfg, tokenizer, stream, held_out_batches(cfg, tokenizer), data=data, notes=notes)
 
 
 @dataclass
 class PreparedRun:
     """What a run has read and decided before it writes anything."""
 
-    cfg: Config  # offload.params resolved (auto -> resident or ssd)
+    cfg: Config  # offload.params resolved (auto -> resident or ssd), data.format too (auto -> what the data holds)
     model_cfg: ModelConfig  # config.json's architecture (or the config's) with the run's numerics
     sized: ModelConfig  # the same with the run's vocabulary
     tokenizer: Any  # None only from read_available_inputs
@@ -188,6 +210,8 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     and makes its plans (nothing is written). Raises ``ValueError``/``OSError`` (a
     :class:`ConfigError` for the config) naming the problem."""
     inputs = read_inputs(cfg) if inputs is None else inputs
+    if inputs.data is not None:  # data.format: auto resolved from the data's first records
+        cfg = dataclasses.replace(cfg, data=inputs.data)
     model_cfg = inputs.model_cfg
     sized = dataclasses.replace(model_cfg, vocab_size=vocabulary_size(cfg, model_cfg, inputs.tokenizer))
     opt = cfg.optimizer  # a weight_decay_mask regex that matches no parameter is refused here
@@ -198,4 +222,4 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     step = StepPlan.resolve(cfg, sized, job, choices=plan.choices)
     model_lines = model_notes(cfg.model, model_cfg)
     return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, plan, step,
-                       inputs.assumed, model_lines)
+                       inputs.assumed, inputs.notes + model_lines)

@@ -32,16 +32,19 @@ class DataConfig:
     batch_size: int = 8
     seed: int = 0  # shuffles the documents (and the examples) each epoch
     max_documents: Optional[int] = None  # cap on documents read (None: all)
-    # "text": documents packed back to back, every token trained on; "prompt_completion": records
-    # (JSONL lines, table rows) with prompt_field / completion_field; "chat": records whose messages_field is
-    # a list of {"role", "content"} (OpenAI / Hugging Face form), rendered with the tokenizer's
-    # chat template or the chat_template file. For those two the loss covers the completion /
-    # assistant tokens only, unless train_on_prompt.
-    format: Literal["text", "prompt_completion", "chat"] = "text"
+    # "auto": what the first record of each file holds, said in a note (a messages_field: chat;
+    # prompt_field / completion_field: prompt_completion; text_field: text; plain text files such
+    # as .txt and "@stdlib": text); files of two formats are refused. "text": documents packed back
+    # to back, every token trained on; "prompt_completion": records (JSONL lines, table rows) with
+    # prompt_field / completion_field; "chat": records whose messages_field is a list of
+    # {"role", "content"} (OpenAI / Hugging Face form), rendered with the tokenizer's chat template
+    # or the chat_template file. For those two the loss covers the completion / assistant tokens
+    # only, unless train_on_prompt.
+    format: Literal["auto", "text", "prompt_completion", "chat"] = "auto"
     prompt_field: str = "prompt"  # prompt_completion: the JSONL field of the prompt
     completion_field: str = "completion"  # prompt_completion: the JSONL field of the completion
     messages_field: str = "messages"  # chat: the JSONL field of the list of messages
-    chat_template: Optional[str] = None  # a Jinja template file; None: the tokenizer's own
+    chat_template: Optional[str] = None  # chat: a Jinja template file; None: the tokenizer's own
     train_on_prompt: bool = False  # prompt_completion / chat: the loss covers every token, prompts included
     # Examples (prompt_completion, chat) are packed several to a row, attention kept inside each
     # example (segment ids) and positions restarting per example; false: one example per row,
@@ -56,13 +59,14 @@ class DataConfig:
         for name in ("text_field", "prompt_field", "completion_field", "messages_field"):
             if not getattr(self, name):
                 raise ConfigError(f"data.{name}: must be a non-empty field name")
-        if self.format not in ("text", "prompt_completion", "chat"):
-            raise ConfigError(f"data.format: expected one of 'text', 'prompt_completion', 'chat', got {self.format!r}")
+        if self.format not in ("auto", "text", "prompt_completion", "chat"):
+            raise ConfigError(f"data.format: expected one of 'auto', 'text', 'prompt_completion', 'chat', got "
+                              f"{self.format!r}")
         if self.prompt_field == self.completion_field:
             raise ConfigError(f"data.completion_field: {self.completion_field!r} is also data.prompt_field")
         if self.overlong not in ("truncate", "drop"):
             raise ConfigError(f"data.overlong: expected 'truncate' or 'drop', got {self.overlong!r}")
-        if self.chat_template is not None and self.format != "chat":
+        if self.chat_template is not None and self.format not in ("chat", "auto"):  # auto: once resolved
             raise ConfigError(f"data.chat_template: only used with data.format: chat (format is {self.format!r})")
 
 

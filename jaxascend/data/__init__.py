@@ -17,6 +17,8 @@
 * :class:`~jaxascend.data.example_packing.ExampleStream` -- examples packed into rows (:class:`~jaxascend.data.example_packing.PackedBatch`: tokens, loss_mask,
   segment_ids, positions), seeded and resumable; :func:`make_batch_stream` picks the stream;
 * :func:`eval_batches` -- one pass over held-out data in file order, for every format;
+* :func:`~jaxascend.data.first_records.read_data_format` -- ``data.format: auto`` resolved from the
+  first record of each file, and those records checked, with no tokenizer (the planner too);
 * :func:`~jaxascend.data.chat_templates.chat_prompt_ids` / :func:`~jaxascend.data.chat_templates.chat_stop_ids` -- a conversation's prompt for generation, and
   the ids that end the assistant's turn.
 
@@ -27,6 +29,7 @@ from jaxascend.data.chat_templates import load_chat_template
 from jaxascend.data.discovery import missing_paths
 from jaxascend.data.eval_data import eval_batches
 from jaxascend.data.example_packing import make_batch_stream
+from jaxascend.data.first_records import read_data_format
 from jaxascend.data.packing import BatchStream
 from jaxascend.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, has_tokenizer_files, load_tokenizer,
                                        tokenizer_folder, write_hf_tokenizer)
@@ -34,5 +37,5 @@ from jaxascend.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, ha
 __all__ = [
     "BatchStream", "ByteTokenizer", "HFTokenizer", "Tokenizer", "eval_batches",
     "has_tokenizer_files", "load_chat_template", "load_tokenizer", "make_batch_stream", "missing_paths",
-    "tokenizer_folder", "write_hf_tokenizer",
+    "read_data_format", "tokenizer_folder", "write_hf_tokenizer",
 ]

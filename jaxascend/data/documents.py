@@ -31,6 +31,7 @@ import numpy as np
 from jaxascend.config import DataConfig
 from jaxascend.data.discovery import KINDS_ACCEPTED, DataFile, discover_files, missing_paths, text_file_problem
 from jaxascend.data.fields import check_schema, field_value, record_fields, wanted
+from jaxascend.data.first_records import resolve_format, text_file_refusal
 from jaxascend.data.jsonl_files import index_jsonl, load_jsonl_object
 from jaxascend.data.table_files import TableLayout, TableRows, first_null, open_table, row_bytes
 
@@ -255,8 +256,7 @@ def _check_text(data_file: DataFile, cfg: DataConfig) -> bool:
     """Whether a text file is taken: True, False (an ``@stdlib`` file that is not UTF-8), or a
     one-line ValueError naming the file and what is wrong."""
     if cfg.format != "text":
-        raise ValueError(f"data.format: {cfg.format} reads records (JSONL lines, Parquet or Arrow rows); "
-                         f"{data_file.path} is a text file")
+        raise text_file_refusal(data_file.path, cfg)
     problem = text_file_problem(data_file.path)
     if problem is None:
         return True
@@ -269,7 +269,9 @@ def index_documents(cfg: DataConfig) -> DocumentIndex:
     """Finds the documents of ``cfg`` (up to ``cfg.max_documents``) without parsing any JSONL line.
 
     :func:`build_document_index` (text) and the example source (records) check what they need on top.
+    ``data.format: auto`` is resolved here if the caller has not (the run resolves it before).
     """
+    cfg = resolve_format(cfg).data
     limit = cfg.max_documents if cfg.max_documents is not None else np.iinfo(np.int64).max
     files = discover_files(cfg.paths, cfg.include)
     index = _IndexParts()

@@ -29,6 +29,7 @@ from jaxascend.config import DataConfig
 from jaxascend.data.documents import DocumentIndex, build_document_index
 from jaxascend.data.example_packing import BatchBuilder, PackedBatch, fit_to_row
 from jaxascend.data.examples import ExampleSource
+from jaxascend.data.first_records import resolve_format
 from jaxascend.data.tokenizers import Tokenizer
 
 _CHUNK = 256  # documents or examples read and tokenized at a time
@@ -43,6 +44,7 @@ def eval_batches(cfg: DataConfig, tokenizer: Tokenizer,
     """
     if max_batches is not None and max_batches < 1:
         raise ValueError(f"eval_batches: max_batches must be at least 1 or None, got {max_batches}")
+    cfg = resolve_format(cfg).data  # data.format: auto, if the caller has not resolved it
     if cfg.format == "text":
         batches = _text_batches(cfg, tokenizer, build_document_index(cfg))
     else:

@@ -37,6 +37,7 @@ import numpy as np
 
 from jaxascend.config import DataConfig
 from jaxascend.data.examples import Example, ExampleSource
+from jaxascend.data.first_records import resolve_format
 from jaxascend.data.packing import BatchStream, state_fields
 from jaxascend.data.tokenizers import Tokenizer
 
@@ -249,7 +250,9 @@ def make_batch_stream(cfg: DataConfig, tokenizer: Tokenizer,
     for ``text`` (int32 ``[B, T+1]`` arrays), :class:`ExampleStream` (:class:`PackedBatch`) otherwise.
 
     Both have ``state()``, ``stats()`` and ``epoch``, and take a saved ``state`` to continue from.
+    ``data.format: auto`` is resolved from the data's first records if the caller has not.
     """
+    cfg = resolve_format(cfg).data
     if cfg.format == "text":
         return BatchStream(cfg, tokenizer, state=state)
     return ExampleStream(cfg, tokenizer, state=state)

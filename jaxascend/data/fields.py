@@ -56,7 +56,8 @@ def format_hint(present: Collection[str], cfg: DataConfig) -> str:
     return ""
 
 
-def _fields_present(present: Collection[str]) -> str:
+def listed_fields(present: Collection[str]) -> str:
+    """The field names ``present``, for an error: the first ten, then how many in all (``"none"`` if empty)."""
     names = list(present)
     return ", ".join(names[:10]) + (f", ... ({len(names)} in all)" if len(names) > 10 else "") or "none"
 
@@ -66,7 +67,7 @@ def field_value(record: dict, where: str, field: RecordField, cfg: DataConfig) -
     line <n>"`` or ``"<file>: row <n>"``) if it is missing or of the wrong kind."""
     if field.name not in record:
         raise ValueError(f"{where} has no field {field.name!r} ({field.config_key}); fields present: "
-                         f"{_fields_present(record)}{format_hint(record, cfg)}")
+                         f"{listed_fields(record)}{format_hint(record, cfg)}")
     value = record[field.name]
     if field.kind == "string":
         if not isinstance(value, str):
@@ -94,7 +95,7 @@ def check_schema(path: str, schema: pa.Schema, cfg: DataConfig) -> None:
     for field in record_fields(cfg):
         if field.name not in schema.names:
             raise ValueError(f"{path} has no column {field.name!r} ({field.config_key}); columns present: "
-                             f"{_fields_present(schema.names)}{format_hint(schema.names, cfg)}")
+                             f"{listed_fields(schema.names)}{format_hint(schema.names, cfg)}")
         kind = schema.field(field.name).type
         if field.kind == "string" and not _is_string(kind):
             raise ValueError(f"{path}: column {field.name!r} ({field.config_key}) holds {kind}, expected strings")

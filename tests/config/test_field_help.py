@@ -172,6 +172,7 @@ DECIDED_ELSEWHERE = {
     "offload.drop_page_cache": "the buffered path: tests/ssd/test_io_engines.py, tests/offload/test_ablations.py",
     "offload.arena_bytes": "a size, not a mode (what the arena plan needs): tests/ssd/test_arena.py",
     "data.tokenizer": "the tokenizer, not a step mode: test_the_tokenizer_auto_of_a_model_from_scratch_is_bytes",
+    "data.format": "the data's first records, not a step mode: tests/data/test_format_auto.py",
     "checkpoint.every_minutes": "a schedule, not a mode (0: off): tests/test_run_bookkeeping.py",
 }
 # The words of a claim about a mode: on, off, chosen, refused, needed, a fallback.

@@ -163,7 +163,7 @@ def test_missing_or_wrong_text_field(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"content": "x", "id": 1}) + "\n")
     with pytest.raises(ValueError, match=rf"{path}: line 1 has no field 'text'.*fields present: content, id"):
-        build_document_index(_cfg([path]))
+        build_document_index(_cfg([path], format="text"))  # auto would name the fields it looks for
     path.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": 5}) + "\n")
     index = build_document_index(_cfg([path]))
     with pytest.raises(ValueError, match=rf"{path}: line 2: field 'text' \(data.text_field\) is a int, expected a string"):
