@@ -1,12 +1,14 @@
-"""``python -m jaxascend.generate``: sample from a run, a checkpoint or a Hugging Face folder.
+"""``python -m jaxascend.generate``: sample from a run, a checkpoint or a Hugging Face model.
 
     python -m jaxascend.generate --checkpoint runs/my-run --prompt "def main(" --max-new-tokens 64
     python -m jaxascend.generate --checkpoint /models/Qwen2.5-0.5B-Instruct --chat "Hi!" --temperature 0.7
 
 ``--checkpoint`` is a run's output folder, a checkpoint step or checkpoint directory, a
-``params.safetensors`` file (all as ``python -m jaxascend.export`` reads them) or a Hugging Face
-model folder. Each ``--prompt`` is printed and continued, the new text streamed to stdout as it
-comes; ``--chat`` sends one user message through the chat template and prints the reply.
+``params.safetensors`` file (all as ``python -m jaxascend.export`` reads them), a Hugging Face
+model folder or a hub id (``Qwen/Qwen2.5-0.5B-Instruct``: its folder in the Hugging Face cache,
+downloaded there when missing and the hub is online, as ``model.path`` reads it). Each
+``--prompt`` is printed and continued, the new text streamed to stdout as it comes; ``--chat``
+sends one user message through the chat template and prints the reply.
 ``--stream-layers auto`` reads the layer stack one layer at a time when the run kept it on SSD
 (``offload.params: ssd``). Errors print one line and exit with status 2.
 """
@@ -37,7 +39,8 @@ PROG = "python -m jaxascend.generate"
 def _parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = console.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True, metavar="RUN_OR_STEP",
-                   help="run output folder, checkpoint step or directory, params.safetensors, or Hugging Face folder")
+                   help="run output folder, checkpoint step or directory, params.safetensors, Hugging Face folder "
+                        "or hub id (org/name)")
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="text to continue (repeatable)")
     p.add_argument("--chat", metavar="TEXT", help="one user message, sent through the chat template")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (default: the tokenizer's)")

@@ -23,17 +23,25 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxascend import console
 from jaxascend.checkpoint import RunWeights, open_weights
-from jaxascend.hf import (CONFIG_FILE, HFParamReader, ParamMapping, aligned_empty, model_config_from_hf,
+from jaxascend.config import parse_hub_id
+from jaxascend.hf import (CONFIG_FILE, HFParamReader, ParamMapping, aligned_empty, locate_model, model_config_from_hf,
                           param_leaves, reader_from_params)
 
 
 def open_for_sampling(checkpoint: str, *, dtype: Optional[str] = None) -> RunWeights:
     """The weights ``checkpoint`` names: a Hugging Face model folder (``config.json`` and
     safetensors; read in ``dtype``, default its config's compute dtype, one tensor at a time,
-    its tokenizer the folder's own) or anything :func:`jaxascend.checkpoint.open_weights` opens
-    (a run's folder, a checkpoint step or directory, a ``params.safetensors`` file)."""
+    its tokenizer the folder's own), a hub id (``org/name[@revision]``: that folder in the
+    Hugging Face cache, as ``model.path`` reads it) or anything
+    :func:`jaxascend.checkpoint.open_weights` opens (a run's folder, a checkpoint step or
+    directory, a ``params.safetensors`` file)."""
     path = Path(os.path.expanduser(checkpoint))
+    if not path.exists() and parse_hub_id(checkpoint) is not None:
+        source = locate_model(checkpoint, name="--checkpoint")
+        console.note(source.note())
+        path = Path(source.folder)
     if path.is_dir() and (path / CONFIG_FILE).is_file():
         model_cfg = model_config_from_hf(path)
         reader = HFParamReader(path, model_cfg, dtype=dtype or model_cfg.dtype)

@@ -37,6 +37,7 @@ class ModelSource:
     asked: str  # model.path as the user wrote it (what the run's config.yaml and checkpoints record)
     folder: str  # the folder read: the path itself, or <cache>/models--org--name/snapshots/<commit>
     hub: Optional[HubId] = None  # the hub id it was read as (None: a folder)
+    name: str = "model.path"  # what the user set (a CLI flag: --checkpoint), for the notes
 
     @classmethod
     def of(cls, asked: str, folder: str) -> ModelSource:
@@ -48,7 +49,7 @@ class ModelSource:
         """The ``note:`` naming the snapshot a hub id is read from (None for a folder)."""
         if self.hub is None:
             return None
-        return (f"model.path: {self.asked!r} is read from the Hugging Face cache's snapshot {self.folder} "
+        return (f"{self.name}: {self.asked!r} is read from the Hugging Face cache's snapshot {self.folder} "
                 f"(revision {self.hub.revision or 'main'})")
 
     def resume_note(self, saved_source: Optional[str], step: int) -> Optional[str]:
@@ -61,33 +62,33 @@ class ModelSource:
                 f"and the tokenizer from {self.folder} (to keep the old snapshot, set model.path to its folder)")
 
 
-def locate_model(path: str, weights: bool = True) -> ModelSource:
+def locate_model(path: str, weights: bool = True, name: str = "model.path") -> ModelSource:
     """The folder ``model.path`` names: ``path`` itself when it is a folder, else the hub id's
     snapshot in the Hugging Face cache (downloaded there when missing and the hub is online;
     ``weights`` False: config.json and the tokenizer only, what the planner reads). Raises
-    :class:`ConfigError` with one line saying what is missing and what to do."""
+    :class:`ConfigError` with one line, starting with ``name``, saying what is missing and what to do."""
     if os.path.isdir(os.path.expanduser(path)):
         return ModelSource(path, path)
     hub = parse_hub_id(path)
     if hub is None:
-        raise ConfigError(f"model.path: {path!r} is not a directory")
+        raise ConfigError(f"{name}: {path!r} is not a directory")
     from huggingface_hub import constants, try_to_load_from_cache  # lazily: the CLIs' --help stays light
 
     cached = try_to_load_from_cache(hub.repo_id, CONFIG_FILE, revision=hub.revision)
     folder = os.path.dirname(cached) if isinstance(cached, str) else None
     missing = missing_files(folder, weights) if folder else [CONFIG_FILE]
     if not missing:
-        return ModelSource(path, folder, hub)
+        return ModelSource(path, folder, hub, name)
     if constants.HF_HUB_OFFLINE:
         where = (f"is neither a folder nor in the Hugging Face cache ({constants.HF_HUB_CACHE})" if folder is None
                  else f"is in the Hugging Face cache ({folder}) without {', '.join(missing[:3])}")
-        raise ConfigError(f"model.path: {path!r} {where}, and the hub is offline ({_offline_setting()}): "
+        raise ConfigError(f"{name}: {path!r} {where}, and the hub is offline ({_offline_setting()}): "
                           f"{_what_to_do(hub)}")
     what = "config.json, the tokenizer and the safetensors weights" if weights else \
         "config.json and the tokenizer (the plan reads no weights)"
-    console.note(f"model.path: {path!r} is not in the Hugging Face cache: downloading {what} from the hub to "
+    console.note(f"{name}: {path!r} is not in the Hugging Face cache: downloading {what} from the hub to "
                  f"{constants.HF_HUB_CACHE}")
-    return ModelSource(path, _download(path, hub, weights, constants.HF_HUB_CACHE), hub)
+    return ModelSource(path, _download(f"{name}: {path!r}", hub, weights, constants.HF_HUB_CACHE), hub, name)
 
 
 def missing_files(folder: str, weights: bool) -> list[str]:
@@ -113,9 +114,10 @@ def weight_files(folder: str) -> list[str]:
     return [INDEX_FILE, *sorted(s for s in shards if isinstance(s, str))]
 
 
-def _download(path: str, hub: HubId, weights: bool, cache: str) -> str:
+def _download(asked: str, hub: HubId, weights: bool, cache: str) -> str:
     """Downloads the run's files of ``hub`` into the cache; its snapshot folder. The small files
-    first (the index names the shards), then the shards, at the commit the first call found."""
+    first (the index names the shards), then the shards, at the commit the first call found.
+    ``asked``: how the errors start (``model.path: 'org/name'``)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
@@ -125,19 +127,19 @@ def _download(path: str, hub: HubId, weights: bool, cache: str) -> str:
         if weights:
             snapshot_download(hub.repo_id, revision=os.path.basename(folder), allow_patterns=weight_files(folder))
     except GatedRepoError:
-        raise ConfigError(f"model.path: {path!r} is gated on the Hugging Face hub: accept its terms at "
+        raise ConfigError(f"{asked} is gated on the Hugging Face hub: accept its terms at "
                           f"https://huggingface.co/{hub.repo_id} and log in (hf auth login), or give a "
                           "folder") from None
     except RevisionNotFoundError:
-        raise ConfigError(f"model.path: {path!r}: the hub's {hub.repo_id} has no revision {hub.revision!r}") from None
+        raise ConfigError(f"{asked}: the hub's {hub.repo_id} has no revision {hub.revision!r}") from None
     except RepositoryNotFoundError:
-        raise ConfigError(f"model.path: {path!r} is neither a folder nor a model on the Hugging Face hub (a private "
+        raise ConfigError(f"{asked} is neither a folder nor a model on the Hugging Face hub (a private "
                           "one needs hf auth login)") from None
     except LocalEntryNotFoundError as err:  # the hub cannot be reached
-        raise ConfigError(f"model.path: {path!r} is neither a folder nor in the Hugging Face cache ({cache}), and "
+        raise ConfigError(f"{asked} is neither a folder nor in the Hugging Face cache ({cache}), and "
                           f"the hub cannot be reached ({console.first_line(err)}): {_what_to_do(hub)}") from None
     except (HfHubHTTPError, OSError) as err:
-        raise ConfigError(f"model.path: {path!r}: the download from the Hugging Face hub to {cache} failed "
+        raise ConfigError(f"{asked}: the download from the Hugging Face hub to {cache} failed "
                           f"({console.first_line(err)})") from None
     return folder
 

@@ -159,6 +159,21 @@ def test_online_an_unreachable_hub_is_one_line(cache, monkeypatch, capsys):
         f"`hf download {REPO_ID}` or give a folder")
 
 
+def test_generate_samples_from_a_cached_hub_id(cache, tiny_model, capsys):
+    from jaxascend.generate import main as generate
+
+    snapshot = put_in_cache(cache, REPO_ID, tiny_model, "a" * 40)
+    assert generate(["--checkpoint", REPO_ID, "--prompt", "hello", "--max-new-tokens", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("hello")
+    assert err.startswith(f"note: --checkpoint: '{REPO_ID}' is read from the Hugging Face cache's snapshot {snapshot} "
+                          "(revision main)\n")
+    assert generate(["--checkpoint", "no-org/no-model", "--prompt", "hello"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --checkpoint: 'no-org/no-model' is neither a folder nor in the Hugging Face cache ({cache}), and the "
+        "hub is offline (HF_HUB_OFFLINE=1): download it with `hf download no-org/no-model` or give a folder\n")
+
+
 # The CLIs, in fresh processes with the cache and the offline switch in their environment.
 
 def _cli(module: str, cache: Path, *overrides: str) -> subprocess.CompletedProcess:
