@@ -55,6 +55,7 @@ from jaxascend.offload.disk_plan import FilesystemUse, disk_use, run_disk_parts
 from jaxascend.offload.layout import OffloadLayout
 from jaxascend.offload.machine_limits import available_host_memory
 from jaxascend.offload.partition import Partition
+from jaxascend.offload.deepspeed_anchor import deepspeed_zero3_estimate
 from jaxascend.offload.plan_levers import device_levers, disk_levers, host_levers
 from jaxascend.offload.state_layout import StateLayoutOptions, TableLayout, checkpoint_slot_requests
 from jaxascend.offload.step_memory import step_memory
@@ -244,13 +245,6 @@ def _disk_problem(fs: FilesystemUse, levers: tuple) -> str:
     return (f"disk: {', '.join(by_field)}: {parts} = {format_bytes(fs.need)} on {fs.folder}, "
             f"{format_bytes(fs.short)} more than the {format_bytes(fs.free)} free there" + _lever_text(levers)
             + f"; or put {move} on a filesystem with that much free")
-
-
-def deepspeed_zero3_estimate(total_params: int, largest_layer_params: int) -> tuple[int, int]:
-    """(host, GPU) bytes of DeepSpeed's ``estimate_zero3_model_states_mem_needs`` with parameters
-    and optimizer offloaded to CPU, one GPU, ``zero_init`` and its default 1.5x buffer factor:
-    18 B/param of model states on the host, the largest layer in fp32 on the GPU."""
-    return int(total_params * 18 * 1.5), 4 * largest_layer_params
 
 
 def _streaming_refusal(cfg: Config) -> Optional[str]:
@@ -463,17 +457,21 @@ def _plan(cfg: Config, model_cfg: ModelConfig, params: str, gbps: float, runtime
 def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: Runtime, levers: bool,
                   processes: int) -> RunPlan:
     """``offload.params: auto``: resident if that fits the budget (without one: what the machine
-    can give), else ssd where the config allows it."""
+    can give) and the device's memory where it is known, else ssd where the config allows it."""
     resident = _plan(cfg, model_cfg, "resident", gbps, runtime, levers=False, processes=processes)
-    limit = resident.limit
-    if not cfg.offload.enabled or limit is None or resident.host_peak <= limit.nbytes:
+    limit, device = resident.limit, resident.device_limit
+    if limit is not None and resident.host_peak > limit.nbytes:
+        need, against = resident.host_peak, "the budget" if limit.source == BUDGET else f"the {limit.describe()}"
+    elif device is not None and resident.device_peak > device.nbytes:
+        need, against = resident.device_peak, f"the device's {format_bytes(device.nbytes)} ({device.source})"
+    else:
+        need = against = None
+    if not cfg.offload.enabled or against is None:
         params, choice = "resident", "offload.params: auto chose resident"
     else:
-        against = "the budget" if limit.source == BUDGET else f"the {limit.describe()}"
         if resident.streamable:
             params = "ssd"
-            choice = (f"offload.params: auto chose ssd (resident would need {format_bytes(resident.host_peak)}, "
-                      f"over {against})")
+            choice = f"offload.params: auto chose ssd (resident would need {format_bytes(need)}, over {against})"
         else:
             params = "resident"
             choice = f"offload.params: auto stays resident over {against}: {resident.streaming_refused}"

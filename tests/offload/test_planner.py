@@ -340,6 +340,24 @@ def test_device_memory_over_its_capacity_names_remat_the_weights_on_ssd_and_micr
     assert "\n" not in problem
 
 
+def test_auto_streams_the_weights_when_resident_would_overfill_the_device(tmp_path, roomy, monkeypatch):
+    cfg = _cfg(tmp_path, "model.remat=dots", "offload.params=auto", "data.batch_size=4")
+    model_cfg = _model(cfg)
+    monkeypatch.delenv(DEVICE_MEM_ENV, raising=False)
+    resident = plan_run(cfg, model_cfg, params="resident", runtime_bytes=0, levers=False)
+    ssd = plan_run(cfg, model_cfg, params="ssd", runtime_bytes=0, levers=False)
+    assert ssd.device_peak < resident.device_peak
+    monkeypatch.setenv(DEVICE_MEM_ENV, str((ssd.device_peak + resident.device_peak) // 2))
+    plan = plan_run(cfg, model_cfg, runtime_bytes=0)
+    assert plan.params == "ssd" and plan.problems() == []
+    [choice] = plan.choices
+    assert choice.startswith(f"offload.params: auto chose ssd (resident would need "
+                             f"{format_bytes(resident.device_peak)}, over the device's ")
+    assert choice.endswith("(JAXASCEND_DEVICE_MEM_BYTES))")
+    monkeypatch.setenv(DEVICE_MEM_ENV, str(resident.device_peak))  # resident fits: it stays
+    assert plan_run(cfg, model_cfg, runtime_bytes=0).params == "resident"
+
+
 def test_the_plan_cli_refuses_a_device_too_small_and_carries_its_capacity(tmp_path):
     overrides = SMALL + ["model.remat=dots", "offload.params=resident", "data.batch_size=4", "data.paths=[@stdlib]",
                          "data.max_documents=20"]
