@@ -181,7 +181,7 @@ def tiny_qwen(tmp_path_factory):
     """A tiny Qwen2 model in Hugging Face layout whose tokenizer has a chat template."""
     from transformers import AutoTokenizer
 
-    from jaxascend.hf.presets import make_hf_checkpoint
+    from jaxascend.hf import make_hf_checkpoint
 
     folder = make_hf_checkpoint("qwen2", "tiny", tmp_path_factory.mktemp("hf") / "qwen")
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
@@ -257,7 +257,7 @@ def test_chat_data_trains_with_a_shipped_config_that_sets_no_format(tmp_path, ca
     """configs/qwen2.5-0.5b.yaml as shipped (no data.format), on a tiny model in Hugging Face
     layout: chat JSONL and Parquet train, the note says what auto found, and the run's config
     (config.yaml, the checkpoint's) records chat; resumed with auto, it resolves the same."""
-    from jaxascend.checkpoint.step_meta import read_meta
+    from jaxascend.checkpoint import read_meta
     from jaxascend.config import load_config
     from jaxascend.trainer import run
 
