@@ -63,16 +63,37 @@ def fit_to_row(example: Example, row_len: int, overlong: str) -> tuple[Optional[
     return Example(example.ids[:row_len], example.trained[:row_len]), True
 
 
+class RowCursor:
+    """Where the next example goes among the rows of one batch: the packing rule alone, shared by
+    :class:`BatchBuilder` (which writes the example there) and the epoch count (which only counts)."""
+
+    def __init__(self, rows: int, row_len: int, packing: bool):
+        self.rows, self.row_len, self.packing = rows, row_len, packing
+        self.row, self.col = 0, 0
+
+    def place(self, n: int) -> Optional[tuple[int, int]]:
+        """(row, column) of an example of ``n`` tokens (at most a row): the current row or, if it
+        does not fit there (or ``packing`` is off), the next one; None when no row is left for it."""
+        if self.col > 0 and (not self.packing or self.col + n > self.row_len):
+            self.row, self.col = self.row + 1, 0
+        if self.row == self.rows:
+            return None
+        at = (self.row, self.col)
+        self.col += n
+        return at
+
+
 class BatchBuilder:
     """Places examples (each at most a row long) into the rows of one batch, then makes the batch."""
 
     def __init__(self, rows: int, seq_len: int, pad_id: int, packing: bool):
-        self.rows, self.row_len, self.packing = rows, seq_len + 1, packing
+        self.row_len = seq_len + 1
+        self.cursor = RowCursor(rows, self.row_len, packing)
         self.tokens = np.full((rows, self.row_len), pad_id, np.int32)
         self.segments = np.zeros((rows, self.row_len), np.int32)  # 0 = padding
         self.positions = np.zeros((rows, self.row_len), np.int32)
         self.trained = np.zeros((rows, self.row_len), bool)
-        self.row, self.col, self.count = 0, 0, 0
+        self.count = 0
 
     def add(self, example: Example) -> bool:
         """Places ``example`` in the current row or, if it does not fit there, the next one;
@@ -80,16 +101,14 @@ class BatchBuilder:
         n = len(example.ids)
         if n > self.row_len:
             raise ValueError(f"BatchBuilder.add: an example of {n} tokens does not fit a row of {self.row_len}")
-        if self.col > 0 and (not self.packing or self.col + n > self.row_len):
-            self.row, self.col = self.row + 1, 0
-        if self.row == self.rows:
+        at = self.cursor.place(n)
+        if at is None:
             return False
-        r, c = self.row, self.col
+        r, c = at
         self.tokens[r, c:c + n] = example.ids
         self.segments[r, c:c + n] = self.segments[r, c - 1] + 1 if c else 1
         self.positions[r, c:c + n] = np.arange(n, dtype=np.int32)
         self.trained[r, c:c + n] = example.trained
-        self.col += n
         self.count += 1
         return True
 
@@ -167,6 +186,7 @@ class ExampleStream:
             self._counts = {k: getattr(restored, k) for k in self._counts}
         self._read_epoch, self._read_example = self._epoch, self._example
         self._pending: collections.deque[Example] = collections.deque()  # encoded, from the next one on
+        self._lengths: Optional[np.ndarray] = None  # example_lengths(), once asked for
 
     def _settings(self) -> dict:
         return {"seed": self.cfg.seed, "num_examples": self.num_examples, "fingerprint": self._fingerprint,
@@ -193,6 +213,46 @@ class ExampleStream:
     def stats(self) -> dict:
         """Examples consumed so far (across resumes): seen (placed or dropped), truncated, dropped."""
         return {f"examples_{k}": v for k, v in self._counts.items()}
+
+    @property
+    def epochs_seen(self) -> float:
+        """Epochs consumed so far (across resumes): whole ones plus the fraction of the examples
+        of the current one placed or dropped."""
+        return self._epoch + self._example / self.num_examples
+
+    def example_lengths(self) -> np.ndarray:
+        """int64 [n]: the tokens of every example as encoded (before fitting a row), in index
+        order; every example read and encoded once, then kept."""
+        if self._lengths is None:
+            lengths = np.empty(self.num_examples, np.int64)
+            for lo in range(0, self.num_examples, 4 * _READ_AHEAD_EXAMPLES):
+                hi = min(lo + 4 * _READ_AHEAD_EXAMPLES, self.num_examples)
+                lengths[lo:hi] = [len(e.ids) for e in self.source.encode(range(lo, hi))]
+            self._lengths = lengths
+        return self._lengths
+
+    def batches_to_cover(self, items: int) -> int:
+        """The batches a stream from the start yields until the first ``items`` examples of its
+        order (epoch after epoch) are all in them, placed or dropped: ``__next__``'s rule
+        (:func:`fit_to_row`, :class:`RowCursor`) run on the examples' lengths alone."""
+        cfg, row_len = self.cfg, self.cfg.seq_len + 1
+        lengths = self.example_lengths()
+        fitted = np.where(lengths <= row_len, lengths, row_len if cfg.overlong == "truncate" else 0)
+        if not fitted.any():
+            raise self._all_too_long()
+        batches, cursor = 0, None
+        for epoch in range(-(-items // self.num_examples)):
+            take = min(self.num_examples, items - epoch * self.num_examples)
+            for n in fitted[self.source.index.epoch_order(cfg.seed, epoch)[:take]].tolist():
+                if n and (cursor is None or cursor.place(n) is None):  # 0: dropped, in the batch being built
+                    batches, cursor = batches + 1, RowCursor(cfg.batch_size, row_len, cfg.packing)
+                    cursor.place(n)
+        return max(batches, 1)  # items all dropped: the first batch consumes them
+
+    def _all_too_long(self) -> ValueError:
+        return ValueError(f"data.overlong: drop: every one of the {self.num_examples} examples is longer than a row "
+                          f"of data.seq_len + 1 = {self.cfg.seq_len + 1} tokens; raise data.seq_len or set "
+                          "data.overlong: truncate")
 
     def _order_of(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:
@@ -234,9 +294,7 @@ class ExampleStream:
                 dropped_in_a_row += 1
                 # 2N drops in a row span a whole epoch: every example is too long.
                 if dropped_in_a_row >= 2 * self.num_examples:
-                    raise ValueError(f"data.overlong: drop: every one of the {self.num_examples} examples is "
-                                     f"longer than a row of data.seq_len + 1 = {cfg.seq_len + 1} tokens; raise "
-                                     "data.seq_len or set data.overlong: truncate")
+                    raise self._all_too_long()
                 continue
             if not builder.add(example):
                 return builder.finish()

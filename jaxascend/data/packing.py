@@ -106,6 +106,7 @@ class BatchStream:
             self._epoch, self._document, self._token = restored.epoch, restored.document, restored.token
         self._read_epoch, self._read_document = self._epoch, self._document
         self._pending: collections.deque[np.ndarray] = collections.deque()  # framed, tokenized docs
+        self._lengths: Optional[np.ndarray] = None  # document_lengths(), once asked for
         if self._token:
             self._read_ahead()
             if self._token >= len(self._pending[0]):
@@ -139,6 +140,38 @@ class BatchStream:
     def stats(self) -> dict:
         """Documents consumed so far (whole ones, across resumes and epochs), as ExampleStream counts examples."""
         return {"documents_seen": self._epoch * self.num_documents + self._document}
+
+    @property
+    def epochs_seen(self) -> float:
+        """Epochs consumed so far (across resumes): whole ones plus the fraction of the current
+        one's documents consumed whole."""
+        return self._epoch + self._document / self.num_documents
+
+    def document_lengths(self) -> np.ndarray:
+        """int64 [n]: the tokens of every framed document (bos, its tokens, eos), in index order;
+        every document read and tokenized once, then kept."""
+        if self._lengths is None:
+            framing = len(self._prefix) + len(self._suffix)
+            lengths = np.empty(self.num_documents, np.int64)
+            lo = 0
+            while lo < self.num_documents:  # about _READ_AHEAD_BYTES of text per tokenizer call
+                ahead = np.cumsum(self.index.length[lo:lo + _READ_AHEAD_DOCS])
+                hi = lo + max(1, int(np.searchsorted(ahead, _READ_AHEAD_BYTES)))
+                ids = self.tokenizer.encode_batch([self.index.read(i) for i in range(lo, hi)])
+                lengths[lo:hi] = [len(x) + framing for x in ids]
+                lo = hi
+            self._lengths = lengths
+        return self._lengths
+
+    def batches_to_cover(self, items: int) -> int:
+        """The batches a stream from the start yields until the first ``items`` documents of its
+        order (epoch after epoch, without a gap) are all in them: their tokens over a batch's."""
+        lengths = self.document_lengths()
+        epochs, rest = divmod(items, self.num_documents)
+        tokens = epochs * int(lengths.sum())
+        if rest:
+            tokens += int(lengths[self.index.epoch_order(self.cfg.seed, epochs)[:rest]].sum())
+        return -(-tokens // (self.cfg.batch_size * (self.cfg.seq_len + 1)))
 
     def _order_of(self, epoch: int) -> np.ndarray:
         if epoch != self._order_epoch:
