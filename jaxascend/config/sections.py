@@ -360,6 +360,9 @@ class DistributedConfig:
 REPORT_BACKENDS = {"tensorboard": ("tensorboardX", "pip install tensorboardX"),
                    "wandb": ("wandb", "pip install wandb (or pip install -e '.[wandb]')")}
 
+# train.steps when neither it nor train.epochs is given.
+DEFAULT_STEPS = 100
+
 # The signals a run can be told to stop on (train.stop_signals); all of them by default.
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP")
 
@@ -367,7 +370,17 @@ STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP")
 class TrainConfig:
     """The loop: how long, how often to log, where outputs go."""
 
-    steps: int = 100  # optimizer steps of the whole run
+    steps: Optional[int] = None  # optimizer steps of the whole run; null: 100, or train.epochs's count when given
+    # Passes over the data, instead of train.steps: give one of the two (both is an error, also a
+    # config file's one and a --set of the other: the error names the --set ...=null to add). The
+    # run's first phase counts the steps from the data: the batches until every document or example
+    # of the epochs was in one (a fraction: the first part of an epoch's seeded order; each is
+    # tokenized once to count), over train.grad_accum rounded up, so each batch is trained on once
+    # and a last step the epochs leave short takes its other micro-batches from the data after
+    # them. One note says the count (python -m jaxascend.plan too, once the data is there);
+    # train.steps is then that count in config.yaml, the checkpoints and the schedule, and a resume
+    # counts the same data to the same steps.
+    epochs: Optional[float] = None
     seed: int = 0  # the init of a model from scratch, stochastic rounding of compressed state, sampling
     grad_accum: int = 1  # micro-batches per optimizer step, each layer running them in turn (overlap and jobs alike)
     log_every: int = 10  # a metrics.jsonl record (and a progress bar update of the figures) every N steps
@@ -403,6 +416,13 @@ class TrainConfig:
             raise ConfigError(f"train.stop_signals: expected some of {', '.join(STOP_SIGNALS)} (each once), got "
                               f"{self.stop_signals!r}")
         check_range("train.steps", self.steps, lo=1)
+        check_range("train.epochs", self.epochs, lo=0, lo_open=True)
+        if self.steps is not None and self.epochs is not None:
+            raise ConfigError(f"train.epochs: give train.steps or train.epochs, not both (steps {self.steps}, "
+                              f"epochs {self.epochs:g})")
+        if self.epochs is None and self.steps is None:
+            self.steps = DEFAULT_STEPS
+        # With train.epochs the last step is known once the data is counted (checked there).
         check_range("train.stop_at_step", self.stop_at_step, lo=1, hi=self.steps)
         check_range("train.grad_accum", self.grad_accum, lo=1)
         check_range("train.log_every", self.log_every, lo=1)
