@@ -60,7 +60,7 @@ OVERLAP = "offload.overlap"
 PARAMS = "offload.params"
 CLAIMS = [
     # offload.enabled
-    Claim("offload.enabled", "false: the in-memory baseline (one process", ("offload.enabled=false",), job=JOB,
+    Claim("offload.enabled", "false: the in-memory engine, everything in RAM (one process", ("offload.enabled=false",), job=JOB,
           refused="the in-memory engine runs one process"),
     Claim("offload.enabled", "one device", ("offload.enabled=false",), job=DEVICES,
           plan={"engine": "in-memory", "partition": None, "local_devices": 1},
@@ -69,7 +69,7 @@ CLAIMS = [
           plan={"engine": "in-memory", "overlap": False, "overlap_refused": None}, no_note=OVERLAP_OFF),
     Claim("offload.enabled", "no offload.params: ssd", ("offload.enabled=false", "model.remat=full",
                                                         "offload.params=ssd"), refused="needs offload.enabled: true"),
-    Claim("offload.enabled", "true: the offloaded engine", ("model.remat=full",), plan={"engine": "offload"}),
+    Claim("offload.enabled", "true (the default): the offloaded engine", ("model.remat=full",), plan={"engine": "offload"}),
     # offload.host_memory_budget
     Claim("offload.host_memory_budget", "the run's host memory (the plan's total, the arena included) must fit",
           ("model.remat=full", "offload.params=ssd", "offload.host_memory_budget=1MiB"),
