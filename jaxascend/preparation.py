@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from jaxascend.config import Config, ConfigError, DataConfig, ModelConfig
-from jaxascend.data import (eval_batches, has_tokenizer_files, load_tokenizer, make_batch_stream, missing_paths,
-                            read_data_format, tokenizer_folder)
+from jaxascend.data import (EpochCount, eval_batches, has_tokenizer_files, load_tokenizer, make_batch_stream,
+                            missing_paths, read_data_format, tokenizer_folder, with_epoch_steps)
 from jaxascend.hf import ModelSource, check_hf_weights, locate_model, model_config_from_hf, param_plan
 from jaxascend.models import TokenBatch, token_batch
 from jaxascend.offload import JobShape, RunPlan, StepPlan
@@ -182,7 +182,9 @@ def read_available_inputs(cfg: Config) -> RunInputs:
 class PreparedRun:
     """What a run has read and decided before it writes anything."""
 
-    cfg: Config  # offload.params resolved (auto -> resident or ssd), data.format too (auto -> what the data holds)
+    # offload.params resolved (auto -> resident or ssd), data.format too (auto -> what the data holds),
+    # train.steps from train.epochs (which is then None)
+    cfg: Config
     model_cfg: ModelConfig  # config.json's architecture (or the config's) with the run's numerics
     sized: ModelConfig  # the same with the run's vocabulary
     tokenizer: Any  # None only from read_available_inputs
@@ -192,6 +194,7 @@ class PreparedRun:
     step: StepPlan  # the step's modes, refusals and notes
     assumed: tuple[str, ...] = ()  # what the plan assumed for inputs it did not read
     notes: tuple[str, ...] = ()  # the model section's fields config.json replaced (a note line, or none)
+    epochs: Optional[EpochCount] = None  # what train.epochs came to (its steps are cfg.train.steps)
 
     @property
     def model_folder(self) -> Optional[str]:
@@ -218,8 +221,10 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     check_decay_rule(opt.weight_decay_mask, [m.dotted for m in param_plan(sized)], opt.weight_decay)
     # offload.params auto -> resident or ssd; host memory and disk by part (the runtime part
     # measured here, after the tokenizer and the data index; estimated for those not read).
+    # train.epochs -> train.steps, counted on the data index (the disk plan counts the checkpoints by them).
+    cfg, epochs, epoch_lines = with_epoch_steps(cfg, inputs.stream)
     cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete, processes=job.processes)
     step = StepPlan.resolve(cfg, sized, job, choices=plan.choices)
     model_lines = model_notes(cfg.model, model_cfg)
     return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, plan, step,
-                       inputs.assumed, inputs.notes + model_lines)
+                       inputs.assumed, inputs.notes + model_lines + epoch_lines, epochs)

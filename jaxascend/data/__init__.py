@@ -16,6 +16,9 @@
   encoded to ids and a trained mask; :class:`~jaxascend.data.chat_templates.ChatTemplate` / :func:`load_chat_template` render chats;
 * :class:`~jaxascend.data.example_packing.ExampleStream` -- examples packed into rows (:class:`~jaxascend.data.example_packing.PackedBatch`: tokens, loss_mask,
   segment_ids, positions), seeded and resumable; :func:`make_batch_stream` picks the stream;
+* :func:`~jaxascend.data.epochs.with_epoch_steps` -- ``train.epochs`` counted into ``train.steps``
+  (:class:`~jaxascend.data.epochs.EpochCount`: the batches until every document or example of
+  the epochs was in one, over ``train.grad_accum``);
 * :func:`eval_batches` -- one pass over held-out data in file order, for every format;
 * :func:`~jaxascend.data.first_records.read_data_format` -- ``data.format: auto`` resolved from the
   first record of each file, and those records checked, with no tokenizer (the planner too);
@@ -27,6 +30,7 @@ Imports only :mod:`jaxascend.config`.
 
 from jaxascend.data.chat_templates import load_chat_template
 from jaxascend.data.discovery import missing_paths
+from jaxascend.data.epochs import EpochCount, with_epoch_steps
 from jaxascend.data.eval_data import eval_batches
 from jaxascend.data.example_packing import make_batch_stream
 from jaxascend.data.first_records import read_data_format
@@ -35,7 +39,7 @@ from jaxascend.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, ha
                                        tokenizer_folder, write_hf_tokenizer)
 
 __all__ = [
-    "BatchStream", "ByteTokenizer", "HFTokenizer", "Tokenizer", "eval_batches",
+    "BatchStream", "ByteTokenizer", "EpochCount", "HFTokenizer", "Tokenizer", "eval_batches",
     "has_tokenizer_files", "load_chat_template", "load_tokenizer", "make_batch_stream", "missing_paths",
-    "read_data_format", "tokenizer_folder", "write_hf_tokenizer",
+    "read_data_format", "tokenizer_folder", "with_epoch_steps", "write_hf_tokenizer",
 ]

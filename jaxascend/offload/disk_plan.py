@@ -56,6 +56,8 @@ def checkpoints_kept(cfg: Config) -> int:
     every save of a run that saves fewer times (``every_steps``, and one at the end). A run that
     also saves by the clock (``every_minutes``) may save at any step."""
     every, steps = cfg.checkpoint.every_steps, cfg.train.steps
+    if steps is None:  # train.epochs, the data not read yet (the planner): the most a run keeps
+        return cfg.checkpoint.keep_last + 1 if every > 0 or cfg.checkpoint.every_minutes > 0 else 1
     if cfg.checkpoint.every_minutes > 0:
         saves = steps
     else:
