@@ -84,17 +84,17 @@ def finish_from_checkpoint(prepared, point, last: int, main: bool, stack: dict) 
     if not due:
         if main:
             print(point.finished_line(last, cfg.train.steps), file=console.terminal(), flush=True)
-        return _result(cfg, point, "untouched", stopped, stack)
+        return _result(prepared, point, "untouched", stopped, stack)
     offload_files = _left_offload_files(cfg, point.step) if prepared.step.engine == "offload" else "none"
     if not main:
-        return _result(cfg, point, offload_files, stopped, stack)
+        return _result(prepared, point, offload_files, stopped, stack)
     names = due.names(cfg, out_dir)
     console.note(f"the run reached step {point.step}, but {_listed(names)} {'was' if len(names) == 1 else 'were'} "
                  f"not written (it was stopped after its last checkpoint): writing "
                  f"{'it' if len(names) == 1 else 'them'} from checkpoint {point.step} in {point.directory}")
     if due.params or due.export or due.samples:
         _write_from(prepared, point, due)
-    result = _result(cfg, point, offload_files, stopped, stack, written=names,
+    result = _result(prepared, point, offload_files, stopped, stack, written=names,
                      num_params=sum(math.prod(m.shape) for m in param_plan(prepared.sized)))
     write_summary(out_dir, result)  # last, as a run writes it
     if stopped:
@@ -123,10 +123,11 @@ def _listed(names: list[str]) -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
-def _result(cfg: Config, point, offload_files: str, stopped: bool, stack: dict,
+def _result(prepared, point, offload_files: str, stopped: bool, stack: dict,
             written: list[str] = (), num_params: int = 0) -> TrainResult:
     """The summary of a run this invocation trained no step of: the checkpoint's losses and the
     figures of its last logged step."""
+    cfg: Config = prepared.cfg
     losses = list(point.meta.get("losses", []))
     record = last_record(Path(cfg.train.out_dir), point.step) if written else {}
     eval_loss = record.get("eval_loss")
@@ -139,4 +140,4 @@ def _result(cfg: Config, point, offload_files: str, stopped: bool, stack: dict,
                        data={k[len("data_"):]: v for k, v in record.items() if k.startswith("data_") and k != "data_state"},
                        state_dtype=record.get("state_dtype", cfg.optimizer.state_dtype), offload_files=offload_files,
                        stop_at_step=point.step if stopped else None, written_from_checkpoint=list(written),
-                       stack=stack)
+                       stack=stack, epochs=prepared.epochs.to_dict() if prepared.epochs else None)

@@ -5,7 +5,8 @@ Prints, before anything is allocated, what the run of that config will need: hos
 can give, device memory, the disk each filesystem must hold (offload files, the checkpoints kept,
 the end-of-run weights) against its free space, SSD bytes per step and the step-time floor at a
 given (``--disk-gbps``) or measured (``--measure-disk``) disk speed; ``offload.params: auto`` is
-resolved as the trainer resolves it, and a part that does not fit names its levers with figures.
+resolved as the trainer resolves it, ``train.epochs`` counted into steps from the data (a
+``note: steps:`` line), and a part that does not fit names its levers with figures.
 A model folder holding only ``config.json`` is enough: without tokenizer files the vocabulary is
 config.json's, without the data the runtime part is estimated (each said on a ``note:`` line).
 ``python -m jaxascend.train`` runs the same plan first, with every input read, and refuses a run
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             return 2
     plan, step = prepared.plan, prepared.step
     if args.json:
-        print(json.dumps({**plan.to_dict(), "step": step.describe(), "assumed": list(prepared.assumed)}, indent=1))
+        print(json.dumps({**plan.to_dict(), "step": step.describe(), "assumed": list(prepared.assumed),
+                          "steps": prepared.cfg.train.steps,  # None: train.epochs, the data not read
+                          "epochs": prepared.epochs.to_dict() if prepared.epochs else None}, indent=1))
     else:
         print(plan.format())
         for line in prepared.assumed:

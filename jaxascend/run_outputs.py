@@ -71,6 +71,9 @@ class TrainResult:
     # What made the run (jaxascend.provenance.RunStack.to_dict()): versions, commit, CPU, its
     # vector ISA, the AdamW kernel dispatched, the devices.
     stack: dict = dataclasses.field(default_factory=dict)
+    # What train.epochs came to (jaxascend.data.EpochCount.to_dict(): epochs, unit, per_epoch,
+    # covered, batches, grad_accum, steps); None: the run's length was train.steps.
+    epochs: Optional[dict] = None
     devices: str = ""  # the run's first line: "backend: gpu, 1 device: NVIDIA H200 (139.8 GiB)"
     # The largest peak of device memory over the local devices (None: not reported, the CPU
     # backend without JAXASCEND_DEVICE_MEM_BYTES); jaxascend.devices.

@@ -109,7 +109,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
     # cannot fit or run stops here, naming the part; nothing is written before.
     prepared = prepare_run(cfg, JobShape(group.count, group.index, jax.local_device_count()))
     point = resume_point(prepared.cfg, group.count)
-    last = cfg.train.stop_at_step or cfg.train.steps
+    last = prepared.cfg.train.stop_at_step or prepared.cfg.train.steps  # train.steps counted from train.epochs
     if point.step >= last:  # nothing left to train; outputs a kill left unwritten are written
         return finish_from_checkpoint(prepared, point, last, group.is_main, stack.to_dict())
     prepared.plan.check()
@@ -171,7 +171,8 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
                          ssd_bytes_written_run=report.ssd_written_bytes_run or 0,
                          state_dtype=report.state_dtype or "float32", steps_this_run=r.last - start,
                          offload_files=offload_files, stop_at_step=r.last if r.stopped else None,
-                         stack=stack.to_dict(), devices=r.devices, peak_device_mem_bytes=devices.peak())
+                         stack=stack.to_dict(), devices=r.devices, peak_device_mem_bytes=devices.peak(),
+                         epochs=prepared.epochs.to_dict() if prepared.epochs else None)
     if r.main:
         write_summary(r.out_dir, result)  # last: with its step, it says the run's outputs are complete
         print(_summary(result, report, describe_rate(steady, start + 1), stack.one_line()))
@@ -273,6 +274,7 @@ def _summary(r: TrainResult, report: EngineReport, rate: str, stack: str) -> str
                                + "; figures of process 0)" if processes > 1
                                else f" (data parallel over {devices} devices)" if devices > 1 else "")),
         ("steps (skipped for overflow)", f"{r.steps} ({r.skipped_steps})"
+                                         + (f", train.epochs {r.epochs['epochs']:g}" if r.epochs else "")
                                          + (f", stopped at train.stop_at_step {r.stop_at_step}" if r.stop_at_step else "")),
         ("parameters", f"{r.num_params:,}"),
         ("loss first -> last", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}"),

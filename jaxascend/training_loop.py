@@ -166,6 +166,8 @@ class TrainingLoop:
             # device_mem_bytes / _peak_bytes / _capacity_bytes: absent where no device reports them
             **self.devices.record(),
             "data_state": stream.state(),
+            # Epochs of the data consumed so far (whole documents or examples), like Trainer's "epoch".
+            "epoch": round(stream.epochs_seen, 4),
             **{f"data_{k}": v for k, v in stream.stats().items()},
             **report.record(),
             **{k: v for k, v in result.record().items() if k not in ("loss", "grad_norm")},
