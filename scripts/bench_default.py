@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import statistics
 import sys
@@ -28,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_child import run_train_child  # noqa: E402
+
+from jaxascend.provenance import collect  # noqa: E402
 
 CONTENDERS = {"none": ["model.remat=none"], "dots": ["model.remat=dots"]}
 
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
                 print(f"round {r + 1} {name}: {results[name][-1]['s_per_step']:.3f} s/step", file=sys.stderr)
     tail = lambda run: statistics.mean(loss for _, loss in run["losses"][-3:])  # noqa: E731
     summary = {
-        "cpu": platform.processor() or platform.machine(),
+        "machine": collect().one_line(),
         "steps": args.steps, "rounds": args.rounds,
         "s_per_step": {n: [run["s_per_step"] for run in runs] for n, runs in results.items()},
         "peak_system_gib": {n: [run["peak_system_bytes"] / 2**30 for run in runs] for n, runs in results.items()},
