@@ -83,7 +83,8 @@ def finish_from_checkpoint(prepared, point, last: int, main: bool, stack: dict) 
            if point.step == last else OutputsDue())
     if not due:
         if main:
-            print(point.finished_line(last, cfg.train.steps), file=console.terminal(), flush=True)
+            epochs = prepared.epochs.epochs if prepared.epochs is not None else None
+            print(point.finished_line(last, cfg.train.steps, epochs), file=console.terminal(), flush=True)
         return _result(prepared, point, "untouched", stopped, stack)
     offload_files = _left_offload_files(cfg, point.step) if prepared.step.engine == "offload" else "none"
     if not main:

@@ -57,9 +57,12 @@ class ResumePoint:
                              if key in state)
         return f"resuming from checkpoint step {self.step} in {self.directory}{when}; data position: {position or 'start'}"
 
-    def finished_line(self, last: int, steps: int) -> str:
-        return (f"{self.directory}: the run is already at step {self.step}, at or past train.steps {steps}; "
-                "nothing to do (raise train.steps to train further)" if last == steps else
+    def finished_line(self, last: int, steps: int, epochs: Optional[float] = None) -> str:
+        """The line of a run with nothing left to do; ``epochs``: the run's length was train.epochs."""
+        length = f"train.steps {steps}" if epochs is None else f"train.epochs {epochs:g} ({steps} steps)"
+        raise_it = "train.steps" if epochs is None else "train.epochs"
+        return (f"{self.directory}: the run is already at step {self.step}, at or past {length}; "
+                f"nothing to do (raise {raise_it} to train further)" if last == steps else
                 f"{self.directory}: the run is already at step {self.step}, at or past train.stop_at_step {last}; "
                 f"nothing to do (to go on to train.steps {steps}, run the same command without train.stop_at_step "
                 "or with a later step)")

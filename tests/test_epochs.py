@@ -192,7 +192,7 @@ def test_one_epoch_trains_on_every_document_once(tmp_path, corpus, capsys):
     assert load_config(tmp_path / "run" / "config.yaml").train.steps == batches  # the resolved config
 
 
-def test_a_resumed_epoch_run_counts_the_same_steps(tmp_path, corpus):
+def test_a_resumed_epoch_run_counts_the_same_steps(tmp_path, corpus, capsys):
     out = tmp_path / "run"
     steps = _count(_cfg(out, corpus, "train.epochs=1", "train.grad_accum=2")).steps
     first = run(_cfg(out, corpus, "train.epochs=1", "train.grad_accum=2", "train.stop_at_step=2",
@@ -201,3 +201,7 @@ def test_a_resumed_epoch_run_counts_the_same_steps(tmp_path, corpus):
     resumed = run(_cfg(out, corpus, "train.epochs=1", "train.grad_accum=2"))
     assert resumed.steps == len(resumed.losses) == steps and resumed.steps_this_run == steps - 2
     assert json.loads((out / "summary.json").read_text())["epochs"]["steps"] == steps
+    # Once there, the same command has nothing to do, and says to raise the epochs (not the steps).
+    run(_cfg(out, corpus, "train.epochs=1", "train.grad_accum=2"))
+    assert f"at or past train.epochs 1 ({steps} steps); nothing to do (raise train.epochs to train further)" in \
+        capsys.readouterr().err
