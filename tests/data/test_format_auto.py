@@ -264,7 +264,7 @@ def test_chat_data_trains_with_a_shipped_config_that_sets_no_format(tmp_path, ca
     data = write_jsonl(tmp_path / "chat.jsonl", RECORDS["chat"]) if kind == "jsonl" else _parquet_chat(tmp_path)
     out = tmp_path / "run"
     overrides = [f"model.path={tiny_qwen}", f"data.paths=[{data}]", "data.seq_len=64", "data.batch_size=2",
-                 "train.steps=3", f"train.out_dir={out}", f"offload.dir={out / 'offload'}", "checkpoint.every_steps=2",
+                 "train.epochs=null", "train.steps=3", f"train.out_dir={out}", f"offload.dir={out / 'offload'}", "checkpoint.every_steps=2",
                  "offload.enabled=true"]
     cfg = load_config("configs/qwen2.5-0.5b.yaml", overrides + ["train.stop_at_step=2"])
     assert cfg.data.format == "auto"
