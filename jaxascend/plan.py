@@ -8,7 +8,9 @@ given (``--disk-gbps``) or measured (``--measure-disk``) disk speed; ``offload.p
 resolved as the trainer resolves it, ``train.epochs`` counted into steps from the data (a
 ``note: steps:`` line), and a part that does not fit names its levers with figures.
 A model folder holding only ``config.json`` is enough: without tokenizer files the vocabulary is
-config.json's, without the data the runtime part is estimated (each said on a ``note:`` line).
+config.json's, without the data the runtime part is estimated (each said on a ``note:`` line); the
+first record of every data file is read either way (``data.format: auto`` resolved, a wrong field
+refused with the trainer's own line).
 ``python -m jaxascend.train`` runs the same plan first, with every input read, and refuses a run
 that does not fit. Exit status: 0 when the run fits, 1 when it does not (``does not fit:``
 lines), 2 on bad input (one ``error:`` line).
