@@ -120,11 +120,6 @@ def test_neither_length_is_the_default_steps(corpus):
 @pytest.mark.parametrize("yaml_train, overrides, message", [
     ("steps: 5\n  epochs: 1", [], r"^train\.epochs: give train\.steps or train\.epochs, not both \(steps 5, epochs 1\)$"),
     ("log_every: 1", ["train.steps=5", "train.epochs=1"], r"^train\.epochs: give train\.steps or train\.epochs, not both"),
-    ("epochs: 3", ["train.steps=10"], r"^train\.steps: --set train\.steps=10 and the config file's train\.epochs: 3 "
-                                      r"both set the run's length; add --set train\.epochs=null to run by train\.steps$"),
-    ("steps: 300", ["train.epochs=0.5"], r"^train\.epochs: --set train\.epochs=0\.5 and the config file's train\.steps: "
-                                         r"300 both set the run's length; add --set train\.steps=null to run by "
-                                         r"train\.epochs$"),
     ("epochs: 0", [], r"^train\.epochs: must be > 0, got 0\.0$"),
     ("epochs: many", [], r"^train\.epochs: expected a number or null, got 'many'$"),
 ])
@@ -140,6 +135,21 @@ def test_the_set_that_clears_the_other_length_runs_as_asked(tmp_path, corpus):
     path.write_text(f"data:\n  paths: [{corpus}]\ntrain:\n  epochs: 3\n")
     cfg = load_config(path, ["train.steps=10", "train.epochs=null"])
     assert (cfg.train.steps, cfg.train.epochs) == (10, None)
+
+
+@pytest.mark.parametrize("yaml_train, overrides, length, note", [
+    ("epochs: 3", ["train.steps=10"], (10, None),
+     "note: train.steps: --set train.steps=10 replaces the config file's train.epochs: 3 (the two are exclusive)"),
+    ("steps: 300", ["train.epochs=0.5"], (None, 0.5),
+     "note: train.epochs: --set train.epochs=0.5 replaces the config file's train.steps: 300 (the two are exclusive)"),
+])
+def test_a_set_of_one_length_over_the_files_other_wins_in_a_note(tmp_path, corpus, capsys, yaml_train, overrides,
+                                                                    length, note):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"data:\n  paths: [{corpus}]\ntrain:\n  {yaml_train}\n")
+    cfg = load_config(path, overrides)
+    assert (cfg.train.epochs, None) == (length[1], None) and (length[0] is None or cfg.train.steps == length[0])
+    assert capsys.readouterr().err.splitlines() == [note]
 
 
 def test_a_stop_at_step_past_the_epochs_is_refused_once_counted(corpus):

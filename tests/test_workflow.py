@@ -222,7 +222,7 @@ def test_the_readmes_export_command_works_after_a_shipped_config(tmp_path, corpu
     readme = (REPO / "README.md").read_text()
     command = next(line for line in readme.splitlines() if line.startswith("python -m jaxascend.export"))
     args = command.split("#")[0].split()[3:]
-    run = tmp_path / "runs" / "my-run"
+    run = tmp_path / args[args.index("--checkpoint") + 1]  # the run folder the README exports
     proc = fine_tune(run, corpus, fp32_model, "train.steps=1", "offload.arena_bytes=64MiB",
                      "offload.chunk_bytes=1MiB", f"offload.dir={run}/offload", config="configs/qwen2.5-0.5b.yaml",
                      cwd=tmp_path)

@@ -255,15 +255,17 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 
 
 def check_length_sources(file_train: dict, data: dict, overrides: list[str]) -> None:
-    """Refuses a ``--set`` of ``train.steps`` or ``train.epochs`` over a config file that gives the
-    other (``file_train``: the file's train section), naming the ``--set ...=null`` that runs as
-    asked; both given in one place is TrainConfig's own refusal."""
+    """A ``--set`` of ``train.steps`` or ``train.epochs`` over a config file that gives the other
+    (``file_train``: the file's train section) wins over the file's, in one ``note:``; both given
+    in one place is TrainConfig's own refusal."""
     train = data.get("train")
     if not isinstance(train, dict) or train.get("steps") is None or train.get("epochs") is None:
         return
     keys = {item.split("=", 1)[0].strip() for item in overrides}
     for asked, other in (("steps", "epochs"), ("epochs", "steps")):
         if f"train.{asked}" in keys and f"train.{other}" not in keys and file_train.get(other) is not None:
-            raise ConfigError(f"train.{asked}: --set train.{asked}={train[asked]} and the config file's train.{other}: "
-                              f"{file_train[other]} both set the run's length; add --set train.{other}=null to run "
-                              f"by train.{asked}")
+            from jaxascend import console
+
+            train[other] = None
+            console.note(f"train.{asked}: --set train.{asked}={train[asked]} replaces the config file's "
+                         f"train.{other}: {file_train[other]} (the two are exclusive)")
