@@ -371,8 +371,8 @@ class TrainConfig:
     """The loop: how long, how often to log, where outputs go."""
 
     steps: Optional[int] = None  # optimizer steps of the whole run; null: 100, or train.epochs's count when given
-    # Passes over the data, instead of train.steps: give one of the two (both is an error, also a
-    # config file's one and a --set of the other: the error names the --set ...=null to add). The
+    # Passes over the data, instead of train.steps: give one of the two (both in one place is an
+    # error; a --set of one over a config file's other replaces it, said in a note). The
     # run's first phase counts the steps from the data: the batches until every document or example
     # of the epochs was in one (a fraction: the first part of an epoch's seeded order; each is
     # tokenized once to count), over train.grad_accum rounded up, so each batch is trained on once

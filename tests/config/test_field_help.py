@@ -174,6 +174,7 @@ DECIDED_ELSEWHERE = {
     "data.tokenizer": "the tokenizer, not a step mode: test_the_tokenizer_auto_of_a_model_from_scratch_is_bytes",
     "data.format": "the data's first records, not a step mode: tests/data/test_format_auto.py",
     "checkpoint.every_minutes": "a schedule, not a mode (0: off): tests/test_run_bookkeeping.py",
+    "train.epochs": "the run's length, counted from the data: tests/test_epochs.py (the note of a --set over the file's other)",
 }
 # The words of a claim about a mode: on, off, chosen, refused, needed, a fallback.
 CLAIM_WORDS = re.compile(r"\b(needs|refused|off|overlap|one process|one device|auto's|chooses|chose|falls back|"
