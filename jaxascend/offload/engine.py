@@ -44,14 +44,14 @@ from jaxascend.kill_points import kill_point
 from jaxascend.models import DTYPES, TokenBatch
 from jaxascend.offload.compute_weights import ComputeWeights
 from jaxascend.offload.grad_sink import step_errors
-from jaxascend.offload.gradient_routing import GradientRouting, sink_routing
+from jaxascend.offload.gradient_routing import GradientRouting, leaf_routes
 from jaxascend.offload.layout import STATE_SLOT_CLASS
 from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
 from jaxascend.offload.partition import DataParallel, Partition, local_value
 from jaxascend.offload.ssd_adamw import ssd_adamw_state
 from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.state_layout import StateLayoutOptions, TableLayout, checkpoint_slot_requests
-from jaxascend.offload.step import SinkRouting, bit_leaves, total_stats
+from jaxascend.offload.step import LeafRoutes, bit_leaves, total_stats
 from jaxascend.offload.step_plan import StepPlan
 from jaxascend.offload.timeline import StepTimeline
 from jaxascend.offload.update_runner import OverlappedUpdates, SequentialUpdates, UpdateRunner
@@ -93,7 +93,7 @@ class OffloadEngine:
         self.data_parallel = DataParallel(plan.partition, plan.local_devices) if plan.partition is not None else None
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         table = TableLayout.of(params, model_cfg)
-        routing = sink_routing(plan, params, model_cfg, table)
+        routing = leaf_routes(plan, params, model_cfg, table)
         full_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, DTYPES[model_cfg.dtype]), params)
         self.state = self._create_state(full_spec, model_cfg, table, routing)
         try:
@@ -130,7 +130,7 @@ class OffloadEngine:
             raise
 
     def _create_state(self, full_spec, model_cfg: ModelConfig, table: TableLayout,
-                      routing: SinkRouting) -> OffloadedAdamState:
+                      routing: LeafRoutes) -> OffloadedAdamState:
         """The arena, the store and the layout of this process's state (a job's: its slices)."""
         cfg, plan = self.cfg, self.plan
         spec = full_spec

@@ -27,11 +27,11 @@ from jaxascend.offload.partition import DataParallel
 from jaxascend.offload.post_backward_check import PostBackwardCheckedStep, make_full_gradient_step
 from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.state_layout import TableLayout
-from jaxascend.offload.step import SinkRouting, bit_dtypes_of, make_offload_eval, make_offload_step
+from jaxascend.offload.step import LeafRoutes, bit_dtypes_of, make_offload_eval, make_offload_step
 from jaxascend.offload.step_plan import StepPlan
 
 
-def sink_routing(plan: StepPlan, params, model_cfg: ModelConfig, table: TableLayout) -> SinkRouting:
+def leaf_routes(plan: StepPlan, params, model_cfg: ModelConfig, table: TableLayout) -> LeafRoutes:
     """Tensor ids of every leaf; with instant gradients each use of the token table (the lookup
     and, tied, the head) sends its gradient block by block and the sink sums the uses. Data
     parallel, a table not in blocks is sent whole once, its uses summed by the backward: its
@@ -39,7 +39,7 @@ def sink_routing(plan: StepPlan, params, model_cfg: ModelConfig, table: TableLay
     uses = ()
     if plan.table_per_use and (table.large or plan.partition is None):
         uses = ("lookup",) + (("head",) if model_cfg.tie_word_embeddings else ())
-    return SinkRouting.for_params(params, layer_stack_key(model_cfg.arch), token_table_path(model_cfg.arch), uses,
+    return LeafRoutes.for_params(params, layer_stack_key(model_cfg.arch), token_table_path(model_cfg.arch), uses,
                                   table.blocks, table_as_bits=table.large)
 
 
@@ -54,7 +54,7 @@ class GradientRouting:
     data_parallel: Optional[DataParallel]
 
     @classmethod
-    def build(cls, plan: StepPlan, graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting,
+    def build(cls, plan: StepPlan, graphdef: nnx.GraphDef, rest: nnx.State, routing: LeafRoutes,
               state: OffloadedAdamState, weights: ComputeWeights,
               data_parallel: Optional[DataParallel]) -> "GradientRouting":
         sink = state.gradient_sink(routing.arrivals())

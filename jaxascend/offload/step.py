@@ -10,7 +10,7 @@ is assembled. The loss is differentiated with respect to small "probe" arrays on
 * the step returns, per leaf (and per layer), ``[sum of squares, non-finite count]`` of the
   gradient: the overflow check and the global norm for clipping, with no extra pass or buffer.
 
-    routing = SinkRouting.for_params(params, stack_key="layers")
+    routing = LeafRoutes.for_params(params, stack_key="layers")
     step = make_offload_step(graphdef, rest, routing, handle)
     loss, stats = step(params, tokens, loss_scale)    # gradients are already on their way to SSD
     sumsq, nonfinite = total_stats(stats)
@@ -47,7 +47,7 @@ class LeafRoute:
 
 
 @dataclasses.dataclass(frozen=True)
-class SinkRouting:
+class LeafRoutes:
     """Tensor ids for every parameter leaf, split into layer-stack and top-level leaves."""
 
     stack_key: str
@@ -60,7 +60,7 @@ class SinkRouting:
     @classmethod
     def for_params(cls, params: nnx.State, stack_key: str, table: Optional[tuple[str, ...]] = None,
                    table_uses: tuple[str, ...] = (), table_blocks: int = 1,
-                   table_as_bits: bool = False) -> "SinkRouting":
+                   table_as_bits: bool = False) -> "LeafRoutes":
         """``stack_key`` is the attribute holding the scanned layers ('layers' for the Llama
         family, 'h' for GPT-2); its leaves have a leading layer axis. ``table``: the path of the
         token table, whose gradient arrives in ``table_blocks`` blocks of rows; with
@@ -125,7 +125,7 @@ class _SinkHooks:
     top-level leaves wrapped before the model is assembled, each layer's inside the scan, each
     block of each use of the token table as the model computes it. One set per trace of the step."""
 
-    def __init__(self, routing: SinkRouting, sink: int, scatter=None):
+    def __init__(self, routing: LeafRoutes, sink: int, scatter=None):
         self.routing, self.sink, self.scatter = routing, sink, scatter
         self.routes = routing.by_key()
 
@@ -178,7 +178,7 @@ class _OrderedSinkHooks(_SinkHooks):
     gradients exists and once the table's blocks have passed back the group's token (the lookup
     is the backward's last loop), so none of them runs beside a loop's collectives."""
 
-    def __init__(self, routing: SinkRouting, sink: int, scatter):
+    def __init__(self, routing: LeafRoutes, sink: int, scatter):
         super().__init__(routing, sink, scatter)
         self.token = None  # the top-level group's, which every table block passes back in the backward
 
@@ -221,7 +221,7 @@ class _OrderedSinkHooks(_SinkHooks):
         return hook
 
 
-def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, sink: int,
+def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: LeafRoutes, sink: int,
                       loss_fn, source=None, data_parallel=None, whole_layers=None, bit_dtypes=()) -> Any:
     """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)`` (with ``step.lower``).
 
@@ -285,7 +285,7 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRout
     return _OffloadStep(data_parallel.batch_step(step, batch_axis=1, scalars=1), routing, use_bits=False)
 
 
-def _stack_shapes(routing: SinkRouting, source, data_parallel, whole_layers):
+def _stack_shapes(routing: LeafRoutes, source, data_parallel, whole_layers):
     """(the layer stack's abstract leaves, ``fetch(index)`` of one layer's whole weights) of a
     step whose stack is read through ``source`` (else ``(None, None)``): the model sees whole
     layers. Data parallel, the first device of each process fetches and its devices share the
@@ -329,7 +329,7 @@ def _stack_shapes(routing: SinkRouting, source, data_parallel, whole_layers):
     return abstract, fetch
 
 
-def _weight_hooks(routing: SinkRouting, fetch, stacked_keys: list[str], float_dtypes: dict[str, str]):
+def _weight_hooks(routing: LeafRoutes, fetch, stacked_keys: list[str], float_dtypes: dict[str, str]):
     """``(layer_weights(layer_params, index), table_block(block))``: a layer's real weights
     inside the scan (``fetch(index)``: from the parameter source, see :func:`_stack_shapes`; or
     its slice back from raw bits) and a token-table block back from raw bits; what both the
@@ -358,7 +358,7 @@ def _weight_hooks(routing: SinkRouting, fetch, stacked_keys: list[str], float_dt
     return layer_weights, table_block
 
 
-def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: SinkRouting, source=None,
+def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: LeafRoutes, source=None,
                       data_parallel=None, whole_layers=None, bit_dtypes=()) -> Any:
     """A jitted ``evaluate(params, batch) -> (sum of the counted targets' losses, their count)``
     on the compute params, forward only: nothing is differentiated, so no gradient reaches the
@@ -410,7 +410,7 @@ class _OffloadStep:
     """The step :func:`make_offload_step` returns: calls (or lowers) the jitted function, on CPU
     with the layer stack's 16-bit leaves as raw bits (:func:`stacked_as_bits`)."""
 
-    def __init__(self, jitted, routing: SinkRouting, use_bits: bool):
+    def __init__(self, jitted, routing: LeafRoutes, use_bits: bool):
         self._jitted = jitted
         self._routing = routing
         self._use_bits = use_bits
@@ -430,7 +430,7 @@ class _OffloadStep:
         return self._jitted.lower(params, *args, **bits)
 
 
-def bit_leaves(routing: SinkRouting, dtypes) -> dict[int, Any]:
+def bit_leaves(routing: LeafRoutes, dtypes) -> dict[int, Any]:
     """Leaf index -> float dtype of the leaves the step takes as raw bits (see
     :func:`stacked_as_bits`): the layer stack's 16-bit float leaves and a large token table whose
     uses send their blocks; ``dtypes``: each leaf's compute dtype, in leaf order."""
@@ -443,12 +443,12 @@ def bit_leaves(routing: SinkRouting, dtypes) -> dict[int, Any]:
     return out
 
 
-def bit_dtypes_of(routing: SinkRouting, bits: dict[int, Any]) -> tuple[tuple[str, str], ...]:
+def bit_dtypes_of(routing: LeafRoutes, bits: dict[int, Any]) -> tuple[tuple[str, str], ...]:
     """:func:`bit_leaves` as the step's static ``bit_dtypes``: ``((leaf key, dtype name), ...)``."""
     return tuple((r.key, jnp.dtype(bits[r.tensor]).name) for r in routing.routes if r.tensor in bits)
 
 
-def stacked_as_bits(params, routing: SinkRouting) -> tuple[Any, tuple[tuple[str, str], ...]]:
+def stacked_as_bits(params, routing: LeafRoutes) -> tuple[Any, tuple[tuple[str, str], ...]]:
     """The layer stack's 16-bit float leaves (and a large token table, see models.vocab) as
     uint16 arrays sharing their buffers, and ``((key, dtype name), ...)`` to turn each layer's
     (block's) slice back inside the scan.

@@ -11,7 +11,7 @@ from jaxascend.config import ModelConfig
 from jaxascend.models import build_model, next_token_loss
 from jaxascend.native import HOST_CALLBACKS_ENV
 from jaxascend.offload.grad_sink import MemorySink, register_memory_sink, unregister_sink
-from jaxascend.offload.step import SinkRouting, make_offload_step, total_stats
+from jaxascend.offload.step import LeafRoutes, make_offload_step, total_stats
 
 VOCAB = 50
 
@@ -33,7 +33,7 @@ def _setup(arch, dtype, remat):
                       param_dtype=dtype, remat=remat, tie_word_embeddings=arch == "gpt2", **heads, **extra)
     model = build_model(cfg, VOCAB, rngs=nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    routing = SinkRouting.for_params(params, "h" if arch == "gpt2" else "layers")
+    routing = LeafRoutes.for_params(params, "h" if arch == "gpt2" else "layers")
     sink, buffers = MemorySink(), {}
     for r in routing.routes:
         nbytes = int(np.prod(r.shape)) * jnp.dtype(r.dtype).itemsize
@@ -111,4 +111,4 @@ def test_overflow_is_detected_on_the_fly():
 def test_routing_needs_a_layer_stack():
     _, params, _, _, _, _ = _setup("llama", "float32", "none")
     with pytest.raises(ValueError, match="model parameters have no layer stack under 'blocks'"):
-        SinkRouting.for_params(params, "blocks")
+        LeafRoutes.for_params(params, "blocks")

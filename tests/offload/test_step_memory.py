@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxascend.config import load_config
 from jaxascend.models import build_model, next_token_loss
-from jaxascend.offload.step import SinkRouting, make_offload_step, stacked_as_bits
+from jaxascend.offload.step import LeafRoutes, make_offload_step, stacked_as_bits
 
 LAYERS, HIDDEN, MLP = 3, 64, 192
 
@@ -31,7 +31,7 @@ def _model(remat):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the fp32 widening is XLA's CPU float normalization")
 def test_no_fp32_copy_of_a_layer_stack():
     graphdef, params, rest = _model("full")
-    routing = SinkRouting.for_params(params, "layers")
+    routing = LeafRoutes.for_params(params, "layers")
     step = make_offload_step(graphdef, rest, routing, 1, _loss)  # compiled only: the sink is never called
     tokens = jax.ShapeDtypeStruct((1, 17), jnp.int32)
     hlo = step.lower(params, tokens, jax.ShapeDtypeStruct((), jnp.float32)).compile().as_text()
@@ -42,7 +42,7 @@ def test_no_fp32_copy_of_a_layer_stack():
 
 def test_stacked_as_bits_shares_buffers_and_names_dtypes():
     _, params, _ = _model("none")
-    routing = SinkRouting.for_params(params, "layers")
+    routing = LeafRoutes.for_params(params, "layers")
     bits, dtypes = stacked_as_bits(params, routing)
     stacked = {r.key for r in routing.routes if r.layers}
     assert {k for k, _ in dtypes} == stacked and all(d == "bfloat16" for _, d in dtypes)
