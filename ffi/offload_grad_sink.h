@@ -7,7 +7,8 @@
 // sinks: StoreSink (offload_store_sink.cc) stages the bytes in the arena and queues their write
 // to the SSD store; Fp32BufferSink (offload_fp32_grad_sink.cc) widens them into one float32 host
 // buffer (the fp32_grad_buffer ablation); MemorySink (offload_memory_sink.cc) copies into host
-// arrays.
+// arrays. What their setup shares (add_tensor's checks, the routed tensors and their receipts,
+// the arrival count of a tied table) is in offload_grad_sink_routes.h.
 #pragma once
 
 #include <cstddef>
@@ -70,25 +71,6 @@ inline const char* GradDtypeName(xla::ffi::DataType type) {
     case xla::ffi::DataType::BF16: return "bfloat16";
     default: return "another dtype";
   }
-}
-
-// The checks a sink makes before it takes one layer of a tensor: the layer index, the dtype it
-// `verb`s ("stores", "takes") and the byte size. Returns "" when all hold, else the message.
-inline std::string CheckGradientLayer(int64_t tensor, int64_t layer, int64_t layers, const char* verb,
-                                      xla::ffi::DataType want_dtype, xla::ffi::DataType dtype,
-                                      size_t want_bytes, size_t bytes) {
-  const std::string name = "grad_sink: tensor " + std::to_string(tensor);
-  if (layer < 0 || layer >= layers) {
-    return "grad_sink: layer " + std::to_string(layer) + " is out of range for tensor " + std::to_string(tensor) +
-           " (" + std::to_string(layers) + " layers)";
-  }
-  if (dtype != want_dtype) {
-    return name + " " + verb + " " + GradDtypeName(want_dtype) + " gradients, got " + GradDtypeName(dtype);
-  }
-  if (bytes != want_bytes) {
-    return name + " expects " + std::to_string(want_bytes) + " bytes per layer, got " + std::to_string(bytes);
-  }
-  return "";
 }
 
 // The process-wide table of live sinks (offload_grad_sink.cc): each sink's register_*_sink

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "offload_grad_sink.h"
+#include "offload_grad_sink_routes.h"
 #include "optim_grad_stats.h"
 #include "registry.h"
 
@@ -30,7 +31,7 @@ class MemorySink : public GradientSink {
  public:
   void AddTensor(int64_t tensor, nb::ndarray<uint8_t, nb::ndim<1>, nb::c_contig> buffer,
                  int64_t layer_bytes, int64_t arrivals) {
-    if (arrivals < 1) throw nb::value_error("MemorySink.add_tensor: arrivals must be >= 1");
+    CheckArrivals("MemorySink.add_tensor", arrivals);
     if (layer_bytes <= 0 || buffer.shape(0) % static_cast<size_t>(layer_bytes) != 0) {
       throw nb::value_error(("MemorySink.add_tensor: buffer of " + std::to_string(buffer.shape(0)) +
                              " bytes is not a whole number of layers of " +
@@ -58,15 +59,15 @@ class MemorySink : public GradientSink {
              std::to_string(tensor);
     }
     // Several arrivals of one layer (a tied table's uses) are summed, as the sink on SSD sums them.
-    const int64_t seen = t.seen[static_cast<size_t>(layer)]++;
-    if (seen % t.arrivals == 0) {
+    const Arrival arrival(t.seen[static_cast<size_t>(layer)]++, t.arrivals);
+    if (arrival.first) {
       std::memcpy(t.base + offset, data, bytes);
     } else {
       const int64_t n = static_cast<int64_t>(bytes) / (dtype == ffi::DataType::F32 ? 4 : 2);
       AddGradients(dtype, t.base + offset, data, t.base + offset, n);
-      if ((seen + 1) % t.arrivals == 0) GradStatsOf(dtype, t.base + offset, n, stats);
+      if (arrival.last) GradStatsOf(dtype, t.base + offset, n, stats);
     }
-    if ((seen + 1) % t.arrivals != 0) *stats = GradStats();
+    if (!arrival.last) *stats = GradStats();
     ++t.writes;
     return "";
   }

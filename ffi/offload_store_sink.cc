@@ -32,13 +32,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "offload_grad_sink.h"
+#include "offload_grad_sink_routes.h"
 #include "registry.h"
 #include "ssd_shard_store.h"
 
@@ -60,11 +60,8 @@ class StoreSink : public GradientSink {
   void AddTensor(int64_t tensor, const std::vector<int32_t>& regions, int64_t layer_bytes,
                  const std::string& dtype_name, int64_t arrivals) {
     const std::string what = "StoreSink.add_tensor(" + std::to_string(tensor) + ")";
-    if (arrivals < 1) throw nb::value_error((what + ": arrivals must be >= 1").c_str());
-    ffi::DataType dtype;
-    if (!ParseGradDtype(dtype_name, &dtype)) {
-      throw nb::value_error((what + ": dtype '" + dtype_name + "' is not float32, float16 or bfloat16").c_str());
-    }
+    CheckArrivals(what, arrivals);
+    const ffi::DataType dtype = ParseGradDtypeOrThrow(what, dtype_name);
     if (regions.empty()) throw nb::value_error((what + ": at least one region (layer) is needed").c_str());
     std::shared_ptr<ShardStore> store = Store();
     if (!store) throw nb::value_error((what + ": " + ClosedMessage()).c_str());
@@ -81,30 +78,18 @@ class StoreSink : public GradientSink {
                                   .c_str());
       }
     }
-    auto target = std::make_shared<Target>();
+    auto target = std::make_shared<Target>(static_cast<int64_t>(regions.size()), layer_bytes, arrivals, dtype);
     target->regions = regions;
-    target->layer_bytes = layer_bytes;
-    target->dtype = dtype;
-    target->arrivals = arrivals;
-    target->received.reset(new std::atomic<int64_t>[regions.size()]);
     target->held.reset(new std::atomic<bool>[regions.size()]);
-    for (size_t i = 0; i < regions.size(); ++i) {
-      target->received[i].store(0);
-      target->held[i].store(false);
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!targets_.emplace(tensor, std::move(target)).second) {
-      throw nb::value_error((what + ": tensor " + std::to_string(tensor) + " is already routed").c_str());
-    }
+    for (size_t i = 0; i < regions.size(); ++i) target->held[i].store(false);
+    routes_.Add(what, tensor, std::move(target));
   }
 
   std::string Consume(int64_t tensor, int64_t layer, ffi::DataType dtype, const void* data,
                       size_t bytes, GradStats* stats) override {
-    std::shared_ptr<Target> t = FindTarget(tensor);
-    if (!t) return "grad_sink: the SSD store sink has no tensor " + std::to_string(tensor);
-    std::string bad = CheckGradientLayer(tensor, layer, static_cast<int64_t>(t->regions.size()), "stores", t->dtype,
-                                         dtype, static_cast<size_t>(t->layer_bytes), bytes);
-    if (!bad.empty()) return bad;
+    std::string error;
+    std::shared_ptr<Target> t = routes_.FindLayer(tensor, layer, dtype, bytes, &error);
+    if (!t) return error;
     std::shared_ptr<ShardStore> store = Store();
     if (!store) return "grad_sink: " + ClosedMessage();
     if (t->held[layer].load(std::memory_order_acquire)) {
@@ -113,10 +98,9 @@ class StoreSink : public GradientSink {
              " arrived while the optimizer of the previous step had not yet read that region (overlap ordering "
              "violated)";
     }
-    const int64_t seen = t->received[layer].fetch_add(1, std::memory_order_relaxed);
-    const bool last = (seen + 1) % t->arrivals == 0;
+    const Arrival arrival(t->received[layer].fetch_add(1, std::memory_order_relaxed), t->arrivals);
     Status s;
-    if (seen % t->arrivals == 0) {
+    if (arrival.first) {
       // Copies into a staging slot before returning; the disk write completes in the background.
       s = store->WriteFromHost(t->regions[layer], 0, data, t->layer_bytes, /*wait=*/false);
     } else {
@@ -126,38 +110,19 @@ class StoreSink : public GradientSink {
       return "grad_sink: writing layer " + std::to_string(layer) + " of tensor " + std::to_string(tensor) +
              " to the SSD store: " + s.message();
     }
-    if (!last) *stats = GradStats();  // the sum's statistics come with the last arrival
+    if (!arrival.last) *stats = GradStats();  // the sum's statistics come with the last arrival
     return "";
   }
 
-  // How many times each layer of `tensor` was consumed since the last Reset().
-  std::vector<int64_t> Received(int64_t tensor) {
-    std::shared_ptr<Target> t = FindTarget(tensor);
-    if (!t) throw nb::value_error(("StoreSink.received: no tensor " + std::to_string(tensor)).c_str());
-    std::vector<int64_t> out(t->regions.size());
-    for (size_t i = 0; i < out.size(); ++i) out[i] = t->received[i].load();
-    return out;
-  }
-
-  void Reset() {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, t] : targets_) {
-      for (size_t i = 0; i < t->regions.size(); ++i) t->received[i].store(0);
-    }
-  }
+  auto& routes() { return routes_; }  // received() and reset() (BindReceipts)
 
   // Every region is being read by the optimizer until Release()d.
-  void Hold() {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, t] : targets_) {
-      for (size_t i = 0; i < t->regions.size(); ++i) t->held[i].store(true, std::memory_order_release);
-    }
-  }
+  void Hold() { SetHeld(true); }
 
   // The optimizer has read layer `layer` of `tensor`: the next step's gradient may land there.
   void Release(int64_t tensor, int64_t layer) {
-    std::shared_ptr<Target> t = FindTarget(tensor);
-    if (!t || layer < 0 || layer >= static_cast<int64_t>(t->regions.size())) {
+    std::shared_ptr<Target> t = routes_.Find(tensor);
+    if (!t || layer < 0 || layer >= t->layers) {
       throw nb::value_error(("StoreSink.release: no tensor " + std::to_string(tensor) + " layer " +
                              std::to_string(layer))
                                 .c_str());
@@ -165,12 +130,7 @@ class StoreSink : public GradientSink {
     t->held[layer].store(false, std::memory_order_release);
   }
 
-  void ReleaseAll() {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto& [id, t] : targets_) {
-      for (size_t i = 0; i < t->regions.size(); ++i) t->held[i].store(false, std::memory_order_release);
-    }
-  }
+  void ReleaseAll() { SetHeld(false); }
 
   // Arrivals refused because their region was still held (0 unless the ordering broke).
   int64_t early_arrivals() const { return early_.load(); }
@@ -178,14 +138,17 @@ class StoreSink : public GradientSink {
   int64_t store_handle() const { return store_handle_; }
 
  private:
-  struct Target {
-    std::vector<int32_t> regions;
-    int64_t layer_bytes = 0;
-    int64_t arrivals = 1;  // uses of the tensor whose gradients are summed (2 for a tied table)
-    ffi::DataType dtype = ffi::F32;
-    std::unique_ptr<std::atomic<int64_t>[]> received;
+  struct Target : RoutedTensor {
+    using RoutedTensor::RoutedTensor;
+    std::vector<int32_t> regions;  // one per layer
     std::unique_ptr<std::atomic<bool>[]> held;  // the optimizer has not read this layer yet
   };
+
+  void SetHeld(bool held) {
+    routes_.ForEach([held](Target& t) {
+      for (int64_t i = 0; i < t.layers; ++i) t.held[i].store(held, std::memory_order_release);
+    });
+  }
 
   // Adds `data` to what the region holds, piece by piece through a staging-sized buffer (read
   // back, add as XLA adds 16-bit arrays, write), and sets `stats` to those of the sum.
@@ -212,12 +175,6 @@ class StoreSink : public GradientSink {
     return Status::Ok();
   }
 
-  std::shared_ptr<Target> FindTarget(int64_t tensor) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = targets_.find(tensor);
-    return it == targets_.end() ? nullptr : it->second;
-  }
-
   // The store is held weakly: closing it ends the sink's writes with a clear error instead of
   // keeping a closed store alive.
   std::shared_ptr<ShardStore> Store() const {
@@ -232,24 +189,21 @@ class StoreSink : public GradientSink {
   int64_t store_handle_;
   std::atomic<int64_t> early_{0};
   std::weak_ptr<ShardStore> store_;
-  std::mutex mu_;  // guards targets_ (AddTensor may run while a backward pass consumes)
+  SinkRoutes<Target> routes_{"StoreSink", "the SSD store sink", "stores"};
   std::mutex add_mu_;  // guards add_buffer_
   std::vector<uint8_t> add_buffer_;
-  std::map<int64_t, std::shared_ptr<Target>> targets_;
 };
 
 void BindStoreSink(nb::module_& m) {
-  nb::class_<StoreSink>(m, "StoreSink", "Gradient sink that writes each layer into its SSD store region.")
-      .def(nb::new_([](int64_t store_handle) { return std::make_shared<StoreSink>(store_handle); }),
-           nb::arg("store_handle"))
+  nb::class_<StoreSink> cls(m, "StoreSink", "Gradient sink that writes each layer into its SSD store region.");
+  cls.def(nb::new_([](int64_t store_handle) { return std::make_shared<StoreSink>(store_handle); }),
+          nb::arg("store_handle"))
       .def("add_tensor", &StoreSink::AddTensor, nb::arg("tensor"), nb::arg("regions"), nb::arg("layer_bytes"),
            nb::arg("dtype"), nb::arg("arrivals") = 1,
            "Routes tensor id `tensor` to one region id per layer, each layer_bytes long; `arrivals` per layer "
-           "are summed (a tied table's uses).")
-      .def("received", &StoreSink::Received, nb::arg("tensor"),
-           "Per layer, how many times the sink consumed it since reset().")
-      .def("reset", &StoreSink::Reset, "Zeroes the receipt counters.")
-      .def("hold", &StoreSink::Hold, "Marks every region as being read by the optimizer (arrivals refused).")
+           "are summed (a tied table's uses).");
+  BindReceipts(cls);
+  cls.def("hold", &StoreSink::Hold, "Marks every region as being read by the optimizer (arrivals refused).")
       .def("release", &StoreSink::Release, nb::arg("tensor"), nb::arg("layer"),
            "The optimizer has read this layer's gradient; the next one may arrive.")
       .def("release_all", &StoreSink::ReleaseAll)
