@@ -80,13 +80,19 @@ bool ParseState(const std::string& name, AdamState* state) {
   return false;
 }
 
-void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO grad,
-                      HostArray params_out, HostArrayRO scalars, const std::string& grad_dtype,
-                      const std::string& param_dtype, int threads, const std::string& isa_name,
-                      const std::string& state_dtype, std::optional<HostArray> m_scale,
-                      std::optional<HostArray> v_scale,
-                      int64_t block, const std::string& rounding, uint32_t rounding_seed,
-                      int64_t rounding_index) {
+// The kernel's choices by the names Python passes.
+struct AdamChoices {
+  AdamElem grad_type;
+  AdamElem param_type;
+  AdamIsa isa;
+  AdamState state;
+  AdamRounding rounding;
+};
+
+// Parses adamw_update's names and checks rounding_index, throwing ValueError for the first bad one.
+AdamChoices ParseAdamChoices(const std::string& grad_dtype, const std::string& param_dtype,
+                             const std::string& isa_name, const std::string& state_dtype,
+                             const std::string& rounding, int64_t rounding_index) {
   AdamElem grad_type, param_type;
   if (!ParseElem(grad_dtype, &grad_type)) {
     throw nb::value_error(("adamw: grad_dtype '" + grad_dtype +
@@ -112,6 +118,59 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
   if (rounding_index < 0) {
     throw nb::value_error(("adamw: rounding_index=" + std::to_string(rounding_index) + " is negative").c_str());
   }
+  return {grad_type, param_type, isa, state,
+          rounding == "stochastic" ? AdamRounding::kStochastic : AdamRounding::kNearest};
+}
+
+// The int8 state's block size and its m_scale/v_scale (one float32 per block of the n elements),
+// appended to `views` for the overlap check.
+void CheckInt8Scales(const std::optional<HostArray>& m_scale, const std::optional<HostArray>& v_scale,
+                     int64_t block, int64_t n, std::vector<ArrayView>* views) {
+  if (block < kAdamMinBlock || block > kAdamMaxBlock || (block & (block - 1)) != 0) {
+    throw nb::value_error(("adamw: int8 state block=" + std::to_string(block) +
+                           " must be a power of two in [" + std::to_string(kAdamMinBlock) + ", " +
+                           std::to_string(kAdamMaxBlock) + "]").c_str());
+  }
+  if (!m_scale || !v_scale) throw nb::value_error("adamw: int8 state needs m_scale and v_scale");
+  const int64_t blocks = (n + block - 1) / block;
+  for (const ArrayView& a : {CheckArray("m_scale", *m_scale, 4, true), CheckArray("v_scale", *v_scale, 4, true)}) {
+    if (a.count != blocks) {
+      throw nb::value_error((std::string("adamw: ") + a.name + " has " + std::to_string(a.count) +
+                             " scales but " + std::to_string(n) + " elements in blocks of " +
+                             std::to_string(block) + " need " + std::to_string(blocks)).c_str());
+    }
+    views->push_back(a);
+  }
+}
+
+// In place means each buffer is read and written by itself only; two arguments sharing
+// memory would read values another stream has already overwritten.
+void CheckNoOverlap(const std::vector<ArrayView>& views) {
+  for (size_t i = 0; i < views.size(); ++i) {
+    for (size_t j = i + 1; j < views.size(); ++j) {
+      const auto* a = static_cast<const char*>(views[i].data);
+      const auto* b = static_cast<const char*>(views[j].data);
+      const int64_t a_bytes = views[i].count * static_cast<int64_t>(views[i].itemsize);
+      const int64_t b_bytes = views[j].count * static_cast<int64_t>(views[j].itemsize);
+      if (a_bytes > 0 && b_bytes > 0 && a < b + b_bytes && b < a + a_bytes) {
+        throw nb::value_error((std::string("adamw: ") + views[i].name + " and " + views[j].name +
+                               " overlap in memory")
+                                  .c_str());
+      }
+    }
+  }
+}
+
+void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO grad,
+                      HostArray params_out, HostArrayRO scalars, const std::string& grad_dtype,
+                      const std::string& param_dtype, int threads, const std::string& isa_name,
+                      const std::string& state_dtype, std::optional<HostArray> m_scale,
+                      std::optional<HostArray> v_scale,
+                      int64_t block, const std::string& rounding, uint32_t rounding_seed,
+                      int64_t rounding_index) {
+  const AdamChoices c = ParseAdamChoices(grad_dtype, param_dtype, isa_name, state_dtype, rounding, rounding_index);
+  const AdamElem grad_type = c.grad_type, param_type = c.param_type;
+  const AdamState state = c.state;
   const size_t grad_size = grad_type == AdamElem::kF32 ? 4 : 2;
   const size_t param_size = param_type == AdamElem::kF32 ? 4 : 2;
   const size_t state_size = state == AdamState::kF32 ? 4 : (state == AdamState::kBF16 ? 2 : 1);
@@ -127,38 +186,8 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
   for (const ArrayView& a : views) {
     if (a.count != n) throw nb::value_error(AdamCountMismatch(a.name, a.count, n).c_str());
   }
-  if (int8) {
-    if (block < kAdamMinBlock || block > kAdamMaxBlock || (block & (block - 1)) != 0) {
-      throw nb::value_error(("adamw: int8 state block=" + std::to_string(block) +
-                             " must be a power of two in [" + std::to_string(kAdamMinBlock) + ", " +
-                             std::to_string(kAdamMaxBlock) + "]").c_str());
-    }
-    if (!m_scale || !v_scale) throw nb::value_error("adamw: int8 state needs m_scale and v_scale");
-    const int64_t blocks = (n + block - 1) / block;
-    for (const ArrayView& a : {CheckArray("m_scale", *m_scale, 4, true), CheckArray("v_scale", *v_scale, 4, true)}) {
-      if (a.count != blocks) {
-        throw nb::value_error((std::string("adamw: ") + a.name + " has " + std::to_string(a.count) +
-                               " scales but " + std::to_string(n) + " elements in blocks of " +
-                               std::to_string(block) + " need " + std::to_string(blocks)).c_str());
-      }
-      views.push_back(a);
-    }
-  }
-  // In place means each buffer is read and written by itself only; two arguments sharing
-  // memory would read values another stream has already overwritten.
-  for (size_t i = 0; i < views.size(); ++i) {
-    for (size_t j = i + 1; j < views.size(); ++j) {
-      const auto* a = static_cast<const char*>(views[i].data);
-      const auto* b = static_cast<const char*>(views[j].data);
-      const int64_t a_bytes = views[i].count * static_cast<int64_t>(views[i].itemsize);
-      const int64_t b_bytes = views[j].count * static_cast<int64_t>(views[j].itemsize);
-      if (a_bytes > 0 && b_bytes > 0 && a < b + b_bytes && b < a + a_bytes) {
-        throw nb::value_error((std::string("adamw: ") + views[i].name + " and " + views[j].name +
-                               " overlap in memory")
-                                  .c_str());
-      }
-    }
-  }
+  if (int8) CheckInt8Scales(m_scale, v_scale, block, n, &views);
+  CheckNoOverlap(views);
   const ArrayView sv = CheckArray("scalars", scalars, 4, true);
   if (sv.count != kAdamScalarCount) {
     throw nb::value_error(("adamw: scalars must be float32[" + std::to_string(kAdamScalarCount) +
@@ -169,7 +198,7 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
   AdamBuffers b{master_data, m.data(), v.data(), grad.data(), master_data, m.data(), v.data(),
                 params_out.data(), n, grad_type, param_type};
   b.state_type = state;
-  b.rounding = rounding == "stochastic" ? AdamRounding::kStochastic : AdamRounding::kNearest;
+  b.rounding = c.rounding;
   b.rounding_seed = rounding_seed;
   b.rounding_index = rounding_index;
   if (int8) {
@@ -181,7 +210,7 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
   std::string error;
   {
     nb::gil_scoped_release release;
-    error = RunFusedAdamW(b, s, threads, isa);
+    error = RunFusedAdamW(b, s, threads, c.isa);
   }
   if (!error.empty()) throw nb::value_error(error.c_str());
 }

@@ -74,7 +74,7 @@ void SlotIo(ShardStore& store, IoDirection dir, int32_t region, int64_t offset, 
 
 using SegmentTuple = std::tuple<int32_t, int64_t, int64_t, bool, bool>;  // region, offset, nbytes, read, write
 
-void BindStore(nb::module_& m) {
+void BindStoreOptions(nb::module_& m) {
   nb::class_<StoreOptions>(m, "StoreOptions")
       .def(nb::init<>())
       .def_rw("dir", &StoreOptions::dir)
@@ -88,14 +88,16 @@ void BindStore(nb::module_& m) {
       .def_rw("direct_io", &StoreOptions::direct_io)
       .def_rw("preallocate", &StoreOptions::preallocate)
       .def_rw("drop_page_cache", &StoreOptions::drop_page_cache);
+}
 
-  nb::class_<ShardStore>(m, "ShardStore", "The SSD shard store (see ssd_shard_store.h); use jaxascend.ssd.store.SsdStore.")
-      .def_static("open",
-                  [](const StoreOptions& options, std::shared_ptr<Arena> arena) {
-                    std::shared_ptr<ShardStore> store;
-                    CheckStatus(ShardStore::Open(options, std::move(arena), &store));
-                    return store;
-                  })
+// ShardStore's opening, closing, properties and regions.
+void BindShardStoreRegions(nb::class_<ShardStore>& cls) {
+  cls.def_static("open",
+                 [](const StoreOptions& options, std::shared_ptr<Arena> arena) {
+                   std::shared_ptr<ShardStore> store;
+                   CheckStatus(ShardStore::Open(options, std::move(arena), &store));
+                   return store;
+                 })
       .def("close",
            [](ShardStore& s) { CheckWithoutGil([&] { return s.Close(); }); })
       .def_prop_ro("closed", &ShardStore::closed)
@@ -127,11 +129,15 @@ void BindStore(nb::module_& m) {
              for (const StoreExtent& e : r->extents) extents.emplace_back(e.shard, e.file_offset, e.region_offset, e.disk_bytes);
              return std::make_tuple(r->name, r->nbytes, r->num_blocks, extents);
            },
-           "(name, nbytes, num_blocks, [(shard, file_offset, region_offset, disk_bytes)]).")
-      .def("read_slot",
-           [](ShardStore& s, int32_t region, int64_t offset, int64_t nbytes, int32_t slot) {
-             SlotIo(s, IoDirection::kRead, region, offset, nbytes, slot);
-           })
+           "(name, nbytes, num_blocks, [(shard, file_offset, region_offset, disk_bytes)]).");
+}
+
+// ShardStore's reads and writes: through arena slots, from and to host bytes, and streamed passes.
+void BindShardStoreIo(nb::class_<ShardStore>& cls) {
+  cls.def("read_slot",
+          [](ShardStore& s, int32_t region, int64_t offset, int64_t nbytes, int32_t slot) {
+            SlotIo(s, IoDirection::kRead, region, offset, nbytes, slot);
+          })
       .def("write_slot",
            [](ShardStore& s, int32_t region, int64_t offset, int64_t nbytes, int32_t slot) {
              SlotIo(s, IoDirection::kWrite, region, offset, nbytes, slot);
@@ -167,7 +173,9 @@ void BindStore(nb::module_& m) {
            },
            nb::arg("chunks"), nb::arg("slot_classes"), nb::arg("depth"),
            "chunks: [[(region, offset, nbytes, read, write), ...], ...]; one slot class per segment position.");
+}
 
+void BindStreamPass(nb::module_& m) {
   nb::class_<StreamPass>(m, "StreamPass", "A pipelined pass (see ssd_stream_pass.h); use SsdStore.stream().")
       .def("next",
            [](StreamPass& p) {
@@ -199,6 +207,15 @@ void BindStore(nb::module_& m) {
              return out;
            },
            "Zero-copy uint8 views of the current chunk's segments, valid until the next next().");
+}
+
+void BindStore(nb::module_& m) {
+  BindStoreOptions(m);
+  nb::class_<ShardStore> store(m, "ShardStore",
+                               "The SSD shard store (see ssd_shard_store.h); use jaxascend.ssd.store.SsdStore.");
+  BindShardStoreRegions(store);
+  BindShardStoreIo(store);
+  BindStreamPass(m);
 }
 
 }  // namespace
