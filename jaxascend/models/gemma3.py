@@ -47,7 +47,8 @@ from flax import nnx
 
 from jaxascend.config import ModelConfig
 from jaxascend.models import layers as L
-from jaxascend.models.decoding import CachedDecoding, LayerKV
+from jaxascend.models.causal_lm import CausalLM
+from jaxascend.models.decoding import LayerKV
 from jaxascend.models.llama import LlamaAttention, LlamaMLP, check_llama_config
 from jaxascend.models.rope import Rotary
 
@@ -120,7 +121,7 @@ class Gemma3DecoderLayer(nnx.Module):
         return hidden + self.post_feedforward_layernorm(mlp), kv
 
 
-class Gemma3ForCausalLM(nnx.Module, CachedDecoding):
+class Gemma3ForCausalLM(nnx.Module, CausalLM):
     """Gemma 3 LM: ``model(input_ids [B,T], positions [B,T] | None, segment_ids [B,T] | None)
     -> float32 [B,T,V]``; ``model.decode(input_ids [B,t], cache, start)`` is the cached path."""
 
@@ -143,45 +144,3 @@ class Gemma3ForCausalLM(nnx.Module, CachedDecoding):
         self.loss = cfg.loss  # how the loss computes the head: L.LOSS_IMPLEMENTATIONS
         self.dtype = dtype
         self.kv_cache_dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
-
-    def embed(self, input_ids: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
-        """The scaled embedding, in the compute dtype: HF multiplies by ``sqrt(hidden_size)``
-        rounded to the weight dtype first (bf16 34.0 for Gemma 3 1B, not 33.94)."""
-        return self.embed_tokens(input_ids, table_hook) * jnp.asarray(self.embed_scale, self.dtype)
-
-    def embed_inputs(self, input_ids: jax.Array, positions: jax.Array,
-                     table_hook: Optional[L.TableHook] = None) -> jax.Array:
-        """The first layer's input: the scaled embedding (positions enter through RoPE)."""
-        del positions
-        return self.embed(input_ids, table_hook)
-
-    def head_input(self, hidden: jax.Array) -> jax.Array:
-        """What the output head multiplies: the last layer's output after the final norm."""
-        return self.norm(hidden)
-
-    def output_head(self, table_hook: Optional[L.TableHook] = None):
-        """The head's weights as the blocked loss reads them, with the final logit softcapping."""
-        return L.head_weights(self.embed_tokens, self.lm_head, table_hook, self.final_logit_softcapping)
-
-    def logits(self, hidden: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
-        """float32 logits ``[B, T, V]``: final norm, head, then the final logit softcapping."""
-        logits = L.lm_logits(self.head_input(hidden), self.embed_tokens, self.lm_head, table_hook)
-        if self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
-            logits = jnp.tanh(logits / cap) * cap
-        return logits
-
-    def hidden_states(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-                      layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
-                      segment_ids: Optional[jax.Array] = None, micro_batches: int = 1) -> jax.Array:
-        """The last layer's output ``[B, T, D]`` (before the final norm); arguments as ``__call__``; ``micro_batches``:
-        the rows are that many micro-batches, each layer runs them in turn (``L.scan_layers``)."""
-        positions = L.default_positions(input_ids, positions)
-        L.check_segment_ids(input_ids, segment_ids)
-        return L.scan_layers(self.layers, self.embed(input_ids, table_hook), positions, self.remat, layer_hook,
-                             self.layer_flags, segment_ids=segment_ids, micro_batches=micro_batches)
-
-    def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
-                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        return self.logits(self.hidden_states(input_ids, positions, layer_hook, table_hook, segment_ids), table_hook)

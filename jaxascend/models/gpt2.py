@@ -53,7 +53,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxascend.config import ModelConfig
 from jaxascend.models import layers as L
-from jaxascend.models.decoding import CachedDecoding, LayerKV, cached_attention
+from jaxascend.models.causal_lm import CausalLM
+from jaxascend.models.decoding import LayerKV, cached_attention
 
 
 def _check_gpt2_config(cfg: ModelConfig, vocab_size: int) -> None:
@@ -171,7 +172,7 @@ class GPT2Block(nnx.Module):
         return hidden + self.mlp(self.ln_2(hidden)), kv
 
 
-class GPT2LMHeadModel(nnx.Module, CachedDecoding):
+class GPT2LMHeadModel(nnx.Module, CausalLM):
     """GPT-2 LM: ``model(input_ids [B,T], positions [B,T] | None, segment_ids [B,T] | None)
     -> float32 [B,T,V]``; ``model.decode(input_ids [B,t], cache, start)`` is the cached path.
 
@@ -179,8 +180,9 @@ class GPT2LMHeadModel(nnx.Module, CachedDecoding):
     lookup fills out-of-range rows with NaN instead of clamping).
     """
 
-    LAYER_STACK = "h"  # the stacked blocks, for CachedDecoding
+    LAYER_STACK = "h"  # the stacked blocks
     TOKEN_TABLE = ("wte", "embedding")
+    FINAL_NORM = "ln_f"
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, *, rngs: nnx.Rngs):
         _check_gpt2_config(cfg, vocab_size)
@@ -202,35 +204,13 @@ class GPT2LMHeadModel(nnx.Module, CachedDecoding):
     def embed_inputs(self, input_ids: jax.Array, positions: jax.Array,
                      table_hook: Optional[L.TableHook] = None) -> jax.Array:
         """The first block's input: token plus position embeddings."""
-        return self.wte(input_ids, table_hook) + self.wpe(positions)
-
-    def head_input(self, hidden: jax.Array) -> jax.Array:
-        """What the output head multiplies: the last block's output after ``ln_f``."""
-        return self.ln_f(hidden)
-
-    def output_head(self, table_hook: Optional[L.TableHook] = None):
-        """The head's weights as the blocked loss reads them (``L.head_weights``)."""
-        return L.head_weights(self.wte, self.lm_head, table_hook)
-
-    def logits(self, hidden: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
-        """float32 logits ``[B, T, V]`` of the last block's output: ``ln_f``, then the head."""
-        return L.lm_logits(self.head_input(hidden), self.wte, self.lm_head, table_hook)
-
-    def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
-                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        return self.logits(self.hidden_states(input_ids, positions, layer_hook, table_hook, segment_ids), table_hook)
+        return self.embed(input_ids, table_hook) + self.wpe(positions)
 
     def hidden_states(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
                       layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
                       segment_ids: Optional[jax.Array] = None, micro_batches: int = 1) -> jax.Array:
-        """The last block's output ``[B, T, D]`` (before ``ln_f``); arguments as ``__call__``; ``micro_batches``:
-        the rows are that many micro-batches, each layer runs them in turn (``L.scan_layers``)."""
+        """As :meth:`CausalLM.hidden_states`; without ``positions``, a row longer than ``wpe`` is refused."""
         if positions is None and input_ids.ndim == 2 and input_ids.shape[1] > self.max_positions:
             raise ValueError(f"input_ids: length {input_ids.shape[1]} exceeds "
                              f"model.max_position_embeddings={self.max_positions}")
-        positions = L.default_positions(input_ids, positions)
-        L.check_segment_ids(input_ids, segment_ids)
-        hidden = self.embed_inputs(input_ids, positions, table_hook)
-        return L.scan_layers(self.h, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids,
-                             micro_batches=micro_batches)
+        return super().hidden_states(input_ids, positions, layer_hook, table_hook, segment_ids, micro_batches)

@@ -55,7 +55,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxascend.config import ModelConfig, validate_rope_scaling
 from jaxascend.models import layers as L
-from jaxascend.models.decoding import CachedDecoding, LayerKV, cached_attention
+from jaxascend.models.causal_lm import CausalLM
+from jaxascend.models.decoding import LayerKV, cached_attention
 from jaxascend.models.rope import Rotary, apply_rope
 
 LLAMA_ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3")
@@ -219,7 +220,7 @@ class LlamaDecoderLayer(nnx.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden)), kv
 
 
-class LlamaForCausalLM(nnx.Module, CachedDecoding):
+class LlamaForCausalLM(nnx.Module, CausalLM):
     """Decoder-only LM: ``model(input_ids [B,T], positions [B,T] | None) -> float32 [B,T,V]``;
     ``segment_ids [B,T]`` keep the attention of examples packed into one row apart.
     ``model.decode(input_ids [B,t], cache, start) -> (logits, cache)`` is the cached path
@@ -239,39 +240,3 @@ class LlamaForCausalLM(nnx.Module, CachedDecoding):
         self.loss = cfg.loss  # how the loss computes the head: L.LOSS_IMPLEMENTATIONS
         self.dtype = dtype
         self.kv_cache_dims = (cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
-
-    def embed_inputs(self, input_ids: jax.Array, positions: jax.Array,
-                     table_hook: Optional[L.TableHook] = None) -> jax.Array:
-        """The first layer's input ``[B, T, D]`` (positions enter through RoPE, not here)."""
-        del positions
-        return self.embed_tokens(input_ids, table_hook)
-
-    def head_input(self, hidden: jax.Array) -> jax.Array:
-        """What the output head multiplies: the last layer's output after the final norm."""
-        return self.norm(hidden)
-
-    def output_head(self, table_hook: Optional[L.TableHook] = None):
-        """The head's weights as the blocked loss reads them (``L.head_weights``)."""
-        return L.head_weights(self.embed_tokens, self.lm_head, table_hook)
-
-    def logits(self, hidden: jax.Array, table_hook: Optional[L.TableHook] = None) -> jax.Array:
-        """float32 logits ``[B, T, V]`` of the last layer's output: final norm, then the head."""
-        return L.lm_logits(self.head_input(hidden), self.embed_tokens, self.lm_head, table_hook)
-
-    def hidden_states(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-                      layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
-                      segment_ids: Optional[jax.Array] = None, micro_batches: int = 1) -> jax.Array:
-        """The last layer's output ``[B, T, D]`` (before the final norm); arguments as ``__call__``; ``micro_batches``:
-        the rows are that many micro-batches, each layer runs them in turn (``L.scan_layers``)."""
-        positions = L.default_positions(input_ids, positions)
-        L.check_segment_ids(input_ids, segment_ids)
-        hidden = self.embed_inputs(input_ids, positions, table_hook)
-        return L.scan_layers(self.layers, hidden, positions, self.remat, layer_hook, segment_ids=segment_ids,
-                             micro_batches=micro_batches)
-
-    def __call__(self, input_ids: jax.Array, positions: Optional[jax.Array] = None,
-                 layer_hook: Optional[L.LayerHook] = None, table_hook: Optional[L.TableHook] = None,
-                 segment_ids: Optional[jax.Array] = None) -> jax.Array:
-        hidden = self.hidden_states(input_ids, positions, layer_hook, table_hook, segment_ids)
-        return self.logits(hidden, table_hook)
-
