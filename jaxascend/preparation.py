@@ -25,8 +25,9 @@ from jaxascend.data import (EpochCount, eval_batches, has_tokenizer_files, load_
                             missing_paths, read_data_format, tokenizer_folder, with_epoch_steps)
 from jaxascend.hf import ModelSource, check_hf_weights, locate_model, model_config_from_hf, param_plan
 from jaxascend.models import TokenBatch, token_batch
-from jaxascend.offload import JobShape, RunPlan, StepPlan
-from jaxascend.offload import resolve as plan_resolve
+from jaxascend.offload import JobShape, StepPlan
+from jaxascend.planning import RunPlan
+from jaxascend.planning import resolve as plan_resolve
 from jaxascend.optim import check_decay_rule
 
 

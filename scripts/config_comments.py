@@ -55,7 +55,7 @@ def plan_of(config: Path, arch: str, size: str):
     """The plan of ``config`` as shipped, for the preset's ``config.json`` (in a temporary folder)."""
     from jaxascend.config import load_config
     from jaxascend.hf import model_config_from_hf, preset_config
-    from jaxascend.offload import plan_run
+    from jaxascend.planning import plan_run
 
     with tempfile.TemporaryDirectory() as folder:
         Path(folder, "config.json").write_text(json.dumps(preset_config(arch, size)))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from jaxascend.config import load_config
 from jaxascend.hf import preset_config
-from jaxascend.offload import plan_run
+from jaxascend.planning import plan_run
 from jaxascend.preparation import resolve_model_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -32,6 +32,7 @@ LAYERS = [
     ("jaxascend.checkpoint",),
     ("jaxascend.engine_contract",),
     ("jaxascend.offload",),
+    ("jaxascend.planning",),
     ("jaxascend.metrics", "jaxascend.reporting", "jaxascend.in_memory_engine", "jaxascend.generation",
      "jaxascend.preparation",
      "jaxascend.resuming", "jaxascend.training_loop", "jaxascend.run_outputs", "jaxascend.finishing"),

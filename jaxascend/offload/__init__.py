@@ -7,8 +7,9 @@ What the rest of jaxascend (and its users) take from here:
 * :class:`OffloadEngine` -- the trainer's offloaded engine (an ``engine_contract.Engine``),
   composed from the plan: the compute weights (``compute_weights``), the gradient routing
   (``gradient_routing``), the update runner (``update_runner``) and the weight readers;
-* :func:`resolve` / :func:`plan_run` / :class:`RunPlan` -- the run planner (host memory by part, SSD footprint and
-  traffic, the step-time floor; ``offload.params: auto``);
+* :func:`job_state_layout` / :func:`state_arena_plan` / :func:`overlap_refusal` -- the layout, the
+  arena plan and the overlap refusal the engine will have, from shapes alone, for the run planner
+  (:mod:`jaxascend.planning`) to size a run before any engine exists;
 * :class:`OffloadedAdamState` / :class:`OffloadLayout` / :data:`STATE_SLOT_CLASS` -- the SSD layout
   of fp32 master/m/v and the per-layer gradient regions, init, the streamed fused step;
   :func:`specs_for_offload_layout` -- that state's regions as :mod:`jaxascend.checkpoint` arrays;
@@ -27,17 +28,17 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.hf` (p
 
 from jaxascend.offload.checkpoint_specs import specs_for_offload_layout
 from jaxascend.offload.engine import OffloadEngine
-from jaxascend.offload.step_plan import JobShape, StepPlan
+from jaxascend.offload.step_plan import JobShape, StepPlan, overlap_refusal
 from jaxascend.offload.grad_sink import offload_on_backward, sink_gradient
 from jaxascend.offload.layout import OffloadLayout, STATE_SLOT_CLASS
 from jaxascend.offload.param_source import fetch_layer
-from jaxascend.offload.planner import RunPlan, plan_run, resolve
 from jaxascend.offload.ssd_adamw import ssd_adamw
 from jaxascend.offload.state import OffloadedAdamState
+from jaxascend.offload.state_layout import job_state_layout, state_arena_plan
 from jaxascend.offload.timeline import write_timeline_png
 
 __all__ = [
-    "JobShape", "OffloadEngine", "OffloadLayout", "OffloadedAdamState", "RunPlan", "STATE_SLOT_CLASS", "StepPlan",
-    "fetch_layer", "offload_on_backward", "plan_run", "resolve", "sink_gradient", "specs_for_offload_layout", "ssd_adamw",
-    "write_timeline_png",
+    "JobShape", "OffloadEngine", "OffloadLayout", "OffloadedAdamState", "STATE_SLOT_CLASS", "StepPlan",
+    "fetch_layer", "job_state_layout", "offload_on_backward", "overlap_refusal", "sink_gradient",
+    "specs_for_offload_layout", "ssd_adamw", "state_arena_plan", "write_timeline_png",
 ]

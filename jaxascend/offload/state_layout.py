@@ -5,6 +5,10 @@ live there too, and the format of m and v. The engine and the run planner lay ou
 
     options = StateLayoutOptions.of(cfg, model_cfg, params, stream=plan.weights == "ssd")
     layout = options.plan(spec, cfg.offload)          # an OffloadLayout
+
+The run planner (:mod:`jaxascend.planning`) sizes a run from shapes alone, before any engine
+exists: :func:`job_state_layout` and :func:`state_arena_plan` are the layout and the arena plan
+the engine will make, stated here beside the engine's own use of them.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import jax
 
 from jaxascend.checkpoint import checkpoint_arena_requests
 from jaxascend.config import Config, ModelConfig, OffloadConfig
-from jaxascend.models import is_large_table, layer_stack_key, table_blocks, token_table_path
+from jaxascend.hf import abstract_params
+from jaxascend.models import DTYPES, is_large_table, layer_stack_key, table_blocks, token_table_path
 from jaxascend.offload.layout import OffloadLayout
+from jaxascend.offload.partition import Partition
 from jaxascend.optim import StateFormat
-from jaxascend.ssd import SlotRequest
+from jaxascend.ssd import ArenaPlan, SlotRequest, SsdStore
 
 
 def state_format(cfg: Config) -> StateFormat:
@@ -80,3 +86,27 @@ def checkpoint_slot_requests(layout: OffloadLayout, cfg: OffloadConfig) -> tuple
     if layout.state_slot_bytes < 3 * cfg.block_bytes:
         return tuple(checkpoint_arena_requests(cfg, chunk_bytes=cfg.block_bytes))
     return ()
+
+
+def job_state_layout(cfg: Config, model_cfg: ModelConfig, stream: bool, processes: int = 1) -> OffloadLayout:
+    """The layout of the state :class:`~jaxascend.offload.engine.OffloadEngine` creates for
+    ``model_cfg`` (its ``vocab_size`` the run's), from shapes alone: the whole model's, or
+    (``processes`` > 1) process 0's slices of every tensor (no smaller than any other's), as the
+    engine lays out a job's. ``stream``: ``offload.params: ssd``."""
+    _, params = abstract_params(model_cfg)
+    dtype = DTYPES[model_cfg.dtype]
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
+    row_blocks = TableLayout.of(params, model_cfg).row_blocks
+    options = StateLayoutOptions.of(cfg, model_cfg, row_blocks, stream)
+    if processes > 1:
+        stacked = lambda path: str(getattr(path[0], "key", path[0])) == options.stack_key  # noqa: E731
+        spec = Partition(0, processes).local_spec(spec, stacked, row_blocks)
+    return options.plan(spec, cfg.offload)
+
+
+def state_arena_plan(cfg: Config, layout: OffloadLayout) -> ArenaPlan:
+    """The arena plan the engine carves for ``layout``: the store's staging, the step's slots and
+    the checkpoint's own slots where the step's are too small (before ``offload.pow2_buffers``
+    rounds them, as :class:`~jaxascend.ssd.HostArena` does)."""
+    return (ArenaPlan().extend(SsdStore.arena_requests(cfg.offload)).extend(layout.arena_requests())
+            .extend(checkpoint_slot_requests(layout, cfg.offload)))

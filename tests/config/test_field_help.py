@@ -22,7 +22,8 @@ from jaxascend.config import ConfigError, load_config
 from jaxascend.config.field_docs import config_fields
 from jaxascend.config.sections import IO_ENGINES, OffloadConfig
 from jaxascend.data import ByteTokenizer, load_tokenizer
-from jaxascend.offload import JobShape, StepPlan, resolve
+from jaxascend.offload import JobShape, StepPlan
+from jaxascend.planning import resolve
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",

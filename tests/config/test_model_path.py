@@ -8,7 +8,7 @@ from collections import namedtuple
 import pytest
 
 from jaxascend.config import ConfigError, load_config
-from jaxascend.offload import disk_plan, machine_limits
+from jaxascend.planning import disk_plan, machine_limits
 from jaxascend.plan import main as plan_main
 from jaxascend.preparation import resolve_model_config
 

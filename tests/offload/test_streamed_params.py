@@ -13,7 +13,7 @@ import pytest
 
 from jaxascend.config import ConfigError, load_config
 from jaxascend.models import vocab
-from jaxascend.offload.planner import PlanError
+from jaxascend.planning import PlanError
 from jaxascend.trainer import run
 from tests._corpus import write_word_corpus
 from tests.test_resume import _assert_bitwise_equal, _final_state
@@ -114,7 +114,7 @@ def test_planner_refuses_an_impossible_budget_before_writing(tmp_path, corpus):
 
 
 def test_auto_streams_when_resident_does_not_fit(tmp_path, corpus):
-    from jaxascend.offload.planner import plan_run
+    from jaxascend.planning import plan_run
     from jaxascend.preparation import resolve_model_config
 
     cfg = load_config("configs/tiny.yaml", TINY + [f"data.paths=[{corpus}]", "data.include=['*.txt']", f"train.out_dir={tmp_path}"])

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from jaxascend.config import Config, ModelConfig
 from jaxascend.models import LOSS_CHUNK_ELEMENTS, chosen_loss, scores_held, table_blocks
-from jaxascend.offload.layout import OffloadLayout
+from jaxascend.offload import OffloadLayout
 
 # A layer running A > 1 micro-batches: its weights widened to float32 (4 B) and the float32 sum of
 # their gradient over the micro-batches (4 B), per parameter of one layer.

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from jaxascend.config import Config, ModelConfig
-from jaxascend.offload.disk_plan import FilesystemUse
-from jaxascend.offload.step_memory import REMAT
+from jaxascend.planning.disk_plan import FilesystemUse
+from jaxascend.planning.step_memory import REMAT
 
 Replan = Callable[[Config, ModelConfig], Any]  # -> RunPlan, without levers
 CHEAPER_STATES = {"float32": ("int8", "bfloat16"), "bfloat16": ("int8",), "int8": ()}

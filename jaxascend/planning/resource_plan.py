@@ -49,18 +49,14 @@ import psutil
 
 from jaxascend.config import Config, ConfigError, ModelConfig, check_param_placement
 from jaxascend.devices import DeviceCapacity, device_capacity
-from jaxascend.hf import abstract_params
 from jaxascend.models import DTYPES
-from jaxascend.offload.disk_plan import FilesystemUse, disk_use, run_disk_parts
-from jaxascend.offload.layout import OffloadLayout
-from jaxascend.offload.machine_limits import available_host_memory
-from jaxascend.offload.partition import Partition
-from jaxascend.offload.deepspeed_anchor import deepspeed_zero3_estimate
-from jaxascend.offload.plan_levers import device_levers, disk_levers, host_levers
-from jaxascend.offload.state_layout import StateLayoutOptions, TableLayout, checkpoint_slot_requests
-from jaxascend.offload.step_memory import step_memory
-from jaxascend.offload.step_plan import overlap_refusal
-from jaxascend.ssd import ArenaPlan, SsdStore, arena_shortfall
+from jaxascend.offload import OffloadLayout, job_state_layout, overlap_refusal, state_arena_plan
+from jaxascend.planning.deepspeed_anchor import deepspeed_zero3_estimate
+from jaxascend.planning.disk_plan import FilesystemUse, disk_use, run_disk_parts
+from jaxascend.planning.machine_limits import available_host_memory
+from jaxascend.planning.plan_levers import device_levers, disk_levers, host_levers
+from jaxascend.planning.step_memory import step_memory
+from jaxascend.ssd import arena_shortfall
 
 # What JAX's CPU runtime, the compiled step and a step's Python objects add to the process as it
 # is at planning time: fitted to the measured peaks of docs/bench_plan.md (3M and 0.5B
@@ -285,20 +281,6 @@ def _host_limit(cfg: Config, runtime: Runtime) -> Optional[HostLimit]:
     return HostLimit(memory.available + runtime.held, memory.source, runtime.held)
 
 
-def _layout(cfg: Config, model_cfg: ModelConfig, stream: bool, processes: int = 1) -> OffloadLayout:
-    """The state's layout: the whole model's, or (``processes`` > 1) one process's slice of
-    every tensor, as :class:`~jaxascend.offload.engine.OffloadEngine` lays out a job's."""
-    _, params = abstract_params(model_cfg)
-    dtype = DTYPES[model_cfg.dtype]
-    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype), params)
-    row_blocks = TableLayout.of(params, model_cfg).row_blocks
-    options = StateLayoutOptions.of(cfg, model_cfg, row_blocks, stream)
-    if processes > 1:  # process 0's slices (no smaller than any other's)
-        stacked = lambda path: str(getattr(path[0], "key", path[0])) == options.stack_key  # noqa: E731
-        spec = Partition(0, processes).local_spec(spec, stacked, row_blocks)
-    return options.plan(spec, cfg.offload)
-
-
 def _rows_of_one(cfg: Config, processes: int) -> Config:
     """``cfg`` as one process of a job of ``processes`` sees its batches: its rows of each."""
     if processes == 1:
@@ -310,8 +292,7 @@ def _rows_of_one(cfg: Config, processes: int) -> Config:
 def _arena(cfg: Config, layout: OffloadLayout) -> tuple[int, Optional[str]]:
     """(the arena's size, why offload.arena_bytes cannot hold its plan or None), as HostArena
     decides them (the same plan OffloadEngine carves)."""
-    plan = (ArenaPlan().extend(SsdStore.arena_requests(cfg.offload)).extend(layout.arena_requests())
-            .extend(checkpoint_slot_requests(layout, cfg.offload)))
+    plan = state_arena_plan(cfg, layout)
     if cfg.offload.pow2_buffers:
         plan = plan.rounded_to_power_of_two()
     problem = arena_shortfall(plan, cfg.offload)
@@ -359,8 +340,8 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     """The offloaded engine's plan; in a job of ``processes``, one process's figures: its rows
     of each batch, its slice of the state (on SSD, in the arena, in its steps' traffic), and the
     compute weights every process holds whole (an overlapped resident stack: its slice)."""
-    whole = _layout(cfg, model_cfg, stream)
-    layout = _layout(cfg, model_cfg, stream, processes) if processes > 1 else whole
+    whole = job_state_layout(cfg, model_cfg, stream)
+    layout = job_state_layout(cfg, model_cfg, stream, processes) if processes > 1 else whole
     n = whole.num_parameters
     c = np.dtype(DTYPES[model_cfg.dtype]).itemsize
     p = np.dtype(DTYPES[model_cfg.param_dtype]).itemsize
@@ -445,7 +426,7 @@ def _plan(cfg: Config, model_cfg: ModelConfig, params: str, gbps: float, runtime
     if params == "auto":
         return _resolve_auto(cfg, model_cfg, gbps, runtime, levers, processes)
     if not cfg.offload.enabled:
-        plan = _in_memory_plan(cfg, model_cfg, _layout(cfg, model_cfg, False), runtime, gbps)
+        plan = _in_memory_plan(cfg, model_cfg, job_state_layout(cfg, model_cfg, False), runtime, gbps)
     else:
         plan = _offloaded_plan(cfg, model_cfg, params == "ssd", runtime, gbps, processes)
     plan = dataclasses.replace(plan, device_limit=device_capacity())  # None on CPU without the variable

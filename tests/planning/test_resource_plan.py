@@ -16,9 +16,9 @@ import pytest
 from jaxascend.config import load_config
 from jaxascend.devices import DEVICE_MEM_ENV
 from jaxascend.hf import abstract_params, model_config_from_hf_dict, preset_config
-from jaxascend.offload import disk_plan, machine_limits
-from jaxascend.offload.planner import PlanError, format_bytes, plan_run
-from jaxascend.offload.step_memory import REMAT
+from jaxascend.planning import disk_plan, machine_limits
+from jaxascend.planning.resource_plan import PlanError, format_bytes, plan_run
+from jaxascend.planning.step_memory import REMAT
 from jaxascend.preparation import resolve_model_config
 from tests.test_workflow import assert_one_error_line
 

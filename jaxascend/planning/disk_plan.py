@@ -20,7 +20,7 @@ import shutil
 from dataclasses import dataclass
 
 from jaxascend.config import Config
-from jaxascend.offload.machine_limits import filesystem_of
+from jaxascend.planning.machine_limits import filesystem_of
 
 
 @dataclass(frozen=True)
