@@ -86,7 +86,7 @@ def finish_from_checkpoint(prepared, point, last: int, main: bool, stack: dict) 
             epochs = prepared.epochs.epochs if prepared.epochs is not None else None
             print(point.finished_line(last, cfg.train.steps, epochs), file=console.terminal(), flush=True)
         return _result(prepared, point, "untouched", stopped, stack)
-    offload_files = _left_offload_files(cfg, point.step) if prepared.step.engine == "offload" else "none"
+    offload_files = _left_offload_files(cfg, point.step) if prepared.step_plan.engine == "offload" else "none"
     if not main:
         return _result(prepared, point, offload_files, stopped, stack)
     names = due.names(cfg, out_dir)
@@ -110,7 +110,7 @@ def _write_from(prepared, point, due: OutputsDue) -> None:
     """The weights and samples of the checkpoint of ``point.step``, as the run writes them."""
     cfg = prepared.cfg
     out_dir = Path(cfg.train.out_dir)
-    streamed = prepared.step.engine == "offload" and prepared.step.weights == "ssd"
+    streamed = prepared.step_plan.engine == "offload" and prepared.step_plan.weights == "ssd"
     with open_weights(str(point.directory / str(point.step))) as weights:
         origin = Provenance(weights.model_config, weights.tokenizer, weights.model_source, weights.source_dtype)
         write_weights(cfg, out_dir, weights.read, origin, point.step, due)

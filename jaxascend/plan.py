@@ -74,19 +74,19 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
                 raise
             console.error(console.first_line(err))
             return 2
-    plan, step = prepared.plan, prepared.step
+    resources, step_plan = prepared.resources, prepared.step_plan
     if args.json:
-        print(json.dumps({**plan.to_dict(), "step": step.describe(), "assumed": list(prepared.assumed),
+        print(json.dumps({**resources.to_dict(), "step": step_plan.describe(), "assumed": list(prepared.assumed),
                           "steps": prepared.cfg.train.steps,  # None: train.epochs, the data not read
                           "epochs": prepared.epochs.to_dict() if prepared.epochs else None}, indent=1))
     else:
-        print(plan.format())
+        print(resources.format())
         for line in prepared.assumed:
             print(f"note: {line}")
-        for line in prepared.notes + step.notes:
-            if line not in plan.choices:
+        for line in prepared.notes + step_plan.notes:
+            if line not in resources.choices:
                 print(f"note: {line}")
-    return 1 if plan.problems() else 0
+    return 1 if resources.problems() else 0
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 and the plans made from it, before anything is written.
 
     prepared = prepare_run(cfg, JobShape(...))
-    prepared.plan.check()                     # host memory, disk, arena: PlanError naming the part
-    for line in prepared.notes + prepared.step.notes: console.note(line)
+    prepared.resources.check()                # host memory, disk, arena: PlanError naming the part
+    for line in prepared.notes + prepared.step_plan.notes: console.note(line)
 
 The trainer reads every input (:func:`read_inputs`, the default). The planner CLI plans from what
 is there (:func:`read_available_inputs`): ``config.json`` alone is enough. Without the tokenizer
@@ -26,8 +26,7 @@ from jaxascend.data import (EpochCount, eval_batches, has_tokenizer_files, load_
 from jaxascend.hf import ModelSource, check_hf_weights, locate_model, model_config_from_hf, param_plan
 from jaxascend.models import TokenBatch, token_batch
 from jaxascend.offload import JobShape, StepPlan
-from jaxascend.planning import RunPlan
-from jaxascend.planning import resolve as plan_resolve
+from jaxascend.planning import ResourcePlan, plan_resources
 from jaxascend.optim import check_decay_rule
 
 
@@ -191,8 +190,8 @@ class PreparedRun:
     tokenizer: Any  # None only from read_available_inputs
     stream: Any  # the training batches, from the start (None only from read_available_inputs)
     held_out: list[TokenBatch]
-    plan: RunPlan  # host memory, disk, SSD traffic
-    step: StepPlan  # the step's modes, refusals and notes
+    resources: ResourcePlan  # what the run needs of host memory, device memory, disk and SSD traffic
+    step_plan: StepPlan  # the step's modes, refusals and notes
     assumed: tuple[str, ...] = ()  # what the plan assumed for inputs it did not read
     notes: tuple[str, ...] = ()  # the model section's fields config.json replaced (a note line, or none)
     epochs: Optional[EpochCount] = None  # what train.epochs came to (its steps are cfg.train.steps)
@@ -224,8 +223,9 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     # measured here, after the tokenizer and the data index; estimated for those not read).
     # train.epochs -> train.steps, counted on the data index (the disk plan counts the checkpoints by them).
     cfg, epochs, epoch_lines = with_epoch_steps(cfg, inputs.stream)
-    cfg, plan = plan_resolve(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete, processes=job.processes)
-    step = StepPlan.resolve(cfg, sized, job, choices=plan.choices)
+    cfg, resources = plan_resources(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete,
+                                    processes=job.processes)
+    step_plan = StepPlan.resolve(cfg, sized, job, choices=resources.choices)
     model_lines = model_notes(cfg.model, model_cfg)
-    return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, plan, step,
+    return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, resources, step_plan,
                        inputs.assumed, inputs.notes + model_lines + epoch_lines, epochs)

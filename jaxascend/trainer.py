@@ -76,7 +76,7 @@ class _Run:
 
     @property
     def streamed(self) -> bool:
-        return self.prepared.step.engine == "offload" and self.prepared.step.weights == "ssd"
+        return self.prepared.step_plan.engine == "offload" and self.prepared.step_plan.weights == "ssd"
 
     @property
     def last(self) -> int:
@@ -112,7 +112,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
     last = prepared.cfg.train.stop_at_step or prepared.cfg.train.steps  # train.steps counted from train.epochs
     if point.step >= last:  # nothing left to train; outputs a kill left unwritten are written
         return finish_from_checkpoint(prepared, point, last, group.is_main, stack.to_dict())
-    prepared.plan.check()
+    prepared.resources.check()
     cfg, schedule_notes = with_schedule(prepared.cfg, point)  # a resumed run keeps its recorded schedule
     samples = SamplePrompts.from_config(cfg, prepared.tokenizer, prepared.sized)
     r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, point.step, group=group, stack=stack)
@@ -120,7 +120,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
     if r.main:  # the backend, the devices and their memory (process 0 speaks for the job); then every
         r.devices = backend_line()  # choice the user did not ask for, and where the run starts
         print(r.devices, flush=True)
-        for line in prepared.notes + prepared.step.notes + schedule_notes:
+        for line in prepared.notes + prepared.step_plan.notes + schedule_notes:
             console.note(line)
         if point.step:
             console.note(point.resume_line())
@@ -151,7 +151,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
             shard_files = engine.shard_files()
             if r.main:
                 _write_timeline(engine.timeline(), r.out_dir)
-    offload_files = (remove_offload_files(cfg, shard_files, r.last) if prepared.step.engine == "offload"
+    offload_files = (remove_offload_files(cfg, shard_files, r.last) if prepared.step_plan.engine == "offload"
                      else "none")
     start = point.step
     tokens = (r.last - start) * tokens_per_step(cfg)
@@ -193,8 +193,8 @@ def _build(r: _Run) -> Engine:
                               source.source_dtype if source else model_cfg.param_dtype)
         r.out_dir.mkdir(parents=True, exist_ok=True)
         if r.main:
-            (r.out_dir / "plan.json").write_text(json.dumps({**prepared.plan.to_dict(),
-                                                             "step": prepared.step.describe()}, indent=1))
+            (r.out_dir / "plan.json").write_text(json.dumps({**prepared.resources.to_dict(),
+                                                             "step": prepared.step_plan.describe()}, indent=1))
         # Streamed weights (offload.params: ssd): the layer stack is never loaded whole; the
         # engine reads it layer by layer into the SSD regions (with the master weights).
         if source is not None:
@@ -206,7 +206,7 @@ def _build(r: _Run) -> Engine:
         master = source.read if source else (lean_init_reader(r.origin.model_config, cfg.train.seed)
                                              if r.streamed else None)
         # The engine holds what it needs (compute params; master weights on SSD).
-        return build_engine(cfg, model, model_cfg, prepared.step, master=master)
+        return build_engine(cfg, model, model_cfg, prepared.step_plan, master=master)
 
 
 def _restore(r: _Run, engine: Engine, ckpt: Checkpointer) -> tuple[Any, list[float]]:

@@ -5,11 +5,11 @@ whether it fits. "What fits, and why" lives here; "how a step runs" lives in
 
 What the rest of jaxascend (and its users) take from here:
 
-* :func:`resolve` -- the run's plan, made in this process (its memory measured), with
-  ``offload.params: auto`` resolved into the config;
+* :func:`plan_resources` -- the run's resource plan, made in this process (its memory measured),
+  with ``offload.params: auto`` resolved into the config;
 * :func:`plan_run` -- the plan for given figures (a placement, a runtime part), as the scripts
   and the levers replan;
-* :class:`RunPlan` -- the plan: host memory by part, device memory, disk per filesystem, SSD bytes
+* :class:`ResourcePlan` -- the plan: host memory by part, device memory, disk per filesystem, SSD bytes
   per step and the step-time floor, the planner's choices, each part that does not fit with its
   levers (``format()``, ``to_dict()``, ``check()``);
 * :class:`PlanError` -- a part that does not fit, in one line naming it.
@@ -25,6 +25,6 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.devices`, :mod:`jaxascend.model
 plan the engine will have (from shapes alone).
 """
 
-from jaxascend.planning.resource_plan import PlanError, RunPlan, plan_run, resolve
+from jaxascend.planning.resource_plan import PlanError, ResourcePlan, plan_resources, plan_run
 
-__all__ = ["PlanError", "RunPlan", "plan_run", "resolve"]
+__all__ = ["PlanError", "ResourcePlan", "plan_resources", "plan_run"]

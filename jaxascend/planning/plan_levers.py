@@ -18,7 +18,7 @@ from jaxascend.config import Config, ModelConfig
 from jaxascend.planning.disk_plan import FilesystemUse
 from jaxascend.planning.step_memory import REMAT
 
-Replan = Callable[[Config, ModelConfig], Any]  # -> RunPlan, without levers
+Replan = Callable[[Config, ModelConfig], Any]  # -> ResourcePlan, without levers
 CHEAPER_STATES = {"float32": ("int8", "bfloat16"), "bfloat16": ("int8",), "int8": ()}
 
 

@@ -1,9 +1,12 @@
 """The run planner: what a run will need, computed before anything is allocated, against what
 this machine can give it.
 
-    plan = plan_run(cfg, model_cfg)         # model_cfg with its vocab_size; arithmetic + a few stat calls
+    cfg, plan = plan_resources(cfg, model_cfg)  # model_cfg with its vocab_size; arithmetic + a few stat calls
     print(plan.format())                    # host memory by part, device memory, disk, SSD traffic
     plan.check()                            # PlanError: one line naming the part, the figures, the levers
+
+:func:`plan_resources` is the run's (its runtime part measured in this process, ``offload.params``
+resolved into the config); :func:`plan_run` plans for given figures (a placement, a runtime part).
 
 Host memory is predicted part by part (bytes, for one process):
 
@@ -98,7 +101,11 @@ class HostLimit:
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class ResourcePlan:
+    """What a run needs of this machine (host memory by part, device memory, disk per filesystem,
+    SSD bytes per step) against what it can give, the planner's choices and, for each part that
+    does not fit, its levers. Its JSON (``to_dict``) is ``plan.json``'s, field by field."""
+
     params: str  # resolved offload.params: "resident" or "ssd" ("in-memory" for the baseline engine)
     num_params: int
     host: dict  # part -> bytes, in print order
@@ -319,7 +326,7 @@ def _step_parts(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout) -> t
 
 
 def _in_memory_plan(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout, runtime: Runtime,
-                    gbps: float) -> RunPlan:
+                    gbps: float) -> ResourcePlan:
     """The in-memory baseline: fp32 (param_dtype) params, gradients, m and v. The jitted optax
     step holds the gradients and, until the old state is freed, the updated moments (8 B/param
     more; measured: 26.7 B/param at 0.5B in float32)."""
@@ -330,13 +337,13 @@ def _in_memory_plan(cfg: Config, model_cfg: ModelConfig, layout: OffloadLayout, 
             "activations": step["activations"], "temporaries": max(step["temporaries"], 8 * n)}
     disk = disk_use(run_disk_parts(cfg, 0, n * (p + 8), 4 * n, _export_itemsize(cfg, model_cfg) * n))
     device = {"params + state": n * (2 * p + 8), "activations + temps": sum(step.values())}
-    return RunPlan("in-memory", n, host, device, 0, str(cfg.offload.dir), n * (p + 8),
+    return ResourcePlan("in-memory", n, host, device, 0, str(cfg.offload.dir), n * (p + 8),
                    0, 0, gbps, _host_limit(cfg, runtime), disk, None, (),
                    max(leaf.layer_elements for leaf in layout.leaves), _streaming_refusal(cfg), phase=phase)
 
 
 def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: Runtime, gbps: float,
-                    processes: int = 1) -> RunPlan:
+                    processes: int = 1) -> ResourcePlan:
     """The offloaded engine's plan; in a job of ``processes``, one process's figures: its rows
     of each batch, its slice of the state (on SSD, in the arena, in its steps' traffic), and the
     compute weights every process holds whole (an overlapped resident stack: its slice)."""
@@ -381,18 +388,18 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
                   f"process's ({cfg.data.batch_size // processes} of each batch's {cfg.data.batch_size} rows, "
                   f"1/{processes} of the optimizer state: {mine:,} of {n:,} parameters); the checkpoints are "
                   f"the job's",)
-    return RunPlan("ssd" if stream else "resident", n, host, device, ssd_bytes, str(cfg.offload.dir), checkpoint,
+    return ResourcePlan("ssd" if stream else "resident", n, host, device, ssd_bytes, str(cfg.offload.dir), checkpoint,
                    read, write, gbps, _host_limit(cfg, runtime), disk, arena_problem, notes,
                    max(leaf.layer_elements for leaf in whole.leaves), _streaming_refusal(cfg), phase=phase)
 
 
-def _with_levers(plan: RunPlan, cfg: Config, model_cfg: ModelConfig, params: str, gbps: float,
-                 runtime: Runtime, processes: int) -> RunPlan:
+def _with_levers(plan: ResourcePlan, cfg: Config, model_cfg: ModelConfig, params: str, gbps: float,
+                 runtime: Runtime, processes: int) -> ResourcePlan:
     """``plan`` with the levers of each part that does not fit (each lever changes a copy of
     ``cfg`` with ``offload.params`` resolved to ``params``)."""
     cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params=params))
 
-    def replan(variant: Config, variant_model: ModelConfig) -> RunPlan:
+    def replan(variant: Config, variant_model: ModelConfig) -> ResourcePlan:
         return _plan(variant, variant_model, variant.offload.params, gbps, runtime, levers=False,
                      processes=processes)
 
@@ -407,7 +414,7 @@ def _with_levers(plan: RunPlan, cfg: Config, model_cfg: ModelConfig, params: str
 
 def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
              disk_gbps: Optional[float] = None, runtime_bytes: Optional[int] = None, levers: bool = True,
-             processes: int = 1) -> RunPlan:
+             processes: int = 1) -> ResourcePlan:
     """The plan of ``cfg`` for ``model_cfg`` (whose ``vocab_size`` is the run's), with
     ``offload.params`` as given by ``params`` (default: the config's; "auto" is resolved).
     ``runtime_bytes``: the runtime part (default: measured, :meth:`Runtime.measured`; make the
@@ -420,7 +427,7 @@ def plan_run(cfg: Config, model_cfg: ModelConfig, params: Optional[str] = None,
 
 
 def _plan(cfg: Config, model_cfg: ModelConfig, params: str, gbps: float, runtime: Runtime, levers: bool,
-          processes: int = 1) -> RunPlan:
+          processes: int = 1) -> ResourcePlan:
     if not model_cfg.vocab_size:
         raise ValueError("plan: model_cfg.vocab_size is 0; resolve the run's vocabulary first")
     if params == "auto":
@@ -436,7 +443,7 @@ def _plan(cfg: Config, model_cfg: ModelConfig, params: str, gbps: float, runtime
 
 
 def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: Runtime, levers: bool,
-                  processes: int) -> RunPlan:
+                  processes: int) -> ResourcePlan:
     """``offload.params: auto``: resident if that fits the budget (without one: what the machine
     can give) and the device's memory where it is known, else ssd where the config allows it."""
     resident = _plan(cfg, model_cfg, "resident", gbps, runtime, levers=False, processes=processes)
@@ -463,12 +470,12 @@ def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: Run
     return dataclasses.replace(plan, choices=(choice,))
 
 
-def resolve(cfg: Config, model_cfg: ModelConfig, disk_gbps: Optional[float] = None,
-            inputs_read: bool = True, processes: int = 1) -> tuple[Config, RunPlan]:
-    """``cfg`` with ``offload.params`` resolved (auto -> resident or ssd) and its plan, made in
-    this process; ``inputs_read`` False: the tokenizer and data are not in it yet, and
-    :data:`UNREAD_INPUTS_BYTES` stands for them in the runtime part. ``processes``: the job's
-    (each process plans its own share)."""
+def plan_resources(cfg: Config, model_cfg: ModelConfig, disk_gbps: Optional[float] = None,
+                   inputs_read: bool = True, processes: int = 1) -> tuple[Config, ResourcePlan]:
+    """The run's resource plan, made in this process, and ``cfg`` with ``offload.params`` resolved
+    by it (auto -> resident or ssd): ``(cfg, plan)``. ``inputs_read`` False: the tokenizer and
+    data are not in it yet, and :data:`UNREAD_INPUTS_BYTES` stands for them in the runtime part.
+    ``processes``: the job's (each process plans its own share)."""
     runtime = Runtime.measured(0 if inputs_read else UNREAD_INPUTS_BYTES)
     plan = _plan(cfg, model_cfg, cfg.offload.params, float(disk_gbps or DEFAULT_DISK_GBPS), runtime, levers=True,
                  processes=processes)

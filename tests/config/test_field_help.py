@@ -23,7 +23,7 @@ from jaxascend.config.field_docs import config_fields
 from jaxascend.config.sections import IO_ENGINES, OffloadConfig
 from jaxascend.data import ByteTokenizer, load_tokenizer
 from jaxascend.offload import JobShape, StepPlan
-from jaxascend.planning import resolve
+from jaxascend.planning import plan_resources
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2",
@@ -189,11 +189,11 @@ def _outcome(claim: Claim, out_dir: Path, monkeypatch) -> Outcome:
     try:
         cfg = load_config("configs/tiny.yaml", SMALL + [f"train.out_dir={out_dir}", *claim.overrides])
         model_cfg = dataclasses.replace(cfg.model, vocab_size=259)
-        cfg, run_plan = resolve(cfg, model_cfg, processes=claim.job.processes)
-        plan = StepPlan.resolve(cfg, model_cfg, claim.job, choices=run_plan.choices)
+        cfg, resources = plan_resources(cfg, model_cfg, processes=claim.job.processes)
+        plan = StepPlan.resolve(cfg, model_cfg, claim.job, choices=resources.choices)
     except ConfigError as err:
         return Outcome(None, str(err))
-    return Outcome(plan, None, tuple(run_plan.problems()))
+    return Outcome(plan, None, tuple(resources.problems()))
 
 
 def _meanings() -> dict[str, str]:
