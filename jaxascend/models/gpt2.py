@@ -78,14 +78,7 @@ def _check_gpt2_config(cfg: ModelConfig, vocab_size: int) -> None:
         raise ValueError("model.rope_scaling: gpt2 uses learned position embeddings; must be null")
     if cfg.sliding_window is not None:
         raise ValueError("model.sliding_window: gpt2 has no sliding-window attention; must be null")
-    L.check_choice("model.hidden_act", cfg.hidden_act or "gelu_new", L.HIDDEN_ACTS)
-    L.check_choice("model.remat", cfg.remat, L.REMAT_POLICIES)
-    L.check_choice("model.attention", cfg.attention, L.ATTENTION_IMPLEMENTATIONS)
-    L.check_choice("model.loss", cfg.loss, L.LOSS_IMPLEMENTATIONS)
-    L.compute_dtype(cfg.dtype, "model.dtype")
-    L.compute_dtype(cfg.param_dtype, "model.param_dtype")
-    if not cfg.init_std > 0:
-        raise ValueError(f"model.init_std: must be > 0, got {cfg.init_std!r}")
+    L.check_common_fields(cfg, "gelu_new")
 
 
 def _linear(cfg: ModelConfig, in_features: int, out_features: int, rngs: nnx.Rngs) -> L.Linear:

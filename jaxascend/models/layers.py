@@ -58,6 +58,19 @@ def check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name}: {value!r} is not supported (allowed: {', '.join(map(str, allowed))})")
 
 
+def check_common_fields(cfg: ModelConfig, default_act: str) -> None:
+    """The checks every model makes of the fields it reads alike: ``hidden_act`` (None means
+    ``default_act``), ``remat``, ``attention``, ``loss``, ``dtype``, ``param_dtype`` and ``init_std``."""
+    check_choice("model.hidden_act", cfg.hidden_act or default_act, HIDDEN_ACTS)
+    check_choice("model.remat", cfg.remat, REMAT_POLICIES)
+    check_choice("model.attention", cfg.attention, ATTENTION_IMPLEMENTATIONS)
+    check_choice("model.loss", cfg.loss, LOSS_IMPLEMENTATIONS)
+    compute_dtype(cfg.dtype, "model.dtype")
+    compute_dtype(cfg.param_dtype, "model.param_dtype")
+    if not cfg.init_std > 0:
+        raise ValueError(f"model.init_std: must be > 0, got {cfg.init_std!r}")
+
+
 # The token table is used by the lookup and, when tied, by the head. ``hook(block, use, k)``, with
 # use "lookup" or "head", lets a caller wrap each block of rows of each use on its own (the whole
 # table is block 0 when it is not computed in blocks, see models.vocab): the offloaded step sends

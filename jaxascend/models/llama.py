@@ -87,14 +87,7 @@ def check_llama_config(cfg: ModelConfig, vocab_size: int, archs: tuple[str, ...]
         raise ValueError(f"model.head_dim: RoPE needs an even head dimension, got {head_dim}")
     if cfg.sliding_window is not None:
         L.check_positive("model.sliding_window", cfg.sliding_window)
-    L.check_choice("model.hidden_act", cfg.hidden_act or "silu", L.HIDDEN_ACTS)
-    L.check_choice("model.remat", cfg.remat, L.REMAT_POLICIES)
-    L.check_choice("model.attention", cfg.attention, L.ATTENTION_IMPLEMENTATIONS)
-    L.check_choice("model.loss", cfg.loss, L.LOSS_IMPLEMENTATIONS)
-    L.compute_dtype(cfg.dtype, "model.dtype")
-    L.compute_dtype(cfg.param_dtype, "model.param_dtype")
-    if not cfg.init_std > 0:
-        raise ValueError(f"model.init_std: must be > 0, got {cfg.init_std!r}")
+    L.check_common_fields(cfg, "silu")
     return head_dim
 
 
