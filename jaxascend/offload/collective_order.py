@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxascend.offload.grad_sink import GradientScatter, sink_share
+from jaxascend.offload.grad_sink import GradientScatter
 
 
 def token_of(*values) -> jax.Array:
@@ -88,7 +88,7 @@ def _leaves_bwd(sink, tensors, scatter, res, cotangents):
     token = token_of(anchors, g_order)
     stats = []
     for g, tensor in zip(gs, tensors):
-        s = sink_share(after(g, token), layer, sink=sink, tensor=tensor, scatter=scatter)
+        s = scatter.send(after(g, token), layer, sink=sink, tensor=tensor)
         token = token_of(s)
         stats.append(s)
     return tuple(jnp.zeros_like(g) for g in gs), tuple(stats), None, token

@@ -9,20 +9,20 @@
 * ``ssd``: (``offload.params: ssd``) the layer stack lives on SSD and the parameter source reads
   it ahead of the scan; the other leaves are arrays.
 
-In a job (data parallel) the arrays are replicated global arrays: a process's updated slices
-are all-gathered into them after each update (:meth:`ComputeWeights.whole`).
+Over several devices the arrays are replicated global arrays, and in a job a process's updated
+slices are all-gathered into them after each update (:meth:`ComputeWeights.whole`): the
+placement's (:mod:`~jaxascend.offload.placement`) to do.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
-import jax
 import numpy as np
 
 from jaxascend.offload.param_source import ParamSource
-from jaxascend.offload.partition import DataParallel, local_value
-from jaxascend.offload.state import OffloadedAdamState, to_default_device
+from jaxascend.offload.placement import Placement
+from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.step_plan import StepPlan
 
 
@@ -30,23 +30,23 @@ class ComputeWeights:
     """Owns the compute weights' places: the step's input leaves, the host buffers of an
     overlapped resident stack, and the parameter source (closed with the state).
 
-    In a job the step's inputs are replicated global arrays, and the 16-bit float leaves the
-    step takes as raw bits (the layer stack, a large token table: ``bits``, see
-    ``step.stacked_as_bits``) are held as ``uint16`` arrays from the start: a bitcast of a global
-    array would be a copy each step. An overlapped resident stack of a job keeps this process's
+    How each leaf is placed is the ``placement``'s: over several devices the step's inputs are
+    replicated global arrays, and the 16-bit float leaves the step takes as raw bits (the layer
+    stack, a large token table: ``bits``, see ``raw_bits.stacked_as_bits``) are held as ``uint16``
+    arrays from the start (a bitcast of a global array would be a copy each step; one device
+    views its arrays at each call). An overlapped resident stack of a job keeps this process's
     slice of every layer in its host buffers, all-gathered in the step as a streamed one is."""
 
     def __init__(self, plan: StepPlan, state: OffloadedAdamState, leaves: list, full_shapes: list[tuple],
-                 data_parallel: Optional[DataParallel], bits: Optional[dict[int, Any]] = None):
+                 placement: Placement, bits: Optional[dict[int, Any]] = None):
         """``leaves``: the compute weights in the state's leaf order (None for streamed leaves),
         this process's (the same on every process of a job); ``full_shapes``: each leaf's whole
-        shape (a job's state holds slices); ``bits``: leaf index -> float dtype of the leaves a
-        job's step takes as raw bits."""
+        shape (a job's state holds slices); ``bits``: leaf index -> float dtype of the leaves the
+        step takes as raw bits."""
         self.kind = plan.weight_source
         self._state = state
-        self._dp = data_parallel
-        self._partitioned = plan.partitioned
-        self._bits = dict(bits or {}) if data_parallel is not None else {}
+        self._placement = placement
+        self._bits = dict(bits or {})
         self.full_shapes = [tuple(s) for s in full_shapes]
         leaves = list(leaves)
         # Overlapped and resident: the stack's weights move to host buffers that the optimizer
@@ -64,27 +64,16 @@ class ComputeWeights:
 
     def _host_buffer(self, leaf, whole: np.ndarray) -> np.ndarray:
         """A stacked leaf's host buffer: every layer whole, or (a job) this process's slice of each."""
-        if not self._partitioned:
-            return np.ascontiguousarray(whole).reshape(-1).copy()
-        take = self._dp.partition.take
-        return np.concatenate([take(whole[layer]) for layer in range(whole.shape[0])])
+        return self._placement.host_buffer(whole)
 
     def _replicated(self, index: int, x):
-        """Leaf ``index`` as the step takes it: as it is, or (a job) a replicated global array of
-        the same bytes (as uint16 when the step takes it as bits)."""
-        if self._dp is None or x is None:
-            return x
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return x  # made whole by a gather already
-        x = np.asarray(x)
-        return self._dp.replicate(x.view(np.uint16) if index in self._bits else x)
-
-    def _as_floats(self, index: int, x: np.ndarray) -> np.ndarray:
-        return x.view(self._bits[index]) if index in self._bits else x
+        """Leaf ``index`` as the step takes it: as it is, or (several devices) a replicated global
+        array of the same bytes (as uint16 when the step takes it as bits)."""
+        return self._placement.input(x, index in self._bits)
 
     @property
     def bit_dtypes(self) -> dict[int, Any]:
-        """Leaf index -> float dtype of the inputs held as raw bits (a job's)."""
+        """Leaf index -> float dtype of the inputs the step takes as raw bits."""
         return dict(self._bits)
 
     def inputs(self):
@@ -98,19 +87,13 @@ class ComputeWeights:
         leaves = self.local_leaves()
         for index, buf in self.host.items():
             leaf = self._state.leaves[index]
-            if self._partitioned:
-                whole = self._dp.gather([buf], [self.full_shapes[index]], [leaf.layers])[0]
-                leaves[index] = local_value(whole)
-            else:
-                leaves[index] = buf.reshape(leaf.shape)
+            leaves[index] = self._placement.whole_host(buf, self.full_shapes[index], leaf.layers, leaf.shape)
         return self._state.layout.treedef.unflatten(leaves)
 
     def local_leaves(self) -> list:
-        """The input leaves as this process holds them (a job's as float numpy), None for the
-        leaves the source serves."""
-        if self._dp is None:
-            return list(self._leaves)
-        return [None if x is None else self._as_floats(i, local_value(x)) for i, x in enumerate(self._leaves)]
+        """The input leaves as this process holds them (over several devices as float numpy),
+        None for the leaves the source serves."""
+        return [self._placement.local(x, self._bits.get(i)) for i, x in enumerate(self._leaves)]
 
     def served(self, leaf) -> bool:
         """Whether the parameter source serves ``leaf`` (from SSD or a host buffer)."""
@@ -135,43 +118,30 @@ class ComputeWeights:
 
     def put_all(self, leaves: list) -> None:
         """Takes every leaf a sequential update emitted (this process's slices in a job)."""
-        if self._partitioned:  # every process's slices make the whole (replicated) weights again
-            leaves = self._gather(list(range(len(leaves))), leaves)
-        self._leaves = [self._replicated(i, x) for i, x in enumerate(leaves)]
+        self._leaves = self._assemble(list(range(len(leaves))), leaves)
 
     def whole(self, new: dict[int, Any]) -> dict[int, Any]:
         """An overlapped update's new top-level leaves (by leaf index) as the step takes them:
         a job's whole and replicated, from every process's slices (one process's devices:
         replicated); as they are for one device."""
-        if not new or self._dp is None:
-            return new
         indices = sorted(new)
-        if not self._partitioned:
-            return {i: self._replicated(i, new[i]) for i in indices}
-        return dict(zip(indices, self._gather(indices, [new[i] for i in indices])))
+        return dict(zip(indices, self._assemble(indices, [new[i] for i in indices])))
 
-    def _gather(self, indices: list[int], slices: list) -> list:
-        """Leaves ``indices`` whole and replicated from this process's ``slices`` (None: not gathered)."""
-        slices = [None if x is None else np.asarray(x).view(np.uint16) if i in self._bits else np.asarray(x)
-                  for i, x in zip(indices, slices)]
-        return self._dp.gather(slices, [self.full_shapes[i] for i in indices],
-                               [self._state.leaves[i].layers for i in indices])
+    def _assemble(self, indices: list[int], slices: list) -> list:
+        """Leaves ``indices`` as the step takes them, from this process's ``slices`` (None: not an input)."""
+        return self._placement.assemble(slices, [self.full_shapes[i] for i in indices],
+                                        [self._state.leaves[i].layers for i in indices],
+                                        [i in self._bits for i in indices])
 
     def restore(self, leaves: list) -> None:
         """The compute params of a restored checkpoint, whole (a host-served stack into its buffers).
         One device's are placed as an update places its new leaves (uncommitted): a restored
         array committed to its device would make the next step compile once more."""
         leaves = list(leaves)
-        if self._dp is None:
-            leaves = [None if x is None else to_default_device(np.asarray(x)) for x in leaves]
         for index, buf in self.host.items():
             np.copyto(buf, self._host_buffer(self._state.leaves[index], np.asarray(leaves[index])))
             leaves[index] = None
-        self._leaves = [self._replicated(i, x) for i, x in enumerate(leaves)]
-
-    def whole_layers(self) -> list:
-        """One whole layer of each leaf the source serves (what a job's step gathers its slices into)."""
-        return [jax.ShapeDtypeStruct(self.full_shapes[leaf.index][1:], leaf.dtype) for leaf in self.source.leaves]
+        self._leaves = [self._placement.restored_input(x, i in self._bits) for i, x in enumerate(leaves)]
 
     def begin_step(self, forward_only: bool = False) -> None:
         if self.source is not None:

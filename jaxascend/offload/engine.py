@@ -47,11 +47,12 @@ from jaxascend.offload.grad_sink import step_errors
 from jaxascend.offload.gradient_routing import GradientRouting, leaf_routes
 from jaxascend.offload.layout import STATE_SLOT_CLASS
 from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
-from jaxascend.offload.partition import DataParallel, Partition, local_value
+from jaxascend.offload.placement import placement_of
+from jaxascend.offload.raw_bits import bit_leaves
 from jaxascend.offload.ssd_adamw import ssd_adamw_state
 from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.state_layout import StateLayoutOptions, TableLayout, checkpoint_slot_requests
-from jaxascend.offload.step import LeafRoutes, bit_leaves, total_stats
+from jaxascend.offload.step import LeafRoutes, total_stats
 from jaxascend.offload.step_plan import StepPlan
 from jaxascend.offload.timeline import StepTimeline
 from jaxascend.offload.update_runner import OverlappedUpdates, SequentialUpdates, UpdateRunner
@@ -90,10 +91,10 @@ class OffloadEngine:
             raise ValueError("OffloadEngine: the plan is the in-memory engine's (offload.enabled: false)")
         self.cfg = cfg
         self.compute_dtype = model_cfg.dtype
-        self.data_parallel = DataParallel(plan.partition, plan.local_devices) if plan.partition is not None else None
+        self.placement = placement_of(plan)  # one device, this process's devices, or a job's
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         table = TableLayout.of(params, model_cfg)
-        routing = leaf_routes(plan, params, model_cfg, table)
+        routing = leaf_routes(plan, self.placement, params, model_cfg, table)
         full_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, DTYPES[model_cfg.dtype]), params)
         self.state = self._create_state(full_spec, model_cfg, table, routing)
         try:
@@ -104,18 +105,17 @@ class OffloadEngine:
             leaves = self._init_state(params, master, paths, model_cfg)
             del params
             self.weights = ComputeWeights(plan, self.state, leaves, [x.shape for x in jax.tree.leaves(full_spec)],
-                                          self.data_parallel,
+                                          self.placement,
                                           bits=bit_leaves(routing, [leaf.dtype for leaf in self.state.leaves]))
             del leaves
             self.routing = GradientRouting.build(plan, self.graphdef, self.rest, routing, self.state, self.weights,
-                                                 self.data_parallel)
+                                                 self.placement)
             rule = cfg.optimizer.weight_decay_mask  # weight decay per leaf, by its path
             decay = None if rule == "all" else leaf_decay(rule, [".".join(path) for path in paths])
             self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.schedule_length(), decay)
             runner = OverlappedUpdates if plan.overlap else SequentialUpdates
             self.updates: UpdateRunner = runner(self.state, self.weights, self.settings)
-            self.readers = WeightReaders(self.state, self.weights, paths, self.data_parallel, plan.partitioned,
-                                         self.finish_update)
+            self.readers = self.placement.readers(WeightReaders(self.state, self.weights, paths, self.finish_update))
             self.loss_scale = LossScaleState.initial(cfg.optimizer, self.compute_dtype)
             self._steps = 0
             self._last_timeline: Optional[StepTimeline] = None  # of the last step that ran an update
@@ -133,17 +133,15 @@ class OffloadEngine:
                       routing: LeafRoutes) -> OffloadedAdamState:
         """The arena, the store and the layout of this process's state (a job's: its slices)."""
         cfg, plan = self.cfg, self.plan
-        spec = full_spec
         row_blocks = table.row_blocks
-        if plan.partitioned:  # this process's slices of every tensor (of every block of a large table)
-            spec = plan.partition.local_spec(spec, routing.is_stacked, row_blocks)
+        spec = self.placement.local_spec(full_spec, routing.is_stacked, row_blocks)  # a job's: its slices
         options = StateLayoutOptions.of(cfg, model_cfg, row_blocks, stream=plan.weights == "ssd")
         extra = checkpoint_slot_requests(options.plan(spec, cfg.offload), cfg.offload)
         self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS if extra else STATE_SLOT_CLASS
         return OffloadedAdamState.create(spec, cfg.offload, **options.keywords(),
                                          kernel_threads=cfg.offload.kernel_threads, extra_requests=extra,
                                          rounding_seed=cfg.train.seed,
-                                         partition_index=plan.partition.index if plan.partitioned else 0)
+                                         partition_index=self.placement.partition.index)
 
     def _init_state(self, params, master: Optional[MasterReader], paths: list, model_cfg: ModelConfig) -> list:
         """Writes the initial state (fp32 master weights from ``master`` or ``params``, zero
@@ -152,24 +150,11 @@ class OffloadEngine:
         # A streamed leaf's compute weights are the reader's values as the resident copy gets
         # them: cast to param_dtype (the model's), then to the compute dtype.
         compute = lambda leaf, x: np.asarray(x).astype(param_dtype).astype(dtype)  # noqa: E731
-        if self.plan.partitioned:  # this process's slice of each layer, from the reader or the params
-            full, take = jax.tree.leaves(params), self.plan.partition.take
-
-            def value(leaf, layer):
-                if master is not None:
-                    return _read_master(master, paths[leaf.index], leaf, layer, full[leaf.index].shape)
-                x = np.asarray(full[leaf.index])
-                if leaf.row_blocks > 1:  # one block of rows of a large table
-                    rows = x.shape[0] // leaf.row_blocks
-                    return x[layer * rows:(layer + 1) * rows]
-                return x if layer is None or not leaf.stacked else x[layer]
-
-            self.state.init_from(lambda leaf, layer: take(value(leaf, layer)).astype(np.float32), compute=compute)
-        elif master is None:
-            self.state.init(params)  # fp32 master weights from the loaded/initialised params
-        else:
-            self.state.init_from(lambda leaf, layer: _read_master(master, paths[leaf.index], leaf, layer,
-                                                                  leaf.shape), compute=compute)
+        shapes = [x.shape for x in jax.tree.leaves(params)]  # whole (a job's state holds slices)
+        read = None if master is None else \
+            (lambda leaf, layer: _read_master(master, paths[leaf.index], leaf, layer, shapes[leaf.index]))
+        # This process's state (a job's: its slice of each layer), from the reader or the params.
+        self.placement.write_initial_state(self.state, params, read, compute)
         # The compute copy, without the streamed leaves (on SSD now); the param_dtype copy is
         # dropped once the master weights are on SSD.
         return [None if leaf.streamed else x.astype(dtype) for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
@@ -229,9 +214,8 @@ class OffloadEngine:
         self.weights.begin_step()
         try:
             with step_errors(PARAM_SOURCE_ERRORS):  # a sink or source failure, at dispatch or at the fetch
-                loss, stats = self.routing.run(self.weights.inputs(), batch, scale)
-                if self.data_parallel is not None:  # replicated: the job's loss and statistics
-                    loss, stats = local_value(loss), jax.tree.map(local_value, stats)
+                # replicated over several devices: the job's loss and statistics, as this process holds them
+                loss, stats = self.placement.local_values(self.routing.run(self.weights.inputs(), batch, scale))
                 kill_point("backward")  # tests: the backward pass is running and writing gradients
                 # SYNC: the overflow check and the clip factor need the statistics, and the optimizer
                 # may read the gradient regions only once the backward pass has written all of them.
@@ -276,11 +260,8 @@ class OffloadEngine:
             self.weights.begin_step(forward_only=True)
             try:
                 with step_errors(PARAM_SOURCE_ERRORS):
-                    out = self.routing.evaluate(params, self.routing.eval_input(batch))
-                    if self.data_parallel is not None:  # this process's rows; the sums are the job's
-                        loss_sum, counted = (local_value(x) for x in out)
-                    else:
-                        loss_sum, counted = jax.device_get(out)  # SYNC: per batch
+                    out = self.routing.evaluate(params, self.routing.eval_input(batch))  # the job's sums
+                    loss_sum, counted = jax.device_get(self.placement.local_values(out))  # SYNC: per batch
             finally:
                 self.weights.end_step()
             total += float(loss_sum)
@@ -302,7 +283,7 @@ class OffloadEngine:
         # The step's state slots are idle between steps; checkpoints stream through them. Each
         # array records where it sits in its whole tensor, so that another number of processes
         # can re-partition it on restore.
-        part = self.plan.partition if self.plan.partitioned else Partition(0, 1)
+        part = self.placement.partition
         pieces = [Piece(part.index, part.count, self.weights.full_shapes[leaf.index], leaf.stacked, leaf.row_blocks)
                   for leaf in self.state.leaves]
         return SsdArrays(self.state.store, specs_for_offload_layout(self.state.layout, pieces=pieces),
@@ -378,7 +359,7 @@ class OffloadEngine:
             streamed_param_bytes=state.layout.streamed_param_bytes, params=self.plan.weights,
             overlap=self.plan.overlap, overlap_refused=self.plan.overlap_refused,
             data_parallel_processes=self.plan.processes,
-            data_parallel_devices=self.data_parallel.devices if self.data_parallel is not None else 1,
+            data_parallel_devices=self.placement.devices,
             early_gradient_arrivals=state.early_gradient_arrivals, **source)
 
     def shard_files(self) -> list[str]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -88,14 +88,16 @@ def _forget_failed_effects() -> None:
         tokens.clear()
 
 
-def sink_gradient(g: jax.Array, layer: jax.Array, *, sink: int, tensor: int) -> jax.Array:
+def sink_gradient(g: jax.Array, layer: jax.Array, *, sink: int, tensor: int,
+                  via_host: Optional[bool] = None) -> jax.Array:
     """Sends ``g`` to sink ``sink`` as layer ``layer`` of tensor ``tensor``; returns f32[2] stats.
 
-    On the CPU backend this is the FFI target, reading the gradient where XLA computed it. On
-    other backends (GPU), or forced by ``JAXASCEND_HOST_CALLBACKS=1`` (:func:`jaxascend.native.host_callbacks`),
-    the gradient is copied to host memory by an ``io_callback`` whose host side calls the same sink.
+    The FFI target reads the gradient where XLA computed it (the CPU backend). ``via_host``
+    (a step: its plan's ``host_callbacks``; None: :func:`jaxascend.native.host_callbacks`, the
+    environment's): an ``io_callback`` copies the gradient to host memory and its host side
+    calls the same sink, the way of other backends (GPU), or of ``JAXASCEND_HOST_CALLBACKS=1``.
     """
-    if host_callbacks():
+    if host_callbacks() if via_host is None else via_host:
         return _sink_gradient_via_host(g, layer, sink=sink, tensor=tensor)
     out_types = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
     sumsq, nonfinite = ffi_call("jaxascend_grad_sink", out_types, has_side_effect=True)(
@@ -115,16 +117,31 @@ def _sink_gradient_via_host(g, layer, *, sink, tensor):
 
 
 @dataclass(frozen=True)
+class WholeGradient:
+    """One device's way to the sink: the whole gradient, sent as it is (``via_host``: as for
+    :func:`sink_gradient`). :class:`GradientScatter` is the way of several devices; a step's
+    placement (:mod:`~jaxascend.offload.placement`) chooses."""
+
+    via_host: Optional[bool] = None
+
+    def send(self, g: jax.Array, layer, *, sink: int, tensor: int) -> jax.Array:
+        """:func:`sink_gradient` of ``g``: its statistics."""
+        return sink_gradient(g, layer, sink=sink, tensor=tensor, via_host=self.via_host)
+
+
+@dataclass(frozen=True)
 class GradientScatter:
     """Reduce-scatter each gradient over the mesh axis ``axis`` of ``parts`` shards (see the
     module doc): the sink of shard ``i`` receives slice ``i`` of the flat, zero-padded sum.
     ``local``: the mesh's second axis, the several devices of each process (which owns one
     slice of the state): each device's slice is then summed over the process's devices as well,
-    and the first device of each process alone sends it to the sink."""
+    and the first device of each process alone sends it to the sink (``via_host``: as for
+    :func:`sink_gradient`)."""
 
     axis: str
     parts: int
     local: Optional[str] = None
+    via_host: Optional[bool] = None
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -151,6 +168,16 @@ class GradientScatter:
             return send()
         return jax.lax.cond(jax.lax.axis_index(self.local) == 0, send, otherwise)
 
+    def send(self, g: jax.Array, layer, *, sink: int, tensor: int) -> jax.Array:
+        """:func:`sink_gradient` of ``g`` (this shard's contribution, under ``shard_map``) as data
+        parallelism shares it: each process's slice of the summed gradient (the whole sum for
+        one process), sent once by its first device; the statistics are those of the whole
+        summed gradient, on every device."""
+        mine = self(g)
+        stats = self.first_device(lambda: sink_gradient(mine, layer, sink=sink, tensor=tensor, via_host=self.via_host),
+                                  lambda: jnp.zeros((PROBE_SIZE,), jnp.float32))
+        return jax.lax.psum(stats, self.axes)
+
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _offload_identity(x, probe, layer, sink, tensor, scatter):
@@ -163,22 +190,11 @@ def _offload_fwd(x, probe, layer, sink, tensor, scatter):
     return x, layer
 
 
-def sink_share(g: jax.Array, layer, *, sink: int, tensor: int,
-               scatter: Optional[GradientScatter] = None) -> jax.Array:
-    """:func:`sink_gradient` of ``g`` (this shard's contribution, under ``shard_map`` when
-    ``scatter`` is given) as data parallelism shares it: each process's slice of the summed
-    gradient (the whole sum for one process), sent once by its first device; the statistics
-    are always those of the whole summed gradient."""
-    if scatter is None:
-        return sink_gradient(g, layer, sink=sink, tensor=tensor)
-    mine = scatter(g)
-    stats = scatter.first_device(lambda: sink_gradient(mine, layer, sink=sink, tensor=tensor),
-                                 lambda: jnp.zeros((PROBE_SIZE,), jnp.float32))
-    return jax.lax.psum(stats, scatter.axes)
+GradientShare = Union[WholeGradient, GradientScatter]  # how a placement sends a gradient: ``send(g, layer, ...)``
 
 
 def _offload_bwd(sink, tensor, scatter, layer, g):
-    stats = sink_share(g, layer, sink=sink, tensor=tensor, scatter=scatter)
+    stats = scatter.send(g, layer, sink=sink, tensor=tensor)
     # The parameter's own cotangent is dropped: nobody differentiates with respect to it, so XLA
     # eliminates the zeros; the layer index is an integer input (float0 cotangent).
     return jnp.zeros_like(g), stats, None
@@ -188,13 +204,14 @@ _offload_identity.defvjp(_offload_fwd, _offload_bwd)
 
 
 def offload_on_backward(x: jax.Array, probe: jax.Array, *, sink: int, tensor: int,
-                        layer: jax.Array | int = 0, scatter: Optional[GradientScatter] = None) -> jax.Array:
+                        layer: jax.Array | int = 0, scatter: GradientShare = WholeGradient()) -> jax.Array:
     """Identity on ``x``; on the backward pass ``x``'s cotangent goes to the sink and ``probe``
     (f32[2]) receives ``[sum of squares, non-finite count]`` of it.
 
     ``layer`` (an int32 scalar, may be traced, e.g. a scan counter) tells the sink where in the
-    tensor's layer stack this slice belongs. ``scatter``: data parallel, the cotangent is
-    reduce-scattered first and the sink gets this shard's slice (see the module doc).
+    tensor's layer stack this slice belongs. ``scatter``: a :class:`GradientScatter`, data
+    parallel: the cotangent is reduce-scattered first and the sink gets this shard's slice (see
+    the module doc); by default the whole cotangent goes to the sink (:class:`WholeGradient`).
     """
     return _offload_identity(x, probe, jnp.asarray(layer, jnp.int32), int(sink), int(tensor), scatter)
 

@@ -161,11 +161,14 @@ class ParamSource:
             self._handle = None
 
 
-def fetch_layer(handle: int, layer: jax.Array, specs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+def fetch_layer(handle: int, layer: jax.Array, specs: Sequence[jax.ShapeDtypeStruct],
+                via_host: Optional[bool] = None) -> list[jax.Array]:
     """Layer ``layer`` (an int32 scalar, may be traced) of every streamed leaf, from source
-    ``handle``; ``specs`` are the leaves' layer shapes and dtypes (:attr:`ParamSource.specs`)."""
+    ``handle``; ``specs`` are the leaves' layer shapes and dtypes (:attr:`ParamSource.specs`).
+    ``via_host``: through a ``pure_callback`` (a step: its plan's ``host_callbacks``; None:
+    :func:`jaxascend.native.host_callbacks`, the environment's), else the FFI target."""
     layer = jnp.asarray(layer, jnp.int32)
-    if host_callbacks():
+    if host_callbacks() if via_host is None else via_host:
         return list(jax.pure_callback(_host_fetcher(handle, specs), tuple(specs), layer))
     return list(ffi_call("jaxascend_param_source", tuple(specs), has_side_effect=False)(
         layer, source=np.int64(handle)))

@@ -1,4 +1,6 @@
-"""Data parallel over processes: each owns 1/P of every tensor's optimizer state.
+"""Data parallel over processes: each owns 1/P of every tensor's optimizer state. The tools of
+the placements over several devices (:mod:`~jaxascend.offload.placement`), which the engine's
+parts call:
 
     dp = DataParallel(Partition(index, count))      # after jax.distributed has joined the job
     spec = dp.partition.local_spec(full_spec, stacked)   # the slices this process's SSD state holds
@@ -18,6 +20,7 @@ compute params are all-gathered after the step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -26,8 +29,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from jaxascend.offload.grad_sink import GradientScatter
 
 AXIS = "data"  # the processes of a job: the state is split over them
 LOCAL = "local"  # the devices of one process
@@ -79,7 +80,7 @@ class DataParallel:
     process's slice; ``(0, 1)``: one process owns it whole). A layer's gradient is reduce-scattered
     over the processes and summed over each process's devices, and the first device of each
     process sends its slice to the process's sink and fetches the layers the parameter source
-    serves (:meth:`GradientScatter.first_device`)."""
+    serves (the placement's :class:`~jaxascend.offload.grad_sink.GradientScatter`)."""
 
     def __init__(self, partition: Partition, local_devices: Optional[int] = None):
         """``local_devices``: the devices of each process the step uses (default: all of them;
@@ -97,7 +98,6 @@ class DataParallel:
         self.partition = partition
         self.local_devices = local
         self.devices = partition.count * local
-        self.scatter = GradientScatter(AXIS, partition.count, local=LOCAL if local > 1 else None)
         grid = np.array([by_process[p][:local] for p in sorted(by_process)])  # [processes, local]
         self.mesh = Mesh(grid, (AXIS, LOCAL))
         self.replicated = NamedSharding(self.mesh, P())
@@ -224,6 +224,59 @@ class JobReads:
     def __exit__(self, *exc) -> None:
         if self.is_reader:
             self.dp.broadcast([self._STOP, 0])
+
+
+class JobWeightReaders:
+    """A job's :class:`~jaxascend.offload.weight_readers.WeightReaders`: each process holds a
+    slice of every tensor, so process 0 reads whole tensors while the others serve their slices
+    (:class:`JobReads`), one tensor (one layer) whole at a time; the others get None. What a
+    process reads of its own (``local_params``, ``compute``) is ``readers``' own."""
+
+    def __init__(self, readers, dp: DataParallel):
+        self._readers, self._dp = readers, dp
+
+    @property
+    def paths(self) -> list[tuple[str, ...]]:
+        return self._readers.paths
+
+    def local_params(self):
+        return self._readers.local_params()
+
+    def compute(self):
+        return self._readers.compute()
+
+    @contextlib.contextmanager
+    def sampled(self):
+        """The compute params on process 0 (None on the others); the layers the parameter source
+        serves (streamed, or this process's slices in host buffers) are gathered from every
+        process's slices as process 0 reads them."""
+        readers = self._readers
+        if not readers.served:
+            yield readers.compute() if self._dp.partition.index == 0 else None
+            return
+        readers.finish()  # on every process: its gather is a collective, and the served layers must be new
+        with self._reads(readers.read_served) as reads:
+            yield readers.compute_reader(lambda leaf, layer: reads.read(leaf.index, layer)) if reads.is_reader else None
+
+    def master(self):
+        raise RuntimeError("offload: a job's weights are read through exported_weights() on every process")
+
+    @contextlib.contextmanager
+    def exported(self):
+        """A reader of the fp32 master weights on process 0 (None on the others, which serve their
+        slices of each tensor process 0 reads, gathered one tensor, or one layer, at a time)."""
+        readers = self._readers
+        readers.finish()
+        with self._reads(readers.read_master) as reads:
+            yield readers.reader(lambda leaf, layer: reads.read(leaf.index, layer), " to export") \
+                if reads.is_reader else None
+
+    def _reads(self, read_slice: Callable) -> JobReads:
+        """Process 0's whole-tensor reads of what ``read_slice(leaf, layer)`` reads of this
+        process's slices."""
+        leaves = self._readers.leaves
+        return JobReads(self._dp, lambda index, layer: read_slice(leaves[index], layer).reshape(-1),
+                        self._readers.full_shapes, [leaf.layers for leaf in leaves], [leaf.stacked for leaf in leaves])
 
 
 def _rows_spec(axis: int) -> P:

@@ -19,20 +19,17 @@ is assembled. The loss is differentiated with respect to small "probe" arrays on
 from __future__ import annotations
 
 import dataclasses
-import math
-from functools import partial
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxascend.models import loss_sum_and_count
-from jaxascend.native import host_callbacks
-from jaxascend.offload.collective_order import after, after_each, offload_leaves_on_backward, token_of
+from jaxascend.offload.collective_order import offload_leaves_on_backward
 from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward
 from jaxascend.offload.param_source import fetch_layer
+from jaxascend.offload.placement import OneDevice, Placement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +122,8 @@ class _SinkHooks:
     top-level leaves wrapped before the model is assembled, each layer's inside the scan, each
     block of each use of the token table as the model computes it. One set per trace of the step."""
 
-    def __init__(self, routing: LeafRoutes, sink: int, scatter=None):
-        self.routing, self.sink, self.scatter = routing, sink, scatter
+    def __init__(self, routing: LeafRoutes, sink: int, scatter):
+        self.routing, self.sink, self.scatter = routing, sink, scatter  # scatter: the placement's share
         self.routes = routing.by_key()
 
     def _hook(self, key, x, probe, layer=0):
@@ -222,7 +219,7 @@ class _OrderedSinkHooks(_SinkHooks):
 
 
 def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: LeafRoutes, sink: int,
-                      loss_fn, source=None, data_parallel=None, whole_layers=None, bit_dtypes=()) -> Any:
+                      loss_fn, source=None, placement: Placement = OneDevice(), bit_dtypes=()) -> Any:
     """A jitted ``step(params, tokens, loss_scale) -> (loss, stats)`` (with ``step.lower``).
 
     ``tokens``: the step's ``A`` micro-batches ``[A, B, ...]``, which each layer runs in turn
@@ -232,32 +229,31 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: LeafRout
     the model, and the sink must sum 2 arrivals of that tensor). ``stats`` maps each
     leaf key to its probe's gradient (``[..., 2]``: sum of squares, non-finite count) of the
     *scaled* gradient. ``loss`` is unscaled. On the CPU backend the layer stack's 16-bit leaves
-    enter the jitted function as uint16 views of the same buffers (see :func:`stacked_as_bits`).
+    enter the jitted function as uint16 views of the same buffers (see ``raw_bits.stacked_as_bits``).
 
     ``source``: a :class:`~jaxascend.offload.param_source.ParamSource` over every leaf of the layer
     stack (``offload.params: ssd``). The stacked leaves of ``params`` are then None: the scan
     fetches each layer's weights from the source (and, under remat, again in the backward).
 
-    ``data_parallel``: a :class:`~jaxascend.offload.partition.DataParallel` over the processes of
-    a job. The step then runs under ``shard_map``: ``params`` are replicated global arrays,
-    ``tokens`` the step's micro-batches ``[A, B, ...]`` as global arrays sharded by rows (axis
-    1), each gradient is reduce-scattered so the sink gets this process's slice, and the loss and statistics are the job's (summed). With a
-    ``source`` too, it serves this process's slice of each layer, and ``whole_layers`` (one
-    ``jax.ShapeDtypeStruct`` per stacked leaf) are the layers the slices are all-gathered into;
-    ``bit_dtypes`` (``((key, float dtype name), ...)``, see :func:`bit_leaves`) are the leaves
-    ``params`` holds as raw ``uint16`` bits (on one process the step views them so itself).
+    ``placement`` (:mod:`~jaxascend.offload.placement`; default: one device, the native side as
+    the environment says): over several devices the step runs under ``shard_map``: ``params``
+    are replicated global arrays, ``tokens`` the step's micro-batches ``[A, B, ...]`` as global
+    arrays sharded by rows (axis 1), each gradient is reduce-scattered so the sink gets this
+    process's slice, and the loss and statistics are the job's (summed). With a ``source`` in a
+    job, it serves this process's slice of each layer, all-gathered into whole layers in the
+    step. ``bit_dtypes`` (``((key, float dtype name), ...)``, see ``raw_bits.bit_leaves``) are
+    the leaves ``params`` holds as raw ``uint16`` bits over several devices (on one device the
+    step views them so itself).
     """
     stacked_keys = [r.key for r in routing.routes if r.layers]
     if source is not None and len(source.specs) != len(stacked_keys):
         raise ValueError(f"offload step: the parameter source serves {len(source.specs)} leaves, the layer "
                          f"stack has {len(stacked_keys)}")
-    abstract, fetch = _stack_shapes(routing, source, data_parallel, whole_layers)
-    bit_dtypes = tuple(bit_dtypes)
+    abstract, fetch = _stack_shapes(routing, source, placement)
 
     def scaled_loss(probes, params, tokens, loss_scale, bit_dtypes):
-        # Data parallel: every collective of the backward in one order (see _OrderedSinkHooks).
-        hooks = (_SinkHooks(routing, sink) if data_parallel is None else
-                 _OrderedSinkHooks(routing, sink, data_parallel.scatter))
+        # Collectives (several devices): every one of the backward in one order (see _OrderedSinkHooks).
+        hooks = placement.choose(_SinkHooks, _OrderedSinkHooks)(routing, sink, placement.share)
         if abstract is not None:
             params = _with_abstract_stack(params, abstract)
         layer_weights, table_block = _weight_hooks(routing, fetch, stacked_keys, dict(bit_dtypes))
@@ -273,60 +269,28 @@ def make_offload_step(graphdef: nnx.GraphDef, rest: nnx.State, routing: LeafRout
 
     def local_step(params, tokens, loss_scale, bit_dtypes=()):
         (_, loss), stats = grad_of_probes(routing.probes(), params, tokens, loss_scale, bit_dtypes)
-        if data_parallel is not None:  # each process's loss is its rows' share of the job's: the last collective
-            loss = jax.lax.psum(after(loss, token_of(stats)), data_parallel.scatter.axes)
         return loss, stats
 
-    if data_parallel is None:
-        jitted = partial(jax.jit, static_argnames="bit_dtypes")(local_step)
-        return _OffloadStep(jitted, routing, use_bits=not host_callbacks())
-    # the step's micro-batches [A, B, ...]: each process computes its rows (axis 1) of every one
-    step = partial(local_step, bit_dtypes=bit_dtypes)
-    return _OffloadStep(data_parallel.batch_step(step, batch_axis=1, scalars=1), routing, use_bits=False)
+    return placement.compile_step(local_step, routing, tuple(bit_dtypes))
 
 
-def _stack_shapes(routing: LeafRoutes, source, data_parallel, whole_layers):
+def _stack_shapes(routing: LeafRoutes, source, placement: Placement):
     """(the layer stack's abstract leaves, ``fetch(index)`` of one layer's whole weights) of a
     step whose stack is read through ``source`` (else ``(None, None)``): the model sees whole
-    layers. Data parallel, the first device of each process fetches and its devices share the
-    bytes; in a job the source serves this process's slice of each layer (``whole_layers``
-    given), all-gathered inside the step into them. Each leaf's collectives follow the previous
-    leaf's (collective_order)."""
+    layers, which the placement makes of what the source serves (over several devices the first
+    device of each process fetches; in a job the source serves this process's slice of each
+    layer, all-gathered inside the step)."""
     if source is None:
         return None, None
-    if whole_layers is None:
-        layers = list(source.specs)
-    elif data_parallel is None or len(whole_layers) != len(source.specs):
-        raise ValueError("offload step: whole_layers are a job's, one per leaf the parameter source serves")
-    else:
-        layers = list(whole_layers)
-    shapes = iter(layers)
+    stacked = [r for r in routing.routes if r.layers]
+    wholes = [jax.ShapeDtypeStruct(r.shape[1:], spec.dtype) for r, spec in zip(stacked, source.specs)]
+    shapes = iter(wholes)
     abstract = tuple(_stacked_spec(r.layers, next(shapes)) if r.layers else None for r in routing.routes)
-    scatter = data_parallel.scatter if data_parallel is not None else None
-    shared = scatter is not None and scatter.local is not None
 
     def read(index):
-        return fetch_layer(source.handle, index, source.specs)
+        return fetch_layer(source.handle, index, source.specs, via_host=placement.via_host)
 
-    def collect(x):  # one leaf: from the first device of the process, then from every process
-        if shared:
-            x = jax.lax.all_gather(x, scatter.local)[0]
-        if whole_layers is not None:
-            x = jax.lax.all_gather(x.reshape(-1), scatter.axis, tiled=True)
-        return x
-
-    def fetch(index):
-        if not shared and whole_layers is None:
-            return read(index)
-        if shared:
-            values = scatter.first_device(lambda: tuple(read(index)),
-                                          lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in source.specs))
-        else:
-            values = read(index)
-        whole = after_each(list(values), None, collect)
-        return [x[:math.prod(w.shape)].reshape(w.shape) for x, w in zip(whole, layers)]
-
-    return abstract, fetch
+    return abstract, placement.layer_fetch(read, source.specs, wholes)
 
 
 def _weight_hooks(routing: LeafRoutes, fetch, stacked_keys: list[str], float_dtypes: dict[str, str]):
@@ -359,17 +323,17 @@ def _weight_hooks(routing: LeafRoutes, fetch, stacked_keys: list[str], float_dty
 
 
 def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: LeafRoutes, source=None,
-                      data_parallel=None, whole_layers=None, bit_dtypes=()) -> Any:
+                      placement: Placement = OneDevice(), bit_dtypes=()) -> Any:
     """A jitted ``evaluate(params, batch) -> (sum of the counted targets' losses, their count)``
     on the compute params, forward only: nothing is differentiated, so no gradient reaches the
     sink and the optimizer state is not read. ``params`` and ``source`` are as for
     :func:`make_offload_step` (streamed stacked leaves None, read layer by layer through the
     source, which the caller starts with ``begin_step(forward_only=True)``); on the CPU backend
     the stack enters as raw bits, as in the training step, so evaluating costs no fp32 copy of it.
-    ``data_parallel``: each process evaluates its rows of the batch (the job's global arrays);
-    the sums are the job's (``whole_layers`` as for :func:`make_offload_step`)."""
+    ``placement``: over several devices each process evaluates its rows of the batch (the job's
+    global arrays), and the sums are the job's."""
     stacked_keys = [r.key for r in routing.routes if r.layers]
-    abstract, fetch = _stack_shapes(routing, source, data_parallel, whole_layers)
+    abstract, fetch = _stack_shapes(routing, source, placement)
 
     def local(params, batch, bit_dtypes=()):
         if abstract is not None:
@@ -380,17 +344,7 @@ def make_offload_eval(graphdef: nnx.GraphDef, rest: nnx.State, routing: LeafRout
         model = nnx.merge(graphdef, params, rest)
         return loss_sum_and_count(model, batch, layer_weights, table_hook)
 
-    if data_parallel is None:
-        return _OffloadStep(partial(jax.jit, static_argnames="bit_dtypes")(local), routing,
-                            use_bits=not host_callbacks())
-    axis = data_parallel.scatter.axes
-
-    def summed(params, batch):
-        loss_sum, count = local(params, batch, tuple(bit_dtypes))
-        loss_sum = jax.lax.psum(loss_sum, axis)
-        return loss_sum, jax.lax.psum(after(count, token_of(loss_sum)), axis)  # one after the other
-
-    return _OffloadStep(data_parallel.batch_step(summed), routing, use_bits=False)
+    return placement.compile_eval(local, routing, tuple(bit_dtypes))
 
 
 def _stacked_spec(layers: int, layer: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
@@ -404,93 +358,6 @@ def _with_abstract_stack(params, abstract):
     if len(leaves) != len(abstract):
         raise ValueError(f"offload step: params have {len(leaves)} leaves, the routing has {len(abstract)}")
     return treedef.unflatten([a if x is None else x for x, a in zip(leaves, abstract)])
-
-
-class _OffloadStep:
-    """The step :func:`make_offload_step` returns: calls (or lowers) the jitted function, on CPU
-    with the layer stack's 16-bit leaves as raw bits (:func:`stacked_as_bits`)."""
-
-    def __init__(self, jitted, routing: LeafRoutes, use_bits: bool):
-        self._jitted = jitted
-        self._routing = routing
-        self._use_bits = use_bits
-
-    def _args(self, params) -> tuple[Any, dict]:
-        if not self._use_bits:
-            return params, {}
-        params, bit_dtypes = stacked_as_bits(params, self._routing)
-        return params, {"bit_dtypes": bit_dtypes}
-
-    def __call__(self, params, *args):
-        params, bits = self._args(params)
-        return self._jitted(params, *args, **bits)
-
-    def lower(self, params, *args):
-        params, bits = self._args(params)
-        return self._jitted.lower(params, *args, **bits)
-
-
-def bit_leaves(routing: LeafRoutes, dtypes) -> dict[int, Any]:
-    """Leaf index -> float dtype of the leaves the step takes as raw bits (see
-    :func:`stacked_as_bits`): the layer stack's 16-bit float leaves and a large token table whose
-    uses send their blocks; ``dtypes``: each leaf's compute dtype, in leaf order."""
-    out = {}
-    for route, dtype in zip(routing.routes, dtypes):
-        dtype = jnp.dtype(dtype)
-        as_bits = route.layers or (route.key == routing.table_key and routing.table_as_bits)
-        if as_bits and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
-            out[route.tensor] = dtype
-    return out
-
-
-def bit_dtypes_of(routing: LeafRoutes, bits: dict[int, Any]) -> tuple[tuple[str, str], ...]:
-    """:func:`bit_leaves` as the step's static ``bit_dtypes``: ``((leaf key, dtype name), ...)``."""
-    return tuple((r.key, jnp.dtype(bits[r.tensor]).name) for r in routing.routes if r.tensor in bits)
-
-
-def stacked_as_bits(params, routing: LeafRoutes) -> tuple[Any, tuple[tuple[str, str], ...]]:
-    """The layer stack's 16-bit float leaves (and a large token table, see models.vocab) as
-    uint16 arrays sharing their buffers, and ``((key, dtype name), ...)`` to turn each layer's
-    (block's) slice back inside the scan.
-
-    Why: XLA's CPU backend computes in fp32 whatever it cannot do in bf16/fp16, and its
-    float-normalization pass treats the layer scan's ``dynamic-slice`` of a stacked bf16 weight
-    that way: it converts the *whole stack* to fp32 once per step (4 B/param of temporaries;
-    1.75 GB for a 0.5B model) just to slice one layer out of it. Sliced as integers, the stack
-    stays as it is and only the current layer is ever widened. The bitcast is done here, outside
-    XLA, where it is free for a CPU array (``np.asarray`` shares the buffer and ``device_put``
-    with ``may_alias`` keeps sharing it); inside XLA it would be a copy of the stack. The
-    parameters are not differentiated by the step (the probes are), so the integer detour
-    costs no gradient.
-    """
-    leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: x is None)
-    if len(leaves) != len(routing.routes):
-        raise ValueError(f"offload step: params have {len(leaves)} leaves, the routing has {len(routing.routes)}")
-    out, bit_dtypes = [], []
-    for x, route in zip(leaves, routing.routes):
-        if x is None:  # a streamed leaf (offload.params: ssd): not an input
-            out.append(x)
-            continue
-        dtype = jnp.dtype(x.dtype)
-        as_bits = route.layers or (route.key == routing.table_key and routing.table_as_bits)
-        if as_bits and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating):
-            out.append(_uint16_view(x))
-            bit_dtypes.append((route.key, dtype.name))
-        else:
-            out.append(x)
-    return treedef.unflatten(out), tuple(bit_dtypes)
-
-
-def _uint16_view(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape, jnp.uint16)
-    if isinstance(x, np.ndarray):
-        return x.view(np.uint16)
-    devices = x.devices() if isinstance(x, jax.Array) else ()
-    if len(devices) == 1 and next(iter(devices)).platform == "cpu":
-        device = next(iter(devices))
-        return jax.device_put(np.asarray(x).view(np.uint16), device, may_alias=True)
-    return jax.lax.bitcast_convert_type(x, jnp.uint16)  # elsewhere: a copy, still correct
 
 
 def total_stats(stats: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:

@@ -5,9 +5,10 @@
 * the compute weights (:meth:`WeightReaders.sampled`): the resident tree itself, or a reader
   that reads a streamed layer from SSD when asked.
 
-In a job each process holds a slice of every tensor: process 0 reads whole tensors while the
-others serve their slices (:class:`~jaxascend.offload.partition.JobReads`), one tensor whole at a
-time; the other processes get None.
+These are the readers of a process that holds every tensor whole (one device, or this process's
+devices). In a job each process holds a slice of every tensor, and the job's placement wraps
+them (:class:`~jaxascend.offload.partition.JobWeightReaders`): process 0 reads whole tensors
+while the others serve their slices, one tensor whole at a time; the other processes get None.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Optional
 
-import jax
 import numpy as np
 
 from jaxascend.offload.compute_weights import ComputeWeights
-from jaxascend.offload.partition import DataParallel, JobReads
 from jaxascend.offload.state import OffloadedAdamState
 
 
@@ -28,10 +27,9 @@ class WeightReaders:
     leaf order); ``finish()`` waits for a running update before anything is read."""
 
     def __init__(self, state: OffloadedAdamState, weights: ComputeWeights, paths: list[tuple[str, ...]],
-                 data_parallel: Optional[DataParallel], partitioned: bool, finish: Callable[[], None]):
-        self._state, self._weights, self._dp = state, weights, data_parallel
-        self._partitioned = partitioned
-        self._finish = finish
+                 finish: Callable[[], None]):
+        self._state, self._weights = state, weights
+        self.finish = finish
         self._index = {path: i for i, path in enumerate(paths)}
 
     @property
@@ -40,12 +38,27 @@ class WeightReaders:
         return list(self._index)
 
     @property
-    def _is_reader(self) -> bool:
-        return not self._partitioned or self._dp.partition.index == 0
+    def leaves(self) -> list:
+        """The state's leaves (their layouts), in leaf order."""
+        return self._state.leaves
+
+    @property
+    def full_shapes(self) -> list[tuple]:
+        """Each leaf's whole shape (a job's state holds slices)."""
+        return self._weights.full_shapes
+
+    @property
+    def served(self) -> bool:
+        """Whether the parameter source serves some leaves (streamed, or from host buffers)."""
+        return self._weights.source is not None
+
+    def read_served(self, leaf, layer: int) -> np.ndarray:
+        """Layer ``layer`` of a leaf the source serves, as this process holds it."""
+        return self._weights.read_served(leaf, layer)
 
     def local_params(self):
         """The compute params as this process holds them (waits for a running update)."""
-        self._finish()
+        self.finish()
         return self._weights.tree()
 
     def compute(self):
@@ -53,47 +66,32 @@ class WeightReaders:
         else a reader that reads a streamed layer from SSD when asked. One process's own."""
         if self._weights.kind != "ssd":
             return self.local_params()
-        return self._compute_reader(self._weights.read_served)
+        return self.compute_reader(self._weights.read_served)
 
     @contextlib.contextmanager
     def sampled(self):
-        """:meth:`compute` on process 0 (None on a job's others); a job's layers served by the
-        parameter source (streamed, or its slices in host buffers) are gathered from every
-        process's slices as process 0 reads them."""
-        if not (self._partitioned and self._weights.source is not None):
-            yield self.compute() if self._is_reader else None
-            return
-        self._finish()  # on every process: its gather is a collective, and the served layers must be new
-        with self._job_reads(self._weights.read_served) as reads:
-            yield self._compute_reader(lambda leaf, layer: reads.read(leaf.index, layer)) if reads.is_reader else None
+        """:meth:`compute`, in a ``with`` block (what a job's readers gather in one)."""
+        yield self.compute()
 
     def master(self):
-        """A reader of the fp32 master weights on SSD (one process only; a job: :meth:`exported`)."""
-        if self._partitioned:
-            raise RuntimeError("offload: a job's weights are read through exported_weights() on every process")
-        self._finish()
-        return self._reader(self._read_master, " to export")
+        """A reader of the fp32 master weights on SSD."""
+        self.finish()
+        return self.reader(self.read_master, " to export")
 
     @contextlib.contextmanager
     def exported(self):
-        """:meth:`master` on process 0 (None on a job's others, which serve their slices of each
-        tensor process 0 reads, gathered one tensor, or one layer, at a time)."""
-        if not self._partitioned:
-            yield self.master()
-            return
-        self._finish()
-        with self._job_reads(self._read_master) as reads:
-            yield self._reader(lambda leaf, layer: reads.read(leaf.index, layer), " to export") \
-                if reads.is_reader else None
+        """:meth:`master`, in a ``with`` block (what a job's readers gather in one)."""
+        yield self.master()
 
-    def _read_master(self, leaf, layer: Optional[int]) -> np.ndarray:
+    def read_master(self, leaf, layer: Optional[int]) -> np.ndarray:
+        """Layer ``layer`` (None: all) of a leaf's fp32 master weights, as this process holds them."""
         return self._state.read_state(leaf, "master", layer=layer)
 
-    def _compute_reader(self, read_served: Callable):
+    def compute_reader(self, read_served: Callable):
         """``read(path, layer)`` of the compute params: the layers of a leaf the source serves
         through ``read_served(leaf, layer)``, the others from this process's copy."""
         weights = self._weights
-        self._finish()
+        self.finish()
         leaves = weights.local_leaves()
 
         def value(leaf, layer):
@@ -102,16 +100,9 @@ class WeightReaders:
             x = np.asarray(leaves[leaf.index])
             return x if layer is None else x[layer]
 
-        return self._reader(value, "")
+        return self.reader(value, "")
 
-    def _job_reads(self, read_slice: Callable) -> JobReads:
-        """Process 0's whole-tensor reads of what ``read_slice(leaf, layer)`` reads of this
-        process's slices."""
-        leaves = self._state.leaves
-        return JobReads(self._dp, lambda index, layer: read_slice(leaves[index], layer).reshape(-1),
-                        self._weights.full_shapes, [leaf.layers for leaf in leaves], [leaf.stacked for leaf in leaves])
-
-    def _reader(self, value: Callable, purpose: str):
+    def reader(self, value: Callable, purpose: str):
         """``read(path, layer)`` by our parameter path: ``value(leaf, layer)`` of that leaf's layout."""
         def read(path: tuple[str, ...], layer):
             if tuple(path) not in self._index:

@@ -9,7 +9,8 @@ from flax import nnx
 
 from jaxascend.config import load_config
 from jaxascend.models import build_model, next_token_loss
-from jaxascend.offload.step import LeafRoutes, make_offload_step, stacked_as_bits
+from jaxascend.offload.raw_bits import stacked_as_bits
+from jaxascend.offload.step import LeafRoutes, make_offload_step
 
 LAYERS, HIDDEN, MLP = 3, 64, 192
 
