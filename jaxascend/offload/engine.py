@@ -236,9 +236,8 @@ class OffloadEngine:
             return
         after = self._source_stats()
         timing["param_wait_seconds"] = after["wait_seconds"] - before["wait_seconds"]
-        if self.plan.overlap:
-            timing["optimizer_wait_seconds"] = (front_wait + after["optimizer_wait_seconds"]
-                                                - before["optimizer_wait_seconds"])
+        self.updates.count_waits(front_wait + after["optimizer_wait_seconds"] - before["optimizer_wait_seconds"],
+                                 timing)
 
     def _count_traffic(self, timing: dict) -> None:
         read, written = self._io_counters()

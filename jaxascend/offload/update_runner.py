@@ -45,6 +45,9 @@ class UpdateRunner(Protocol):
     def after_forward(self, timing: dict, timeline: StepTimeline, started: float, ended: float) -> None:
         """The forward/backward of ``[started, ended]`` is done: takes a finished update."""
 
+    def count_waits(self, seconds: float, timing: dict) -> None:
+        """The forward/backward waited ``seconds`` for the update (its top-level leaves, then layers)."""
+
     def run(self, grad_scale: float, skip: bool, timing: dict, timeline: StepTimeline) -> None:
         """The update of this step (``skip``: an overflowed step, nothing is touched)."""
 
@@ -66,6 +69,9 @@ class SequentialUpdates:
 
     def after_forward(self, timing: dict, timeline: StepTimeline, started: float, ended: float) -> None:
         pass
+
+    def count_waits(self, seconds: float, timing: dict) -> None:
+        pass  # nothing to wait for: the update ran after the previous forward/backward
 
     def run(self, grad_scale: float, skip: bool, timing: dict, timeline: StepTimeline) -> None:
         if not skip:  # the step emits new leaves; the old ones need not outlive it
@@ -118,6 +124,9 @@ class OverlappedUpdates:
         self._take(previous, timing)
         timeline.add_update(previous.trace, previous.layer_ready_at)
         timing["overlap_fraction"] = previous.overlap_with(started, ended)
+
+    def count_waits(self, seconds: float, timing: dict) -> None:
+        timing["optimizer_wait_seconds"] = seconds
 
     def run(self, grad_scale: float, skip: bool, timing: dict, timeline: StepTimeline) -> None:
         if skip:
