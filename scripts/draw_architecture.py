@@ -7,6 +7,8 @@ The picture follows ``OffloadEngine.step`` (jaxascend/offload/engine.py) top to 
 jitted forward/backward pass ships each layer's gradient to the SSD through the store sink,
 the host reads a few bytes of statistics, then the streamed AdamW pipeline reads, updates and
 writes the optimizer state chunk by chunk through the arena and hands back new compute params.
+Where the step runs (one device, this process's devices, a job's processes) is the placement's,
+chosen once from the step's plan: the dashed box.
 """
 
 from __future__ import annotations
@@ -91,6 +93,13 @@ def draw(path: Path, png: Path | None) -> None:
     arrow(ax, (12.2, 5.0), (10.85, 2.75), "read-ahead:\ngradient", rad=-0.1, at=(11.3, 3.75), ha="left")
     arrow(ax, (11.5, 2.35), (10.85, 2.35), "master,\nm, v", at=(11.17, 2.42))
     arrow(ax, (10.85, 1.65), (11.5, 1.65), "write\nback", at=(11.17, 1.1))
+
+    # where the step runs: the placement, asked by every part (offload/placement.py)
+    ax.add_patch(FancyBboxPatch((1.75, 2.7), 2.25, 1.2, boxstyle="round,pad=0.03,rounding_size=0.08",
+                                fc="white", ec="#444", lw=1.0, ls="--"))
+    ax.text(2.875, 3.3, "placement (from the StepPlan):\none device | this process's devices\n| a job's "
+            "P x D: replicated inputs,\nrows split, each gradient reduce-\nscattered (first device sends),"
+            "\nnew slices all-gathered", ha="center", va="center", fontsize=7.0)
 
     # 4. new compute params go back to the device
     box(ax, 0.2, 1.3, 3.8, 1.2, "4. new compute params, leaf by leaf\n(master cast to bf16/fp16), "
