@@ -33,7 +33,7 @@ from jaxascend.generation import SamplePrompts
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.metrics import MetricsLog, describe_rate, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.models import count_params
-from jaxascend.offload import JobShape, OffloadEngine, StepPlan, write_timeline_png
+from jaxascend.offload import EngineSettings, JobShape, PlannedOffloadEngine, StepPlan, write_timeline_png
 from jaxascend.preparation import PreparedRun, prepare_run
 from jaxascend.provenance import RunStack
 from jaxascend.provenance import collect as collect_stack
@@ -53,9 +53,10 @@ MasterReader = Callable[[tuple, Optional[int]], np.ndarray]
 def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, plan: StepPlan,
                  master: Optional[MasterReader] = None) -> Engine:
     """The offloaded engine (state on SSD) or the in-memory baseline, per ``plan.engine``;
-    ``master`` reads the checkpoint's own values for the offloaded fp32 master weights."""
+    ``master`` reads the checkpoint's own values for the offloaded fp32 master weights. The
+    offloaded engine takes typed settings, built here from ``cfg``."""
     if plan.engine == "offload":
-        return OffloadEngine(cfg, model, model_cfg, plan, master=master)
+        return PlannedOffloadEngine(model, model_cfg, plan, EngineSettings.of(cfg, model_cfg, model), master=master)
     return InMemoryEngine(cfg, model)
 
 

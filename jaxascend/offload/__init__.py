@@ -4,9 +4,13 @@ What the rest of jaxascend (and its users) take from here:
 
 * :class:`StepPlan` / :class:`JobShape` -- the step's strategy, resolved once from the config and
   the job: where the weights live, how gradients leave, overlap, data parallel; refusals and notes;
-* :class:`OffloadEngine` -- the trainer's offloaded engine (an ``engine_contract.Engine``),
-  composed from the plan: the compute weights (``compute_weights``), the gradient routing
-  (``gradient_routing``), the update runner (``update_runner``) and the weight readers;
+* :class:`PlannedOffloadEngine` -- the trainer's offloaded engine (an ``engine_contract.Engine``),
+  built from the plan and :class:`EngineSettings` (typed: AdamW, the state's options, loss
+  scaling, clip; it reads no config), composed from the plan: the compute weights
+  (``compute_weights``), the gradient routing (``gradient_routing``), the update runner
+  (``update_runner``) and the weight readers;
+  :class:`OffloadEngine` -- the same engine built from a config (``OffloadEngine(cfg, model,
+  model_cfg, plan)``: tests, benchmark scripts);
 * :func:`job_state_layout` / :func:`state_arena_plan` / :func:`overlap_refusal` -- the layout, the
   arena plan and the overlap refusal the engine will have, from shapes alone, for the run planner
   (:mod:`jaxascend.planning`) to size a run before any engine exists;
@@ -27,7 +31,9 @@ Imports :mod:`jaxascend.config`, :mod:`jaxascend.models`, :mod:`jaxascend.hf` (p
 """
 
 from jaxascend.offload.checkpoint_specs import specs_for_offload_layout
-from jaxascend.offload.engine import OffloadEngine
+from jaxascend.offload.engine import PlannedOffloadEngine
+from jaxascend.offload.engine_settings import EngineSettings
+from jaxascend.offload.from_config import OffloadEngine
 from jaxascend.offload.step_plan import JobShape, StepPlan, overlap_refusal
 from jaxascend.offload.grad_sink import offload_on_backward, sink_gradient
 from jaxascend.offload.layout import OffloadLayout, STATE_SLOT_CLASS
@@ -38,7 +44,7 @@ from jaxascend.offload.state_layout import job_state_layout, state_arena_plan
 from jaxascend.offload.timeline import write_timeline_png
 
 __all__ = [
-    "JobShape", "OffloadEngine", "OffloadLayout", "OffloadedAdamState", "STATE_SLOT_CLASS", "StepPlan",
+    "EngineSettings", "JobShape", "OffloadEngine", "PlannedOffloadEngine", "OffloadLayout", "OffloadedAdamState", "STATE_SLOT_CLASS", "StepPlan",
     "fetch_layer", "job_state_layout", "offload_on_backward", "overlap_refusal", "sink_gradient",
     "specs_for_offload_layout", "ssd_adamw", "state_arena_plan", "write_timeline_png",
 ]

@@ -37,12 +37,12 @@ from flax import nnx
 
 from jaxascend.checkpoint import CHECKPOINT_SHAPE_CLASS, Checkpointer, Piece, SsdArrays
 from jaxascend.offload.checkpoint_specs import specs_for_offload_layout
-from jaxascend.config import Config, ModelConfig
+from jaxascend.config import ModelConfig
 from jaxascend.engine_contract import EngineReport, StepResult
-from jaxascend.hf import tree_path_to_dotted
 from jaxascend.kill_points import kill_point
-from jaxascend.models import DTYPES, TokenBatch
+from jaxascend.models import DTYPES, TokenBatch, layer_stack_key
 from jaxascend.offload.compute_weights import ComputeWeights
+from jaxascend.offload.engine_settings import EngineSettings, StateOptions, param_paths
 from jaxascend.offload.grad_sink import step_errors
 from jaxascend.offload.gradient_routing import GradientRouting, leaf_routes
 from jaxascend.offload.layout import STATE_SLOT_CLASS
@@ -57,7 +57,7 @@ from jaxascend.offload.step_plan import StepPlan
 from jaxascend.offload.timeline import StepTimeline
 from jaxascend.offload.update_runner import OverlappedUpdates, SequentialUpdates, UpdateRunner
 from jaxascend.offload.weight_readers import WeightReaders
-from jaxascend.optim import AdamWSettings, LossScaleState, leaf_decay, update_loss_scale
+from jaxascend.optim import LossScaleState
 
 MasterReader = Callable[[tuple, Optional[int]], np.ndarray]
 
@@ -71,37 +71,36 @@ def _read_master(master: MasterReader, path: tuple, leaf, layer: Optional[int], 
     return master(path, layer)
 
 
-class OffloadEngine:
+class PlannedOffloadEngine:
     """Owns the arena, the SSD store and the AdamW state on it (through
     :class:`OffloadedAdamState`); a context manager that closes them (and unlocks
-    ``offload.dir``) on exit. Implements :class:`jaxascend.engine_contract.Engine`."""
+    ``offload.dir``) on exit. Implements :class:`jaxascend.engine_contract.Engine`. Built from the
+    step's plan and typed settings (:class:`~jaxascend.offload.engine_settings.EngineSettings`),
+    it reads no config; :class:`~jaxascend.offload.engine_settings.OffloadEngine` is the same
+    engine built from one."""
 
     name = "offload"
 
-    def __init__(self, cfg: Config, model: nnx.Module, model_cfg: ModelConfig, plan: Optional[StepPlan] = None,
+    def __init__(self, model: nnx.Module, model_cfg: ModelConfig, plan: StepPlan, settings: EngineSettings,
                  master: Optional[MasterReader] = None):
-        """``plan``: the step's strategy (:meth:`StepPlan.resolve`; default: one device, one
-        process). ``master``: where the fp32 master weights start, as a reader ``read(path,
-        layer)`` of one layer at a time (e.g. :class:`~jaxascend.hf.load.HFParamReader` over the
-        checkpoint the run fine-tunes, whose values the compute copy in ``model`` only
-        approximates); None: from ``model``'s parameters. ``cfg.offload.params`` must be
-        resolved ("auto" is taken as "resident"; the trainer resolves it with the run planner)."""
-        self.plan = plan = plan or StepPlan.resolve(cfg, model_cfg)
+        """``plan``: the step's strategy (:meth:`StepPlan.resolve`). ``master``: where the fp32
+        master weights start, as a reader ``read(path, layer)`` of one layer at a time (e.g.
+        :class:`~jaxascend.hf.load.HFParamReader` over the checkpoint the run fine-tunes, whose
+        values the compute copy in ``model`` only approximates); None: from ``model``'s parameters."""
+        self.plan = plan
         if plan.engine != "offload":
             raise ValueError("OffloadEngine: the plan is the in-memory engine's (offload.enabled: false)")
-        self.cfg = cfg
         self.compute_dtype = model_cfg.dtype
+        self.settings, self.loss_scaling, self.grad_clip_norm = settings.adamw, settings.loss_scaling, \
+            settings.grad_clip_norm
         self.placement = placement_of(plan)  # one device, this process's devices, or a job's
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         table = TableLayout.of(params, model_cfg)
         routing = leaf_routes(plan, self.placement, params, model_cfg, table)
         full_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, DTYPES[model_cfg.dtype]), params)
-        self.state = self._create_state(full_spec, model_cfg, table, routing)
+        self.state = self._create_state(full_spec, model_cfg, table, routing, settings.state)
         try:
-            tree = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
-            # Our parameter path of every leaf, in the layout's leaf order.
-            paths = [tuple(tree_path_to_dotted(path).split(".")) for path, _ in
-                     jax.tree_util.tree_flatten_with_path(tree)[0]]
+            paths = param_paths(params)  # our parameter path of every leaf, in the layout's leaf order
             leaves = self._init_state(params, master, paths, model_cfg)
             del params
             self.weights = ComputeWeights(plan, self.state, leaves, [x.shape for x in jax.tree.leaves(full_spec)],
@@ -110,13 +109,10 @@ class OffloadEngine:
             del leaves
             self.routing = GradientRouting.build(plan, self.graphdef, self.rest, routing, self.state, self.weights,
                                                  self.placement)
-            rule = cfg.optimizer.weight_decay_mask  # weight decay per leaf, by its path
-            decay = None if rule == "all" else leaf_decay(rule, [".".join(path) for path in paths])
-            self.settings = AdamWSettings.from_config(cfg.optimizer, cfg.schedule_length(), decay)
             runner = OverlappedUpdates if plan.overlap else SequentialUpdates
             self.updates: UpdateRunner = runner(self.state, self.weights, self.settings)
             self.readers = self.placement.readers(WeightReaders(self.state, self.weights, paths, self.finish_update))
-            self.loss_scale = LossScaleState.initial(cfg.optimizer, self.compute_dtype)
+            self.loss_scale = self.loss_scaling.initial()
             self._steps = 0
             self._last_timeline: Optional[StepTimeline] = None  # of the last step that ran an update
             # SSD traffic of the steps (each step's, from one step's end to the next's: the
@@ -129,18 +125,18 @@ class OffloadEngine:
             self.state.close()
             raise
 
-    def _create_state(self, full_spec, model_cfg: ModelConfig, table: TableLayout,
-                      routing: LeafRoutes) -> OffloadedAdamState:
+    def _create_state(self, full_spec, model_cfg: ModelConfig, table: TableLayout, routing: LeafRoutes,
+                      options: StateOptions) -> OffloadedAdamState:
         """The arena, the store and the layout of this process's state (a job's: its slices)."""
-        cfg, plan = self.cfg, self.plan
         row_blocks = table.row_blocks
         spec = self.placement.local_spec(full_spec, routing.is_stacked, row_blocks)  # a job's: its slices
-        options = StateLayoutOptions.of(cfg, model_cfg, row_blocks, stream=plan.weights == "ssd")
-        extra = checkpoint_slot_requests(options.plan(spec, cfg.offload), cfg.offload)
+        layout = StateLayoutOptions(layer_stack_key(model_cfg.arch), self.plan.weights == "ssd", tuple(row_blocks),
+                                    options.format)
+        extra = checkpoint_slot_requests(layout.plan(spec, options.offload), options.offload)
         self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS if extra else STATE_SLOT_CLASS
-        return OffloadedAdamState.create(spec, cfg.offload, **options.keywords(),
-                                         kernel_threads=cfg.offload.kernel_threads, extra_requests=extra,
-                                         rounding_seed=cfg.train.seed,
+        return OffloadedAdamState.create(spec, options.offload, **layout.keywords(),
+                                         kernel_threads=options.offload.kernel_threads, extra_requests=extra,
+                                         rounding_seed=options.rounding_seed,
                                          partition_index=self.placement.partition.index)
 
     def _init_state(self, params, master: Optional[MasterReader], paths: list, model_cfg: ModelConfig) -> list:
@@ -194,10 +190,9 @@ class OffloadEngine:
         timeline.add_fetches(self.weights.source_events())
         self.updates.after_forward(timing, timeline, started, ended)
         self._source_waits(before, front_wait, timing)
-        self.loss_scale, skip = update_loss_scale(self.loss_scale, bool(nonfinite > 0), self.cfg.optimizer,
-                                                  self.compute_dtype)
+        self.loss_scale, skip = self.loss_scaling.update(self.loss_scale, bool(nonfinite > 0))
         grad_norm = math.sqrt(float(sumsq)) / scale
-        max_norm = self.cfg.optimizer.grad_clip_norm
+        max_norm = self.grad_clip_norm
         clip = max_norm / grad_norm if max_norm is not None and not skip and grad_norm > max_norm else 1.0
         if optimizer:
             self.updates.run(clip / scale, skip, timing, timeline)
@@ -364,7 +359,7 @@ class OffloadEngine:
     def shard_files(self) -> list[str]:
         return sorted({e.shard_path for r in self.state.store.regions() for e in r.extents})
 
-    def __enter__(self) -> "OffloadEngine":
+    def __enter__(self) -> "PlannedOffloadEngine":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

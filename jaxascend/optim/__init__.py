@@ -11,7 +11,7 @@
   float32, bfloat16, block-wise int8 codes; :mod:`~jaxascend.optim.state_codes` has their numpy reference);
   :class:`StateRecord` -- where master, m, v (and int8's scales) sit in one chunk's record;
 * :func:`grad_stats` / :func:`tree_grad_stats` -- fused overflow check + sum of squares;
-* :class:`LossScaleState` / :func:`update_loss_scale` -- dynamic loss scaling for fp16.
+* :class:`LossScaleState` / :class:`LossScaling` -- dynamic loss scaling for fp16 (its state, its settings).
 
 No disk, no arena: the SSD-resident AdamW that runs these kernels is :mod:`jaxascend.offload`.
 """
@@ -21,13 +21,13 @@ from jaxascend.optim.decay_mask import check_decay_rule, decay_mask, leaf_decay,
 from jaxascend.optim.fused_adam import (AdamHyperParams, adamw_reference, default_isa, fused_adamw_update,
                                         fused_adamw_update_numpy)
 from jaxascend.optim.grad_stats import grad_stats, tree_grad_stats
-from jaxascend.optim.loss_scale import LossScaleState, update_loss_scale
+from jaxascend.optim.loss_scale import LossScaleState, LossScaling
 from jaxascend.optim.schedules import learning_rate_schedule, unfinished_warmup_note
 from jaxascend.optim import state_codes  # the numpy reference of the moments' formats, as a namespace
 from jaxascend.optim.state_codes import StateFormat, StateRecord, chunk_seed
 
 __all__ = [
-    "AdamHyperParams", "AdamWSettings", "LossScaleState", "StateFormat", "StateRecord", "adamw_in_memory",
+    "AdamHyperParams", "AdamWSettings", "LossScaleState", "LossScaling", "StateFormat", "StateRecord", "adamw_in_memory",
     "adamw_reference", "check_decay_rule", "chunk_seed", "decay_mask", "default_isa", "fused_adamw_update", "fused_adamw_update_numpy", "grad_stats",
-    "leaf_decay", "learning_rate_schedule", "param_path", "state_codes", "tree_grad_stats", "unfinished_warmup_note", "update_loss_scale",
+    "leaf_decay", "learning_rate_schedule", "param_path", "state_codes", "tree_grad_stats", "unfinished_warmup_note",
 ]

@@ -1,8 +1,8 @@
 """Dynamic loss scaling: backoff on overflow, growth after an interval, off for bf16."""
 
 from jaxascend.config import OptimizerConfig
-from jaxascend.optim import LossScaleState, update_loss_scale
-from jaxascend.optim.loss_scale import uses_loss_scaling
+from jaxascend.optim import LossScaleState
+from jaxascend.optim.loss_scale import update_loss_scale, uses_loss_scaling
 
 
 def test_fp16_backs_off_and_grows():
