@@ -113,6 +113,7 @@ class Engine(Protocol):
     it owns on exit."""
 
     name: str
+    streams_layers: bool  # sampled_weights() reads the layer stack layer by layer (the sampler streams it)
 
     def step(self, batch: "TokenBatch", optimizer: bool = True) -> StepResult:
         """One optimizer step over the micro-batches ``[A, ...]`` of ``batch``."""

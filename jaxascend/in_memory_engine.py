@@ -48,6 +48,7 @@ class InMemoryEngine:
     the offloaded engine, though it owns no files. Implements :class:`jaxascend.engine_contract.Engine`."""
 
     name = "in-memory"
+    streams_layers = False  # its parameters are one tree
 
     def __init__(self, cfg: Config, model: nnx.Module):
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)

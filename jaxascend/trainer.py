@@ -28,12 +28,12 @@ from jaxascend.distributed import job_errors, process_dir
 from jaxascend.data import make_batch_stream, tokenizer_folder
 from jaxascend.devices import DeviceMonitor, backend_line
 from jaxascend.engine_contract import Engine, EngineReport
-from jaxascend.hf import HFParamReader, build_model_lean, lean_init_reader, load_hf_model
+from jaxascend.hf import HFParamReader
 from jaxascend.generation import SamplePrompts
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.metrics import MetricsLog, describe_rate, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.models import count_params
-from jaxascend.offload import EngineSettings, JobShape, PlannedOffloadEngine, StepPlan, write_timeline_png
+from jaxascend.offload import EngineSettings, JobShape, PlannedOffloadEngine, StepPlan, load_model, write_timeline_png
 from jaxascend.preparation import PreparedRun, prepare_run
 from jaxascend.provenance import RunStack
 from jaxascend.provenance import collect as collect_stack
@@ -74,10 +74,6 @@ class _Run:
     stack: Optional[RunStack] = None  # what made the run (versions, CPU, kernel, devices)
     devices: str = ""  # the run's first line: backend, devices, their memory (process 0's)
     num_params: int = 0
-
-    @property
-    def streamed(self) -> bool:
-        return self.prepared.step_plan.engine == "offload" and self.prepared.step_plan.weights == "ssd"
 
     @property
     def last(self) -> int:
@@ -196,18 +192,13 @@ def _build(r: _Run) -> Engine:
         if r.main:
             (r.out_dir / "plan.json").write_text(json.dumps({**prepared.resources.to_dict(),
                                                              "step": prepared.step_plan.describe()}, indent=1))
-        # Streamed weights (offload.params: ssd): the layer stack is never loaded whole; the
-        # engine reads it layer by layer into the SSD regions (with the master weights).
-        if source is not None:
-            model = load_hf_model(folder, model_cfg, layer_stack=not r.streamed)  # tensor by tensor
-        else:
-            model = build_model_lean(model_cfg, prepared.sized.vocab_size, cfg.train.seed, layer_stack=not r.streamed)
-        r.num_params = count_params(model)
-        # fp32 master weights from the checkpoint's own values, not from the rounded compute copy.
-        master = source.read if source else (lean_init_reader(r.origin.model_config, cfg.train.seed)
-                                             if r.streamed else None)
+        # The model as the step's plan needs it (the layer stack left out when it streams from
+        # SSD), and where the fp32 master weights start: the checkpoint's own values, not the
+        # rounded compute copy.
+        loaded = load_model(prepared.step_plan, model_cfg, prepared.sized, cfg.train.seed, source=source)
+        r.num_params = count_params(loaded.model)
         # The engine holds what it needs (compute params; master weights on SSD).
-        return build_engine(cfg, model, model_cfg, prepared.step_plan, master=master)
+        return build_engine(cfg, loaded.model, model_cfg, prepared.step_plan, master=loaded.master)
 
 
 def _restore(r: _Run, engine: Engine, ckpt: Checkpointer) -> tuple[Any, list[float]]:
@@ -253,7 +244,7 @@ def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts], 
         with engine.sampled_weights() as weights:  # a job's other processes serve their slices
             if weights is not None:
                 results = samples.generate(r.origin.model_config, weights, r.prepared.tokenizer,
-                                           stream_layers=r.streamed)
+                                           stream_layers=engine.streams_layers)
                 write_samples(results, r.out_dir)
                 reporter.samples(results, r.last)
 

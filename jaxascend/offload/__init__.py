@@ -11,6 +11,8 @@ What the rest of jaxascend (and its users) take from here:
   (``update_runner``) and the weight readers;
   :class:`OffloadEngine` -- the same engine built from a config (``OffloadEngine(cfg, model,
   model_cfg, plan)``: tests, benchmark scripts);
+* :func:`load_model` -- the model as the plan needs it (the layer stack left out when it streams)
+  and the reader its master weights start from: the trainer asks, the plan decides;
 * :func:`job_state_layout` / :func:`state_arena_plan` / :func:`overlap_refusal` -- the layout, the
   arena plan and the overlap refusal the engine will have, from shapes alone, for the run planner
   (:mod:`jaxascend.planning`) to size a run before any engine exists;
@@ -37,6 +39,7 @@ from jaxascend.offload.from_config import OffloadEngine
 from jaxascend.offload.step_plan import JobShape, StepPlan, overlap_refusal
 from jaxascend.offload.grad_sink import offload_on_backward, sink_gradient
 from jaxascend.offload.layout import OffloadLayout, STATE_SLOT_CLASS
+from jaxascend.offload.model_loading import load_model
 from jaxascend.offload.param_source import fetch_layer
 from jaxascend.offload.ssd_adamw import ssd_adamw
 from jaxascend.offload.state import OffloadedAdamState
@@ -45,6 +48,6 @@ from jaxascend.offload.timeline import write_timeline_png
 
 __all__ = [
     "EngineSettings", "JobShape", "OffloadEngine", "PlannedOffloadEngine", "OffloadLayout", "OffloadedAdamState", "STATE_SLOT_CLASS", "StepPlan",
-    "fetch_layer", "job_state_layout", "offload_on_backward", "overlap_refusal", "sink_gradient",
+    "fetch_layer", "job_state_layout", "load_model", "offload_on_backward", "overlap_refusal", "sink_gradient",
     "specs_for_offload_layout", "ssd_adamw", "state_arena_plan", "write_timeline_png",
 ]

@@ -91,6 +91,7 @@ class PlannedOffloadEngine:
         if plan.engine != "offload":
             raise ValueError("OffloadEngine: the plan is the in-memory engine's (offload.enabled: false)")
         self.compute_dtype = model_cfg.dtype
+        self.streams_layers = plan.weights == "ssd"  # the sampler reads the stack layer by layer too
         self.settings, self.loss_scaling, self.grad_clip_norm = settings.adamw, settings.loss_scaling, \
             settings.grad_clip_norm
         self.placement = placement_of(plan)  # one device, this process's devices, or a job's
