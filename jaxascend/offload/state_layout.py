@@ -89,7 +89,7 @@ def checkpoint_slot_requests(layout: OffloadLayout, cfg: OffloadConfig) -> tuple
 
 
 def job_state_layout(cfg: Config, model_cfg: ModelConfig, stream: bool, processes: int = 1) -> OffloadLayout:
-    """The layout of the state :class:`~jaxascend.offload.engine.OffloadEngine` creates for
+    """The layout of the state :class:`~jaxascend.offload.engine.PlannedOffloadEngine` creates for
     ``model_cfg`` (its ``vocab_size`` the run's), from shapes alone: the whole model's, or
     (``processes`` > 1) process 0's slices of every tensor (no smaller than any other's), as the
     engine lays out a job's. ``stream``: ``offload.params: ssd``."""
