@@ -16,20 +16,30 @@ MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 
-def oversized(path: Path) -> list[str]:
-    """One line per module over :data:`MAX_MODULE_LINES` or function over :data:`MAX_FUNCTION_LINES`."""
+def python_functions(text: str, path: Path) -> list[tuple[str, int, int]]:
+    """``(name, first line, lines)`` of every function in Python ``text``, nested ones and methods included."""
+    return [(node.name, node.lineno, node.end_lineno - node.lineno + 1)
+            for node in ast.walk(ast.parse(text, filename=str(path)))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _over_limits(path: Path, unit: str, functions) -> list[str]:
+    """One line for ``path`` (a ``unit``: "module", "file") over :data:`MAX_MODULE_LINES` and one per
+    function of ``functions(text)`` over :data:`MAX_FUNCTION_LINES`."""
     text = path.read_text()
     found = []
     lines = len(text.splitlines())
     if lines > MAX_MODULE_LINES:
-        found.append(f"{path}: module of {lines} lines (at most {MAX_MODULE_LINES})")
-    for node in ast.walk(ast.parse(text, filename=str(path))):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            length = node.end_lineno - node.lineno + 1
-            if length > MAX_FUNCTION_LINES:
-                found.append(f"{path}:{node.lineno}: function {node.name} of {length} lines (at most "
-                             f"{MAX_FUNCTION_LINES})")
+        found.append(f"{path}: {unit} of {lines} lines (at most {MAX_MODULE_LINES})")
+    for name, first, length in functions(text):
+        if length > MAX_FUNCTION_LINES:
+            found.append(f"{path}:{first}: function {name} of {length} lines (at most {MAX_FUNCTION_LINES})")
     return found
+
+
+def oversized(path: Path) -> list[str]:
+    """One line per module over :data:`MAX_MODULE_LINES` or function over :data:`MAX_FUNCTION_LINES`."""
+    return _over_limits(path, "module", lambda text: python_functions(text, path))
 
 
 # Comments, string and character literals, and preprocessor lines (continuations included): blanked
@@ -98,15 +108,7 @@ def cpp_functions(text: str) -> list[tuple[str, int, int]]:
 
 def oversized_native(path: Path) -> list[str]:
     """One line per native source over :data:`MAX_MODULE_LINES` or function over :data:`MAX_FUNCTION_LINES`."""
-    text = path.read_text()
-    found = []
-    lines = len(text.splitlines())
-    if lines > MAX_MODULE_LINES:
-        found.append(f"{path}: file of {lines} lines (at most {MAX_MODULE_LINES})")
-    for name, first, length in cpp_functions(text):
-        if length > MAX_FUNCTION_LINES:
-            found.append(f"{path}:{first}: function {name} of {length} lines (at most {MAX_FUNCTION_LINES})")
-    return found
+    return _over_limits(path, "file", cpp_functions)
 
 
 def test_no_module_or_function_is_too_long():
