@@ -114,7 +114,8 @@ def resolve_data(cfg: Config) -> tuple[Config, tuple[str, ...]]:
     first record of every ``data.paths`` and ``eval.paths`` file (those on disk) checked against
     it, with no tokenizer: a wrong field or a mixed format is the same one line from the planner
     as from the trainer. The notes: what auto chose (one line), or none."""
-    eval_paths = [p for p in cfg.eval.paths if p not in missing_paths(list(cfg.eval.paths))]
+    missing = set(missing_paths(list(cfg.eval.paths)))
+    eval_paths = [p for p in cfg.eval.paths if p not in missing]
     choice = read_data_format(cfg.data, eval_paths)
     return dataclasses.replace(cfg, data=choice.data), (choice.note,) if choice.note else ()
 
