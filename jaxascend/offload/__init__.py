@@ -37,10 +37,10 @@ from jaxascend.offload.engine import PlannedOffloadEngine
 from jaxascend.offload.engine_settings import EngineSettings
 from jaxascend.offload.from_config import OffloadEngine
 from jaxascend.offload.step_plan import JobShape, StepPlan, overlap_refusal
-from jaxascend.offload.grad_sink import offload_on_backward, sink_gradient
+from jaxascend.offload.grad_sink import offload_on_backward
 from jaxascend.offload.layout import OffloadLayout, STATE_SLOT_CLASS
 from jaxascend.offload.model_loading import load_model
-from jaxascend.offload.param_source import fetch_layer
+from jaxascend.offload.native_path import fetch_layer, sink_gradient
 from jaxascend.offload.ssd_adamw import ssd_adamw
 from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.state_layout import job_state_layout, state_arena_plan

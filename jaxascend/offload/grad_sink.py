@@ -30,17 +30,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.experimental import io_callback
 
 from jaxascend.native import extension as _native
-from jaxascend.native import ffi_call, host_callbacks
+from jaxascend.offload.native_path import PROBE_SIZE, sink_gradient  # the environment's way, by default
 
-PROBE_SIZE = 2  # [sum of squares of finite elements, count of non-finite elements]
 
 MemorySink = _native.MemorySink
 
@@ -88,45 +85,18 @@ def _forget_failed_effects() -> None:
         tokens.clear()
 
 
-def sink_gradient(g: jax.Array, layer: jax.Array, *, sink: int, tensor: int,
-                  via_host: Optional[bool] = None) -> jax.Array:
-    """Sends ``g`` to sink ``sink`` as layer ``layer`` of tensor ``tensor``; returns f32[2] stats.
-
-    The FFI target reads the gradient where XLA computed it (the CPU backend). ``via_host``
-    (a step: its plan's ``host_callbacks``; None: :func:`jaxascend.native.host_callbacks`, the
-    environment's): an ``io_callback`` copies the gradient to host memory and its host side
-    calls the same sink, the way of other backends (GPU), or of ``JAXASCEND_HOST_CALLBACKS=1``.
-    """
-    if host_callbacks() if via_host is None else via_host:
-        return _sink_gradient_via_host(g, layer, sink=sink, tensor=tensor)
-    out_types = (jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
-    sumsq, nonfinite = ffi_call("jaxascend_grad_sink", out_types, has_side_effect=True)(
-        g, jnp.asarray(layer, jnp.int32), sink=np.int64(sink), tensor=np.int64(tensor))
-    return jnp.stack([sumsq, nonfinite.astype(jnp.float32)])
-
-
-def _sink_gradient_via_host(g, layer, *, sink, tensor):
-    dtype_name = jnp.dtype(g.dtype).name
-
-    def host(g_host, layer_host):
-        sumsq, nonfinite = _native.consume_gradient(sink, tensor, int(layer_host),
-                                                    np.ascontiguousarray(g_host).reshape(-1).view(np.uint8), dtype_name)
-        return np.array([sumsq, float(nonfinite)], np.float32)
-
-    return io_callback(host, jax.ShapeDtypeStruct((PROBE_SIZE,), jnp.float32), g, layer, ordered=False)
-
-
 @dataclass(frozen=True)
 class WholeGradient:
-    """One device's way to the sink: the whole gradient, sent as it is (``via_host``: as for
-    :func:`sink_gradient`). :class:`GradientScatter` is the way of several devices; a step's
-    placement (:mod:`~jaxascend.offload.placement`) chooses."""
+    """One device's way to the sink: the whole gradient, sent as it is (by ``native``: a native
+    path's ``send``; :func:`sink_gradient`, the environment's, by default).
+    :class:`GradientScatter` is the way of several devices; a step's placement
+    (:mod:`~jaxascend.offload.placement`) chooses."""
 
-    via_host: Optional[bool] = None
+    native: Callable = sink_gradient
 
     def send(self, g: jax.Array, layer, *, sink: int, tensor: int) -> jax.Array:
-        """:func:`sink_gradient` of ``g``: its statistics."""
-        return sink_gradient(g, layer, sink=sink, tensor=tensor, via_host=self.via_host)
+        """``g`` to the sink: its statistics."""
+        return self.native(g, layer, sink=sink, tensor=tensor)
 
 
 @dataclass(frozen=True)
@@ -135,13 +105,13 @@ class GradientScatter:
     module doc): the sink of shard ``i`` receives slice ``i`` of the flat, zero-padded sum.
     ``local``: the mesh's second axis, the several devices of each process (which owns one
     slice of the state): each device's slice is then summed over the process's devices as well,
-    and the first device of each process alone sends it to the sink (``via_host``: as for
-    :func:`sink_gradient`)."""
+    and the first device of each process alone sends it to the sink (by ``native``, as for
+    :class:`WholeGradient`)."""
 
     axis: str
     parts: int
     local: Optional[str] = None
-    via_host: Optional[bool] = None
+    native: Callable = sink_gradient
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -174,7 +144,7 @@ class GradientScatter:
         one process), sent once by its first device; the statistics are those of the whole
         summed gradient, on every device."""
         mine = self(g)
-        stats = self.first_device(lambda: sink_gradient(mine, layer, sink=sink, tensor=tensor, via_host=self.via_host),
+        stats = self.first_device(lambda: self.native(mine, layer, sink=sink, tensor=tensor),
                                   lambda: jnp.zeros((PROBE_SIZE,), jnp.float32))
         return jax.lax.psum(stats, self.axes)
 

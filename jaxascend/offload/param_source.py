@@ -33,11 +33,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxascend.native import extension as _native
-from jaxascend.native import ffi_call, host_callbacks
 from jaxascend.offload.layout import SOURCE_SLOT_CLASS, LeafLayout
 
 _PREFIX = "param_source:"  # how ffi/offload_param_source.cc starts every error it returns
@@ -161,25 +159,3 @@ class ParamSource:
             self._handle = None
 
 
-def fetch_layer(handle: int, layer: jax.Array, specs: Sequence[jax.ShapeDtypeStruct],
-                via_host: Optional[bool] = None) -> list[jax.Array]:
-    """Layer ``layer`` (an int32 scalar, may be traced) of every streamed leaf, from source
-    ``handle``; ``specs`` are the leaves' layer shapes and dtypes (:attr:`ParamSource.specs`).
-    ``via_host``: through a ``pure_callback`` (a step: its plan's ``host_callbacks``; None:
-    :func:`jaxascend.native.host_callbacks`, the environment's), else the FFI target."""
-    layer = jnp.asarray(layer, jnp.int32)
-    if host_callbacks() if via_host is None else via_host:
-        return list(jax.pure_callback(_host_fetcher(handle, specs), tuple(specs), layer))
-    return list(ffi_call("jaxascend_param_source", tuple(specs), has_side_effect=False)(
-        layer, source=np.int64(handle)))
-
-
-def _host_fetcher(handle: int, specs: Sequence[jax.ShapeDtypeStruct]):
-    names = [jnp.dtype(s.dtype).name for s in specs]
-
-    def host(layer):
-        outs = [np.empty(s.shape, s.dtype) for s in specs]
-        _native.fetch_params_to_host(handle, int(layer), [o.reshape(-1).view(np.uint8) for o in outs], names)
-        return tuple(outs)
-
-    return host

@@ -23,8 +23,9 @@ What it owns:
   device, held as bits from the start over a mesh;
 * the collective order (:mod:`~jaxascend.offload.collective_order`): the ordered sink hooks
   (:meth:`choose`), the job's sums of the loss and of an evaluation, the table's uses;
-* the host-callback choice (:attr:`via_host`: the plan's ``host_callbacks``; None, for a step
-  built without a plan: the environment's, :func:`jaxascend.native.host_callbacks`).
+* the host-callback choice (:attr:`native`, a :class:`~jaxascend.offload.native_path.NativePath`
+  of the plan's ``host_callbacks``; for a step built without a plan, the environment's): how a
+  gradient reaches its sink, a layer is fetched, and a jitted step is called.
 """
 
 from __future__ import annotations
@@ -37,11 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxascend.native import host_callbacks
 from jaxascend.offload import collective_order
 from jaxascend.offload.grad_sink import GradientScatter, GradientShare, WholeGradient
 from jaxascend.offload.partition import AXIS, LOCAL, DataParallel, JobWeightReaders, Partition, local_value
-from jaxascend.offload.raw_bits import BitViewedStep
+from jaxascend.offload.native_path import NativePath, native_path
 from jaxascend.offload.state import to_default_device
 from jaxascend.offload.step_plan import StepPlan
 
@@ -51,7 +51,7 @@ class Placement(Protocol):
 
     partition: Partition  # this process's slice of every tensor's state ((0, 1): all of it)
     devices: int  # the devices the rows are split over
-    via_host: Optional[bool]  # the native side through host callbacks (None: the environment's)
+    native: NativePath  # how jitted code reaches the native side (the host-callback choice)
     share: GradientShare  # how a gradient reaches the sink, inside the backward
 
     def local_spec(self, spec, stacked: Callable[[tuple], bool], row_blocks=None):
@@ -141,13 +141,17 @@ class OneDevice(_WholeState):
     collective runs; the 16-bit stack (and a large table) is viewed as raw bits at each call,
     unless the native side is reached through host callbacks."""
 
-    via_host: Optional[bool] = None
+    via_host: Optional[bool] = None  # the plan's host_callbacks; None: the environment's, when traced
     partition: ClassVar[Partition] = Partition(0, 1)
     devices: ClassVar[int] = 1
 
     @property
+    def native(self) -> NativePath:
+        return native_path(self.via_host)
+
+    @property
     def share(self) -> WholeGradient:
-        return WholeGradient(self.via_host)
+        return WholeGradient(self.native.send)
 
     def input(self, x, as_bits: bool):
         return x
@@ -180,8 +184,7 @@ class OneDevice(_WholeState):
 
     def compile_step(self, step, routing, bit_dtypes: tuple):
         jitted = jax.jit(step, static_argnames="bit_dtypes")
-        return jitted if (host_callbacks() if self.via_host is None else self.via_host) else \
-            BitViewedStep(jitted, routing)
+        return self.native.called(jitted, routing)
 
     compile_eval = compile_step
 
@@ -193,10 +196,10 @@ class LocalDevices(_WholeState):
     fetches the layers the parameter source serves; the state is this process's, whole."""
 
     def __init__(self, mesh: DataParallel, via_host: Optional[bool] = None):
-        self.mesh, self.via_host = mesh, via_host
+        self.mesh, self.native = mesh, native_path(via_host)
         self.partition, self.devices = mesh.partition, mesh.devices
         self.share = GradientScatter(AXIS, mesh.partition.count, local=LOCAL if mesh.local_devices > 1 else None,
-                                     via_host=via_host)
+                                     native=self.native.send)
 
     def input(self, x, as_bits: bool):
         if x is None:

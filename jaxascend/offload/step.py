@@ -27,8 +27,8 @@ from flax import nnx
 
 from jaxascend.models import loss_sum_and_count
 from jaxascend.offload.collective_order import offload_leaves_on_backward
-from jaxascend.offload.grad_sink import PROBE_SIZE, offload_on_backward
-from jaxascend.offload.param_source import fetch_layer
+from jaxascend.offload.grad_sink import offload_on_backward
+from jaxascend.offload.native_path import PROBE_SIZE
 from jaxascend.offload.placement import OneDevice, Placement
 
 
@@ -288,7 +288,7 @@ def _stack_shapes(routing: LeafRoutes, source, placement: Placement):
     abstract = tuple(_stacked_spec(r.layers, next(shapes)) if r.layers else None for r in routing.routes)
 
     def read(index):
-        return fetch_layer(source.handle, index, source.specs, via_host=placement.via_host)
+        return placement.native.fetch(source.handle, index, source.specs)
 
     return abstract, placement.layer_fetch(read, source.specs, wholes)
 

@@ -18,7 +18,7 @@ import pytest
 
 from jaxascend.native import extension as _native
 from jaxascend.config import load_config
-from jaxascend.offload.grad_sink import sink_gradient
+from jaxascend.offload.native_path import sink_gradient
 from jaxascend.offload.param_source import ParamSource
 from jaxascend.trainer import run
 from tests._corpus import write_word_corpus
