@@ -151,7 +151,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
     offload_files = (remove_offload_files(cfg, shard_files, r.last) if prepared.step_plan.engine == "offload"
                      else "none")
     start = point.step
-    tokens = (r.last - start) * tokens_per_step(cfg)
+    tokens = (r.last - start) * tokens_per_step(cfg, prepared.step_plan.grad_accum)
     steady = throughput.steady()
     result = TrainResult(steps=len(losses), losses=losses, num_params=r.num_params,
                          peak_rss_bytes=peak_rss_bytes(), peak_page_cache_bytes=memory.peak_page_cache,
@@ -216,7 +216,7 @@ def _restore(r: _Run, engine: Engine, ckpt: Checkpointer) -> tuple[Any, list[flo
 def _loop_settings(r: _Run, ckpt: Checkpointer) -> LoopSettings:
     return LoopSettings(r.cfg, r.start, r.last, r.main, r.prepared.held_out, r.origin.to_dict(),
                         agree=lambda values: _agree(values, r.group), checkpoint_dir=str(ckpt.directory),
-                        stack=r.stack.to_dict())
+                        stack=r.stack.to_dict(), micro_batches=r.prepared.step_plan.grad_accum)
 
 
 def _agree(values: list[int], group) -> list[int]:

@@ -50,8 +50,8 @@ def evaluate(engine: Engine, batches: list[TokenBatch]) -> dict[str, float]:
             "eval_seconds": time.perf_counter() - started}
 
 
-def tokens_per_step(cfg: Config) -> int:
-    return cfg.train.grad_accum * cfg.data.batch_size * cfg.data.seq_len
+def tokens_per_step(cfg: Config, micro_batches: int) -> int:
+    return micro_batches * cfg.data.batch_size * cfg.data.seq_len
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class LoopSettings:
     agree: Callable[[list[int]], list[int]]  # the max over the job's processes (identity for one)
     checkpoint_dir: str
     stack: dict  # what made the run (jaxascend.provenance): in its first record and every checkpoint
+    micro_batches: int  # A, the step plan's grad_accum: the batches each step's layers run in turn
 
 
 class TrainingLoop:
@@ -93,9 +94,9 @@ class TrainingLoop:
         final_eval = None
         try:
             for step in range(self.s.start + 1, self.s.last + 1):
-                batch = step_batch([next(stream) for _ in range(cfg.train.grad_accum)])
+                batch = step_batch([next(stream) for _ in range(self.s.micro_batches)])
                 pending.append(self.engine.step(batch))
-                throughput.add(tokens_per_step(cfg))
+                throughput.add(tokens_per_step(cfg, self.s.micro_batches))
                 if step == self.s.start + 1:  # SYNC: this step compiled; the summary's tokens/s starts after it
                     pending[-1] = pending[-1].fetched()
                     throughput.compiled(step)

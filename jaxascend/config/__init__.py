@@ -14,7 +14,7 @@ Every problem (unknown key, wrong type, out-of-range value, missing file) raises
 """
 
 from jaxascend.config.field_docs import sections_help
-from jaxascend.config.loading import check_param_placement, check_report_backends, load_config
+from jaxascend.config.loading import check_report_backends, load_config
 from jaxascend.config.model import LAYER_TYPES, HubId, ModelConfig, ROPE_TYPES, parse_hub_id, validate_rope_scaling
 from jaxascend.config.sections import (CheckpointConfig, Config, DataConfig, DistributedConfig, OffloadConfig,
                                        OptimizerConfig, TrainConfig)
@@ -22,7 +22,7 @@ from jaxascend.config.values import ConfigError, DType, did_you_mean, parse_byte
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "DType", "DataConfig", "DistributedConfig", "HubId", "LAYER_TYPES",
-    "ModelConfig", "OffloadConfig", "OptimizerConfig", "ROPE_TYPES", "TrainConfig", "check_param_placement",
+    "ModelConfig", "OffloadConfig", "OptimizerConfig", "ROPE_TYPES", "TrainConfig",
     "check_report_backends", "did_you_mean", "load_config", "parse_bytes", "parse_hub_id", "sections_help",
     "validate_rope_scaling",
 ]

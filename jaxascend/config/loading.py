@@ -205,7 +205,6 @@ def _validate_cross_fields(cfg: Config) -> None:
     if cfg.model.path is not None and not os.path.isdir(os.path.expanduser(cfg.model.path)) \
             and parse_hub_id(cfg.model.path) is None:
         raise ConfigError(f"model.path: {cfg.model.path!r} is not a directory")
-    check_param_placement(cfg)
     if cfg.optimizer.state_dtype != "float32" and not cfg.offload.enabled:
         raise ConfigError(f"optimizer.state_dtype: {cfg.optimizer.state_dtype!r} needs offload.enabled: true (the "
                           "in-memory engine keeps optax's float32 moments)")
@@ -215,22 +214,6 @@ def _validate_cross_fields(cfg: Config) -> None:
         raise ConfigError(
             f"data.seq_len: {cfg.data.seq_len} exceeds model.max_position_embeddings="
             f"{cfg.model.max_position_embeddings}")
-
-
-def check_param_placement(cfg: Config) -> None:
-    """``offload.params: ssd`` streams the layer stack's weights through the layer scan; what
-    that cannot serve is refused here, by name."""
-    if cfg.offload.params != "ssd":
-        return
-    if not cfg.offload.enabled:
-        raise ConfigError("offload.params: 'ssd' needs offload.enabled: true (the weights live beside the "
-                          "optimizer state on SSD)")
-    if cfg.model.remat == "none":
-        raise ConfigError("offload.params: 'ssd' needs model.remat other than 'none' (without recomputation the "
-                          "backward pass would keep every layer's weights in memory); use remat: full")
-    if cfg.offload.post_backward_overflow_check:
-        raise ConfigError("offload.params: 'ssd' cannot be combined with offload.post_backward_overflow_check "
-                          "(that ablation materializes the whole gradient tree)")
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None, inputs: bool = True) -> Config:

@@ -36,7 +36,7 @@ from jaxascend.offload.checkpoint_specs import specs_for_offload_layout
 from jaxascend.offload.engine import PlannedOffloadEngine
 from jaxascend.offload.engine_settings import EngineSettings
 from jaxascend.offload.from_config import OffloadEngine
-from jaxascend.offload.step_plan import JobShape, StepPlan, overlap_refusal
+from jaxascend.offload.step_plan import JobShape, StepPlan, overlap_refusal, streaming_refusal
 from jaxascend.offload.grad_sink import offload_on_backward
 from jaxascend.offload.layout import OffloadLayout, STATE_SLOT_CLASS
 from jaxascend.offload.model_loading import load_model
@@ -49,5 +49,5 @@ from jaxascend.offload.timeline import write_timeline_png
 __all__ = [
     "EngineSettings", "JobShape", "OffloadEngine", "PlannedOffloadEngine", "OffloadLayout", "OffloadedAdamState", "STATE_SLOT_CLASS", "StepPlan",
     "fetch_layer", "job_state_layout", "load_model", "offload_on_backward", "overlap_refusal", "sink_gradient",
-    "specs_for_offload_layout", "ssd_adamw", "state_arena_plan", "write_timeline_png",
+    "specs_for_offload_layout", "ssd_adamw", "state_arena_plan", "streaming_refusal", "write_timeline_png",
 ]

@@ -132,7 +132,7 @@ class PlannedOffloadEngine:
         row_blocks = table.row_blocks
         spec = self.placement.local_spec(full_spec, routing.is_stacked, row_blocks)  # a job's: its slices
         layout = StateLayoutOptions(layer_stack_key(model_cfg.arch), self.plan.weights == "ssd", tuple(row_blocks),
-                                    options.format)
+                                    options.format, self.plan.grad_store == "ssd")
         extra = checkpoint_slot_requests(layout.plan(spec, options.offload), options.offload)
         self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS if extra else STATE_SLOT_CLASS
         return OffloadedAdamState.create(spec, options.offload, **layout.keywords(),

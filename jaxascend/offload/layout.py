@@ -192,12 +192,13 @@ class OffloadLayout:
     @classmethod
     def plan(cls, params_spec, cfg: OffloadConfig, stacked: StackedSpec = None,
              stream_params: bool = False, row_blocks: Optional[Sequence[int]] = None,
-             state: StateFormat = FLOAT32_STATE) -> "OffloadLayout":
+             state: StateFormat = FLOAT32_STATE, grads_on_ssd: bool = True) -> "OffloadLayout":
         """Lays out ``params_spec`` (a pytree of arrays or ``jax.ShapeDtypeStruct`` in the compute
         dtype). ``stacked`` says which leaves are layer stacks (see :data:`StackedSpec`);
         ``stream_params``: their compute weights get SSD regions too (``offload.params: ssd``);
         ``row_blocks``: per leaf (flattening order), blocks of rows of an unstacked table (1: none);
-        ``state``: the format of m and v (``optimizer.state_dtype``)."""
+        ``state``: the format of m and v (``optimizer.state_dtype``); ``grads_on_ssd``: False, the
+        gradients wait in a host fp32 buffer instead (the plan's ``grad_store``)."""
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params_spec)
         flags = []
         if not (stacked is None or isinstance(stacked, bool) or callable(stacked)):
@@ -237,7 +238,7 @@ class OffloadLayout:
             chunk = -(-largest // unit) * unit
         stride = -(-StateRecord(state, chunk).nbytes // cfg.block_bytes) * cfg.block_bytes
         return cls(tuple(leaves), treedef, chunk, cfg.stream_depth, single_pool=cfg.single_pool,
-                   grads_on_ssd=not cfg.fp32_grad_buffer, param_prefetch=cfg.param_prefetch, state=state,
+                   grads_on_ssd=grads_on_ssd, param_prefetch=cfg.param_prefetch, state=state,
                    state_stride=stride)
 
     @property

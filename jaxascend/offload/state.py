@@ -101,20 +101,21 @@ class OffloadedAdamState:
     @staticmethod
     def arena_requests(params_spec, cfg: OffloadConfig, stacked: StackedSpec = None,
                        stream_params: bool = False, row_blocks=None,
-                       state: StateFormat = StateFormat()) -> list[SlotRequest]:
+                       state: StateFormat = StateFormat(), grads_on_ssd: bool = True) -> list[SlotRequest]:
         """The arena slots a step over ``params_spec`` needs (add them to the arena plan)."""
-        return OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks, state).arena_requests()
+        return OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks, state,
+                                  grads_on_ssd).arena_requests()
 
     @classmethod
     def create(cls, params_spec, cfg: OffloadConfig, *, stacked: StackedSpec = None, kernel_threads: int = 1,
                extra_requests: tuple[SlotRequest, ...] = (), stream_params: bool = False,
                row_blocks=None, state: StateFormat = StateFormat(), rounding_seed: int = 0,
-               partition_index: int = 0) -> "OffloadedAdamState":
+               partition_index: int = 0, grads_on_ssd: bool = True) -> "OffloadedAdamState":
         """Builds the arena (store staging + step slots + ``extra_requests``), opens the store in
         ``cfg.dir`` and lays out the state; :meth:`close` then closes all three."""
         plan = (ArenaPlan().extend(SsdStore.arena_requests(cfg))
                 .extend(OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks,
-                                           state).arena_requests())
+                                           state, grads_on_ssd).arena_requests())
                 .extend(extra_requests))
         arena = HostArena(plan, cfg)
         store = None
@@ -122,7 +123,7 @@ class OffloadedAdamState:
             store = SsdStore(cfg, arena)
             owner = cls(store, params_spec, stacked=stacked, kernel_threads=kernel_threads,
                         stream_params=stream_params, row_blocks=row_blocks, state=state,
-                        rounding_seed=rounding_seed, partition_index=partition_index)
+                        rounding_seed=rounding_seed, partition_index=partition_index, grads_on_ssd=grads_on_ssd)
         except BaseException:
             if store is not None:
                 store.close()
@@ -133,11 +134,12 @@ class OffloadedAdamState:
 
     def __init__(self, store: SsdStore, params_spec, *, stacked: StackedSpec = None, kernel_threads: int = 1,
                  stream_params: bool = False, row_blocks=None, state: StateFormat = StateFormat(),
-                 rounding_seed: int = 0, partition_index: int = 0):
+                 rounding_seed: int = 0, partition_index: int = 0, grads_on_ssd: bool = True):
         if int(kernel_threads) < 1:
             raise ValueError(f"offloaded AdamW: kernel_threads must be >= 1, got {kernel_threads}")
         self.store = store
-        self.layout = OffloadLayout.plan(params_spec, store.cfg, stacked, stream_params, row_blocks, state)
+        self.layout = OffloadLayout.plan(params_spec, store.cfg, stacked, stream_params, row_blocks, state,
+                                         grads_on_ssd)
         self.kernel_threads = int(kernel_threads)
         # Stochastic rounding (state.rounding): element j of layer l of leaf k in the update
         # after `updates_applied` draws its bits from chunk_seed(rounding_seed, updates_applied,

@@ -23,6 +23,7 @@ from jaxascend.hf import abstract_params
 from jaxascend.models import DTYPES, is_large_table, layer_stack_key, table_blocks, token_table_path
 from jaxascend.offload.layout import OffloadLayout
 from jaxascend.offload.partition import Partition
+from jaxascend.offload.step_plan import grad_store
 from jaxascend.optim import StateFormat
 from jaxascend.ssd import ArenaPlan, SlotRequest, SsdStore
 
@@ -63,10 +64,12 @@ class StateLayoutOptions:
     stream_params: bool
     row_blocks: tuple[int, ...]
     state: StateFormat
+    grads_on_ssd: bool = True  # False: the gradients wait in a host fp32 buffer (a plan's grad_store)
 
     @classmethod
     def of(cls, cfg: Config, model_cfg: ModelConfig, row_blocks: tuple[int, ...], stream: bool) -> "StateLayoutOptions":
-        return cls(layer_stack_key(model_cfg.arch), bool(stream), tuple(row_blocks), state_format(cfg))
+        return cls(layer_stack_key(model_cfg.arch), bool(stream), tuple(row_blocks), state_format(cfg),
+                   grad_store(cfg) == "ssd")
 
     def stacked(self, path: str, shape) -> bool:
         """Whether the leaf at ``path`` ('layers/...') is a layer stack ``[L, ...]``."""
@@ -74,7 +77,7 @@ class StateLayoutOptions:
 
     def keywords(self) -> dict:
         return {"stacked": self.stacked, "stream_params": self.stream_params, "row_blocks": list(self.row_blocks),
-                "state": self.state}
+                "state": self.state, "grads_on_ssd": self.grads_on_ssd}
 
     def plan(self, spec, cfg: OffloadConfig) -> OffloadLayout:
         return OffloadLayout.plan(spec, cfg, **self.keywords())

@@ -25,6 +25,7 @@ from jaxascend.offload.partition import Partition
 
 Gradients = Literal["instant", "post_backward"]
 WeightSource = Literal["arrays", "host", "ssd"]
+GradStore = Literal["ssd", "host_fp32"]  # where the gradients wait for the update
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class StepPlan:
     engine: Literal["offload", "in-memory"]
     weights: Literal["resident", "ssd"]  # where the layer stack's compute weights live
     gradients: Gradients  # instant: each layer's gradient leaves in the backward (once per step, whatever A)
+    grad_store: GradStore  # ssd: each layer's gradient in the store; host_fp32: one fp32 host buffer (the ablation)
     grad_accum: int  # A: each layer runs the step's A micro-batches in turn (models.micro_batches)
     overlap: bool  # the optimizer of step t beside step t+1's forward/backward
     overlap_refused: Optional[str] = None  # why an asked-for overlap is off
@@ -57,6 +59,9 @@ class StepPlan:
         """The plan of ``cfg`` (``offload.params`` resolved: ``auto`` counts as resident) for
         ``model_cfg`` (with the run's vocabulary) in ``job``; ``choices``: notes of choices made
         before (the run planner's). Raises :class:`ConfigError` naming what a job cannot run."""
+        refused = streaming_refusal(cfg) if cfg.offload.params == "ssd" else None
+        if refused:
+            raise ConfigError(refused)
         notes = list(choices)
         partition, local_devices = _partition(cfg, model_cfg, job, notes)
         weights = "ssd" if cfg.offload.enabled and cfg.offload.params == "ssd" else "resident"
@@ -70,6 +75,7 @@ class StepPlan:
             if refused:
                 notes.append(f"offload.overlap is off, the optimizer step runs after the forward/backward: {refused}")
         return cls(engine="offload" if cfg.offload.enabled else "in-memory", weights=weights, gradients=gradients,
+                   grad_store=grad_store(cfg),
                    grad_accum=cfg.train.grad_accum, overlap=cfg.offload.enabled and cfg.offload.overlap and not refused,
                    overlap_refused=refused, partition=partition, local_devices=local_devices, notes=tuple(notes),
                    host_callbacks=host_callbacks())
@@ -103,6 +109,26 @@ class StepPlan:
         out["partition"] = [self.partition.index, self.partition.count] if self.partition else None
         out["notes"] = list(self.notes)
         return out
+
+
+def grad_store(cfg: Config) -> GradStore:
+    """Where the gradients wait for the update: the store on SSD, or (``offload.fp32_grad_buffer``,
+    ZeRO-Infinity's way) one float32 host buffer. The run planner lays out with it too."""
+    return "host_fp32" if cfg.offload.fp32_grad_buffer else "ssd"
+
+
+def streaming_refusal(cfg: Config) -> Optional[str]:
+    """What ``offload.params: ssd`` (the layer stack's weights streamed through the layer scan)
+    cannot serve in ``cfg``, by name (None: it can). The run planner asks it of ``auto``."""
+    if not cfg.offload.enabled:
+        return "offload.params: 'ssd' needs offload.enabled: true (the weights live beside the optimizer state on SSD)"
+    if cfg.model.remat == "none":
+        return ("offload.params: 'ssd' needs model.remat other than 'none' (without recomputation the backward pass "
+                "would keep every layer's weights in memory); use remat: full")
+    if cfg.offload.post_backward_overflow_check:
+        return ("offload.params: 'ssd' cannot be combined with offload.post_backward_overflow_check (that ablation "
+                "materializes the whole gradient tree)")
+    return None
 
 
 def overlap_refusal(cfg: Config) -> Optional[str]:

@@ -50,10 +50,10 @@ import jax
 import numpy as np
 import psutil
 
-from jaxascend.config import Config, ConfigError, ModelConfig, check_param_placement
+from jaxascend.config import Config, ConfigError, ModelConfig
 from jaxascend.devices import DeviceCapacity, device_capacity
 from jaxascend.models import DTYPES
-from jaxascend.offload import OffloadLayout, job_state_layout, overlap_refusal, state_arena_plan
+from jaxascend.offload import OffloadLayout, job_state_layout, overlap_refusal, state_arena_plan, streaming_refusal
 from jaxascend.planning.deepspeed_anchor import deepspeed_zero3_estimate
 from jaxascend.planning.disk_plan import FilesystemUse, disk_use, run_disk_parts
 from jaxascend.planning.machine_limits import available_host_memory
@@ -252,11 +252,7 @@ def _disk_problem(fs: FilesystemUse, levers: tuple) -> str:
 
 def _streaming_refusal(cfg: Config) -> Optional[str]:
     """Why ``cfg`` could not run with ``offload.params: ssd`` (the config check's message), or None."""
-    try:
-        check_param_placement(dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params="ssd")))
-    except ConfigError as err:
-        return str(err)
-    return None
+    return streaming_refusal(cfg)
 
 
 def process_rss() -> int:
@@ -480,6 +476,6 @@ def plan_resources(cfg: Config, model_cfg: ModelConfig, disk_gbps: Optional[floa
     plan = _plan(cfg, model_cfg, cfg.offload.params, float(disk_gbps or DEFAULT_DISK_GBPS), runtime, levers=True,
                  processes=processes)
     placement = "resident" if plan.params == "in-memory" else plan.params
-    if placement != cfg.offload.params:
+    if cfg.offload.params == "auto" and placement != "auto":  # an explicit choice stays for the step plan to judge
         cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, params=placement))
     return cfg, plan

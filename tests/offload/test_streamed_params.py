@@ -13,6 +13,7 @@ import pytest
 
 from jaxascend.config import ConfigError, load_config
 from jaxascend.models import vocab
+from jaxascend.offload import StepPlan
 from jaxascend.planning import PlanError
 from jaxascend.trainer import run
 from tests._corpus import write_word_corpus
@@ -94,11 +95,15 @@ def test_large_table_in_blocks_matches_resident(tmp_path, corpus, monkeypatch):
 
 def test_what_streamed_weights_cannot_run_is_refused(tmp_path, corpus):
     base = TINY + [f"data.paths=[{corpus}]", "data.include=['*.txt']", f"train.out_dir={tmp_path}", "offload.params=ssd"]
+    def step_plan(*overrides):  # the step's plan refuses what the weights streamed cannot run
+        cfg = load_config("configs/tiny.yaml", base + list(overrides))
+        return StepPlan.resolve(cfg, cfg.model)
+
     with pytest.raises(ConfigError, match="offload.params: 'ssd' needs model.remat"):
-        load_config("configs/tiny.yaml", base + ["model.remat=none"])
-    assert load_config("configs/tiny.yaml", base + ["model.remat=full", "train.grad_accum=4"]).train.grad_accum == 4
+        step_plan("model.remat=none")
+    assert step_plan("model.remat=full", "train.grad_accum=4").grad_accum == 4
     with pytest.raises(ConfigError, match="offload.params: 'ssd' needs offload.enabled"):
-        load_config("configs/tiny.yaml", base + ["offload.enabled=false"])
+        step_plan("offload.enabled=false")
     with pytest.raises(ConfigError, match="offload.params: 'disk' is not one of"):
         load_config("configs/tiny.yaml", TINY + [f"data.paths=[{corpus}]", "data.include=['*.txt']", "offload.params=disk"])
 
