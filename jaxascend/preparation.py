@@ -17,13 +17,15 @@ first, with no tokenizer (:func:`resolve_data`): ``data.format: auto`` is resolv
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from jaxascend.config import Config, ConfigError, DataConfig, ModelConfig
 from jaxascend.data import (EpochCount, eval_batches, has_tokenizer_files, load_tokenizer, make_batch_stream,
                             missing_paths, read_data_format, tokenizer_folder, with_epoch_steps)
-from jaxascend.hf import ModelSource, check_hf_weights, locate_model, model_config_from_hf, param_plan
+from jaxascend.hf import (CheckpointFiles, ModelSource, check_hf_weights, dominant_dtype, locate_model,
+                          model_config_from_hf, param_plan)
 from jaxascend.models import TokenBatch, token_batch
 from jaxascend.offload import JobShape, StepPlan
 from jaxascend.planning import ResourcePlan, plan_resources
@@ -59,6 +61,25 @@ def model_notes(asked: ModelConfig, resolved: ModelConfig) -> tuple[str, ...]:
         return ()
     lines = (ModelSource.of(asked.path, resolved.path).note(), replaced_fields_note(asked, resolved))
     return tuple(line for line in lines if line)
+
+
+def master_notes(cfg: Config, resolved: ModelConfig) -> tuple[str, ...]:
+    """The ``note:`` of a bfloat16 master starting from a checkpoint of wider weights: they are
+    rounded once, to nearest (a bfloat16 checkpoint's are the master exactly)."""
+    if cfg.optimizer.master_dtype != "bfloat16" or resolved.path is None:
+        return ()
+    if not any(os.path.isfile(os.path.join(resolved.path, name))
+               for name in ("model.safetensors", "model.safetensors.index.json")):
+        return ()  # config.json alone (a plan): no weights to round
+    files = CheckpointFiles(resolved.path)
+    try:
+        dtype = dominant_dtype(files.entries.values())
+    finally:
+        files.close()
+    if dtype == "bfloat16":
+        return ()
+    return (f"optimizer.master_dtype: bfloat16: the {dtype} weights of {resolved.path} are rounded once to bfloat16 "
+            "(to nearest) where the master starts from them",)
 
 
 def replaced_fields_note(asked: ModelConfig, resolved: ModelConfig) -> Optional[str]:
@@ -227,6 +248,6 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     cfg, resources = plan_resources(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete,
                                     processes=job.processes)
     step_plan = StepPlan.resolve(cfg, sized, job, choices=resources.choices)
-    model_lines = model_notes(cfg.model, model_cfg)
+    model_lines = model_notes(cfg.model, model_cfg) + master_notes(cfg, model_cfg)
     return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, resources, step_plan,
                        inputs.assumed, inputs.notes + model_lines + epoch_lines, epochs)

@@ -98,13 +98,16 @@ def check_attributes_match(manifest: dict, attributes: Optional[dict], where: Pa
             if key == "state":
                 raise IncompatibleCheckpointError(
                     f"checkpoint {where} holds {_describe_state(have)} optimizer state; this run keeps "
-                    f"{_describe_state(want)} (optimizer.state_dtype); resume with the checkpoint's")
+                    f"{_describe_state(want)} (optimizer.state_dtype, optimizer.master_dtype); resume with the "
+                    "checkpoint's")
             raise IncompatibleCheckpointError(f"checkpoint {where}: {key} is {have!r}, this run has {want!r}")
 
 
 def _describe_state(record: dict) -> str:
     dtype = record.get("state_dtype")
-    return f"{dtype} (blocks of {record['block']})" if dtype == "int8" and "block" in record else str(dtype)
+    text = f"{dtype} (blocks of {record['block']})" if dtype == "int8" and "block" in record else str(dtype)
+    master = record.get("master_dtype", "float32")
+    return text + (f" with a {master} master ({record.get('master_rounding')})" if master != "float32" else "")
 
 
 def check_arrays_match(manifest: dict, specs: Sequence[ArraySpec], where: Path) -> None:

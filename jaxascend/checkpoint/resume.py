@@ -24,11 +24,11 @@ COMPATIBILITY_FIELDS = (
     "model.arch", "model.vocab_size", "model.hidden_size", "model.intermediate_size", "model.num_hidden_layers",
     "model.num_attention_heads", "model.num_key_value_heads", "model.head_dim", "model.tie_word_embeddings",
     "model.attention_bias", "model.dtype", "model.param_dtype", "offload.enabled", "offload.params",
-    "optimizer.state_dtype", "optimizer.state_block",
+    "optimizer.state_dtype", "optimizer.state_block", "optimizer.master_dtype", "optimizer.master_rounding",
 )
 
 # What a checkpoint made before a field existed was made with.
-_MISSING_MEANS = {"optimizer.state_dtype": "float32"}
+_MISSING_MEANS = {"optimizer.state_dtype": "float32", "optimizer.master_dtype": "float32"}
 
 
 def default_directory(run_config: Union[Config, dict]) -> Path:
@@ -52,6 +52,9 @@ def check_compatible(saved: dict, current: dict, where: Union[str, Path]) -> Non
         if name == "optimizer.state_block" and not value(saved, "optimizer.state_dtype") == \
                 value(current, "optimizer.state_dtype") == "int8":
             continue
+        if name == "optimizer.master_rounding" and not value(saved, "optimizer.master_dtype") == \
+                value(current, "optimizer.master_dtype") == "bfloat16":
+            continue  # a float32 master is not rounded
         if a is not None and b is not None and a != b:
             diffs.append(f"{name}: checkpoint has {a!r}, this run has {b!r}")
     if diffs:

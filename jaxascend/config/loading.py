@@ -208,6 +208,12 @@ def _validate_cross_fields(cfg: Config) -> None:
     if cfg.optimizer.state_dtype != "float32" and not cfg.offload.enabled:
         raise ConfigError(f"optimizer.state_dtype: {cfg.optimizer.state_dtype!r} needs offload.enabled: true (the "
                           "in-memory engine keeps optax's float32 moments)")
+    if cfg.optimizer.master_dtype == "bfloat16" and not cfg.offload.enabled:
+        raise ConfigError("optimizer.master_dtype: 'bfloat16' needs offload.enabled: true (the in-memory engine "
+                          "keeps optax's float32 weights)")
+    if cfg.optimizer.master_dtype == "bfloat16" and cfg.model.dtype != "bfloat16":
+        raise ConfigError(f"optimizer.master_dtype: 'bfloat16' needs model.dtype: bfloat16 (the compute weights are "
+                          f"the master), got {cfg.model.dtype!r}")
     # With model.path, config.json's limit applies: checked once it is read
     # (jaxascend.preparation.resolve_model_config); the section's own is a default then.
     if cfg.model.path is None and cfg.data.seq_len > cfg.model.max_position_embeddings:

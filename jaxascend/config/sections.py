@@ -136,6 +136,14 @@ class OptimizerConfig:
     # a moment stops following the gradients once a step changes it by less than half an ulp
     # (jaxascend.optim.state_codes). bfloat16 m is always rounded to nearest.
     state_rounding: Literal["stochastic", "nearest"] = "stochastic"
+    # The master weights (needs offload.enabled): float32 (4 B/param, beside the compute copy), or
+    # bfloat16: the bf16 compute weights are the master (needs model.dtype: bfloat16), 2 B/param
+    # read and written by the update, no separate copy.
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    # How a bfloat16 master takes an update: "compensated" keeps the rounding error each update
+    # drops in a bfloat16 companion and adds it back at the next (Kahan; 2 B/param more), or
+    # "stochastic" rounds with reproducible random bits (seeded as state_rounding's).
+    master_rounding: Literal["compensated", "stochastic"] = "compensated"
 
     def __post_init__(self):
         if not (256 <= self.state_block <= 2048 and self.state_block & (self.state_block - 1) == 0):

@@ -18,10 +18,11 @@ from jaxascend.optim import StateFormat
 
 
 def specs_for_offload_layout(layout: OffloadLayout, pieces: Optional[Sequence[Piece]] = None) -> list[ArraySpec]:
-    """Array specs for ``layout``'s state regions: per leaf ``"master/<leaf path>"`` (float32)
+    """Array specs for ``layout``'s state regions: per leaf ``"master/<leaf path>"`` (float32, or
+    bfloat16 with ``optimizer.master_dtype``, whose compensated rounding adds ``"master_comp/..."``)
     and ``"m/..."``, ``"v/..."`` in the layout's state format (float32, bfloat16, or uint8
     codes), each of the leaf's shape, gathered from every layer's chunk records
-    ``master[n] | m[n] | v[n] (| pad | m_scale | v_scale)``; int8 state adds ``"m_scale/..."``
+    ``master[n] (| comp[n] | pad) | m[n] | v[n] (| pad | m_scale | v_scale)``; int8 state adds ``"m_scale/..."``
     and ``"v_scale/..."``, float32 ``[layers, blocks per layer]`` (``[blocks]`` for a leaf of one
     layer). A leaf whose compute weights are streamed from SSD adds ``"params/<leaf path>"`` in
     its dtype. ``pieces`` (one per leaf): where each leaf sits in the whole tensor (a
@@ -33,7 +34,7 @@ def specs_for_offload_layout(layout: OffloadLayout, pieces: Optional[Sequence[Pi
         chunks[ref.leaf.index].append(ref)
     specs = []
     for leaf, piece in zip(layout.leaves, pieces):
-        specs += _leaf_specs(layout.state, leaf, chunks[leaf.index], piece)
+        specs += _leaf_specs(layout.record_format(leaf), leaf, chunks[leaf.index], piece)
     return specs
 
 
@@ -44,7 +45,13 @@ def _leaf_specs(fmt: StateFormat, leaf: LeafLayout, chunks: Sequence[ChunkRef],
     for ref in chunks:
         region, base, record = leaf.state_regions[ref.layer], ref.state_offset, ref.record
         moment_bytes = fmt.moment_itemsize * record.count
-        spans["master"].append(Span(region, base, 4 * record.count))
+        if fmt.master_elsewhere:  # a streamed leaf's bfloat16 master: its params region
+            spans["master"].append(Span(leaf.param_regions[ref.layer], ref.grad_offset, ref.grad_bytes))
+        else:
+            spans["master"].append(Span(region, base, fmt.master_itemsize * record.count))
+        if fmt.companion_itemsize:
+            spans.setdefault("master_comp", []).append(Span(region, base + record.companion_offset,
+                                                            fmt.companion_itemsize * record.count))
         spans["m"].append(Span(region, base + record.m_offset, moment_bytes))
         spans["v"].append(Span(region, base + record.v_offset, moment_bytes))
         if record.blocks:
@@ -52,15 +59,14 @@ def _leaf_specs(fmt: StateFormat, leaf: LeafLayout, chunks: Sequence[ChunkRef],
             spans["m_scale"].append(Span(region, scales, 4 * record.blocks))
             spans["v_scale"].append(Span(region, scales + 4 * record.blocks, 4 * record.blocks))
     specs = []
-    for name in STATE_TENSORS:
-        dtype = np.float32 if name == "master" else fmt.moment_dtype(name)
-        specs.append(ArraySpec(f"{name}/{leaf.path}", leaf.shape, dtype, tuple(spans[name]), piece))
+    for name in STATE_TENSORS + (("master_comp",) if fmt.companion_itemsize else ()):
+        specs.append(ArraySpec(f"{name}/{leaf.path}", leaf.shape, fmt.moment_dtype(name), tuple(spans[name]), piece))
     if fmt.block:  # a chunk is whole blocks (but the last of a layer): the layer's blocks in order
         blocks = fmt.blocks(leaf.layer_elements)
         shape = (leaf.layers, blocks) if leaf.layers > 1 else (blocks,)
         for name in SCALE_ARRAYS:
             specs.append(ArraySpec(f"{name}/{leaf.path}", shape, np.float32, tuple(spans[name])))
-    if leaf.streamed:  # offload.params: ssd: the compute weights live on SSD too, laid out as the gradient
+    if leaf.streamed and not fmt.master_elsewhere:  # offload.params: ssd: the compute weights live on SSD too
         param_spans = tuple(Span(leaf.param_regions[ref.layer], ref.grad_offset, ref.grad_bytes) for ref in chunks)
         specs.append(ArraySpec(f"params/{leaf.path}", leaf.shape, leaf.dtype, param_spans, piece))
     return specs

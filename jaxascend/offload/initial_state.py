@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import ml_dtypes
 import numpy as np
 
 from jaxascend.offload.layout import STATE_SLOT_CLASS, ChunkRef, LeafLayout, OffloadLayout
@@ -65,11 +66,21 @@ def write_initial_state(store: SsdStore, chunks: list[ChunkRef], segments: list[
             start = ref.flat_start if whole_leaves else ref.start
             n = ref.count
             raw = chunk.arrays[0]
-            raw[:4 * n].view(np.float32)[:] = values[start:start + n]
-            raw[4 * n:ref.state_bytes] = 0  # zero moments in every format (int8: code 0, scale 0)
+            master = ref.record.views(raw)[0]
+            if not ref.record.state.master_elsewhere:  # else the compute weights written above are the master
+                master[:] = as_master(values[start:start + n], master.dtype)
+            raw[ref.record.companion_offset:ref.state_bytes] = 0  # zero companion and moments (int8: code 0, scale 0)
             if ref.last_of_leaf:
                 values = None
     store.flush()  # the compute weights' writes are on disk (or their error raises here)
+
+
+def as_master(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``values`` (float32, or the compute dtype) as the master stores them: float32, or a
+    bfloat16 master's bits (uint16), rounded to nearest even once (exact from bfloat16)."""
+    if dtype == np.float32:
+        return np.asarray(values, np.float32)
+    return np.asarray(values).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
 def _write_compute_params(store: SsdStore, leaf: LeafLayout, values: np.ndarray, compute: Callable,

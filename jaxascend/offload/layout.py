@@ -38,6 +38,7 @@ instead of the store, so no ``adam_grad`` slots are planned.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -188,6 +189,7 @@ class OffloadLayout:
     param_prefetch: int = 2  # layers the parameter source reads ahead (streamed weights only)
     state: StateFormat = FLOAT32_STATE  # how m and v are stored
     state_stride: int = 0  # bytes between the records of consecutive chunks of a layer
+    block_bytes: int = 4096  # the store's block: a stride is whole blocks
 
     @classmethod
     def plan(cls, params_spec, cfg: OffloadConfig, stacked: StackedSpec = None,
@@ -239,7 +241,7 @@ class OffloadLayout:
         stride = -(-StateRecord(state, chunk).nbytes // cfg.block_bytes) * cfg.block_bytes
         return cls(tuple(leaves), treedef, chunk, cfg.stream_depth, single_pool=cfg.single_pool,
                    grads_on_ssd=grads_on_ssd, param_prefetch=cfg.param_prefetch, state=state,
-                   state_stride=stride)
+                   state_stride=stride, block_bytes=cfg.block_bytes)
 
     @property
     def num_parameters(self) -> int:
@@ -250,7 +252,15 @@ class OffloadLayout:
         full, last = divmod(leaf.layer_elements, self.chunk_elements)
         if last == 0:
             full, last = full - 1, self.chunk_elements
-        return full * self.state_stride + StateRecord(self.state, last).nbytes
+        return full * self.stride_of(leaf) + StateRecord(self.record_format(leaf), last).nbytes
+
+    def stride_of(self, leaf: LeafLayout) -> int:
+        """Bytes between the records of consecutive chunks of ``leaf``'s layers: :attr:`state_stride`,
+        or less where its records hold no master (:meth:`record_format`), whole blocks either way."""
+        fmt = self.record_format(leaf)
+        if fmt is self.state:
+            return self.state_stride
+        return -(-StateRecord(fmt, self.chunk_elements).nbytes // self.block_bytes) * self.block_bytes
 
     @property
     def state_bytes(self) -> int:
@@ -260,10 +270,25 @@ class OffloadLayout:
     @property
     def step_bytes(self) -> tuple[int, int]:
         """(bytes read, bytes written) of one step on SSD: every state record read and written,
-        the gradients read (on SSD), a streamed leaf's new compute weights written. The
+        the gradients read (on SSD), a streamed leaf's new compute weights written (and read,
+        when they are its bfloat16 master). The
         backward's gradient writes, and the parameter source's reads, come on top."""
         grads = self.grad_bytes if self.grads_on_ssd else 0
-        return self.state_bytes + grads, self.state_bytes + self.streamed_param_bytes
+        params_read = self.streamed_param_bytes if self.masters_in_params else 0
+        return self.state_bytes + grads + params_read, self.state_bytes + self.streamed_param_bytes
+
+    @property
+    def masters_in_params(self) -> bool:
+        """A bfloat16 master of a streamed leaf lives in its params region (the weights the forward
+        streams, read and written by the update), not in its state records."""
+        return self.state.master == "bfloat16" and bool(self.streamed_leaves)
+
+    def record_format(self, leaf: LeafLayout) -> StateFormat:
+        """The format of ``leaf``'s state records: without the master where it lives in the
+        params region (:attr:`masters_in_params`)."""
+        if leaf.streamed and self.state.master == "bfloat16":
+            return dataclasses.replace(self.state, master_elsewhere=True)
+        return self.state
 
     @property
     def grad_bytes(self) -> int:
@@ -276,10 +301,10 @@ class OffloadLayout:
             for layer in range(leaf.layers):
                 for j, start in enumerate(range(0, leaf.layer_elements, self.chunk_elements)):
                     n = min(self.chunk_elements, leaf.layer_elements - start)
-                    record = StateRecord(self.state, n)
+                    record = StateRecord(self.record_format(leaf), n)
                     last = start + n == leaf.layer_elements
-                    out.append(ChunkRef(leaf, layer, start, n, j * self.state_stride, record,
-                                        record.nbytes if last else self.state_stride))
+                    out.append(ChunkRef(leaf, layer, start, n, j * self.stride_of(leaf), record,
+                                        record.nbytes if last else self.stride_of(leaf)))
         return out
 
     def step_order(self, chunks: Optional[Sequence[ChunkRef]] = None) -> list[int]:

@@ -29,9 +29,11 @@ from jaxascend.ssd import ArenaPlan, SlotRequest, SsdStore
 
 
 def state_format(cfg: Config) -> StateFormat:
-    """The format of m and v on SSD: ``optimizer.state_dtype`` (and ``state_block`` for int8),
-    rounded as ``optimizer.state_rounding`` says."""
-    return StateFormat.of(cfg.optimizer.state_dtype, cfg.optimizer.state_block, cfg.optimizer.state_rounding)
+    """The format of the state on SSD: m and v as ``optimizer.state_dtype`` (and ``state_block``
+    for int8), rounded as ``optimizer.state_rounding`` says; the master as ``optimizer.master_dtype``
+    and ``master_rounding``."""
+    o = cfg.optimizer
+    return StateFormat.of(o.state_dtype, o.state_block, o.state_rounding, o.master_dtype, o.master_rounding)
 
 
 @dataclass(frozen=True)

@@ -67,13 +67,15 @@ class UpdatePlan:
     @classmethod
     def build(cls, layout: OffloadLayout, chunks: list[ChunkRef], regions: dict) -> "UpdatePlan":
         """The plan of ``layout``'s ``chunks``; ``regions``: the store's Region records by name."""
-        grads_on_ssd = layout.grads_on_ssd
+        grads_on_ssd, masters_read = layout.grads_on_ssd, layout.masters_in_params
         segments = [
             [Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes, read=True, write=True)] +
             ([Segment(regions[c.leaf.grad_regions[c.layer]], c.grad_offset, c.grad_bytes, read=True, write=False)]
              if grads_on_ssd else []) +
-            # a streamed leaf's new compute weights go to SSD (same offsets as the gradient's)
-            ([Segment(regions[c.leaf.param_regions[c.layer]], c.grad_offset, c.grad_bytes, read=False, write=True)]
+            # a streamed leaf's new compute weights go to SSD (same offsets as the gradient's); read
+            # first where they are its bfloat16 master
+            ([Segment(regions[c.leaf.param_regions[c.layer]], c.grad_offset, c.grad_bytes, read=masters_read,
+                      write=True)]
              if c.leaf.streamed else [])
             for c in chunks]
         # A step updates in the forward's order (layout.step_order: the leaves outside the stack,
@@ -127,19 +129,24 @@ class ChunkKernel:
     updates_applied: int  # updates before this one: part of each chunk's rounding seed
     partition_index: int  # this process's slice of every layer starts at partition_index * layer_elements
 
-    def update(self, ref: ChunkRef, views: tuple, grad: np.ndarray, out: np.ndarray) -> None:
-        """Updates the chunk's record ``views`` (master, m, v, m_scale, v_scale) in place from
-        ``grad``, writing the new compute weights into ``out``."""
-        master, m, v, m_scale, v_scale = views
+    def update(self, ref: ChunkRef, raw: np.ndarray, grad: np.ndarray, out: np.ndarray) -> None:
+        """Updates the chunk's record (its bytes ``raw``: master, m, v, m_scale, v_scale and a
+        compensated master's companion) in place from ``grad``, writing the new compute weights
+        into ``out``."""
+        master, m, v, m_scale, v_scale = ref.record.views(raw)
+        if ref.record.state.master_elsewhere:  # a streamed leaf's bfloat16 master: its weights, updated in place
+            master = out.view(np.uint16)
         seed, first = self.rounding_key(ref)
         scalars = self.scalars if self.scalars.ndim == 1 else self.scalars[ref.leaf.index]
+        extra = {} if self.state.master == "float32" else \
+            {"master_format": self.state.master_format, "comp": ref.record.companion(raw)}
         fused_adamw_update_numpy(master, m, v, grad, out, scalars, threads=self.threads, state=self.state,
-                                 m_scale=m_scale, v_scale=v_scale, seed=seed, index=first)
+                                 m_scale=m_scale, v_scale=v_scale, seed=seed, index=first, **extra)
 
     def rounding_key(self, ref: ChunkRef) -> tuple[int, int]:
         """(chunk seed, index of its first element in the whole layer) of a chunk's stochastic
-        rounding in this update; (0, 0) when v is rounded to nearest."""
-        if not self.state.stochastic:
+        rounding in this update; (0, 0) when neither v nor the master is rounded stochastically."""
+        if not (self.state.stochastic or self.state.master_rounding == "stochastic" and self.state.master != "float32"):
             return 0, 0
         seed = chunk_seed(self.rounding_seed, self.updates_applied, ref.leaf.index, ref.layer)
         return seed, self.partition_index * ref.leaf.layer_elements + ref.start
@@ -226,7 +233,7 @@ class StreamedUpdate:
         # parameter slot, written back to SSD behind the kernel.
         out = arrays[-1].view(leaf.dtype)[:n] if streamed else \
             self.hosts[leaf.index][ref.flat_start:ref.flat_start + n]
-        self.kernel.update(ref, ref.record.views(arrays[0]), grad[:n], out)
+        self.kernel.update(ref, arrays[0], grad[:n], out)
         return out
 
     def _copy_to_handover(self, ref: ChunkRef, out: np.ndarray) -> None:

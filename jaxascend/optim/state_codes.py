@@ -66,6 +66,8 @@ V_MANTISSA_BITS = 4  # sqrt(v): E4M4
 _BIAS = 111  # code exponent 15 <-> float32 exponent field 126 (the binade [0.5, 1))
 _SUBNORMAL_LIMIT = np.float32(2.0**-15)
 ROUNDINGS = ("stochastic", "nearest")
+MASTER_DTYPES = ("float32", "bfloat16")  # optimizer.master_dtype
+MASTER_ROUNDINGS = ("compensated", "stochastic")  # optimizer.master_rounding (a bfloat16 master's)
 _GOLDEN = 0x9E3779B1
 
 
@@ -74,11 +76,22 @@ class StateFormat:
     """How m and v are stored: ``dtype`` one of :data:`STATE_DTYPES`; ``block``: elements per
     scale (int8 only; 0 otherwise); ``rounding``: how the moments are narrowed, one of :data:`ROUNDINGS`
     ("nearest" for float32, which is not narrowed). The rounding is not part of the stored format:
-    a checkpoint's ``describe()`` leaves it out, and either rounding resumes either's state."""
+    a checkpoint's ``describe()`` leaves it out, and either rounding resumes either's state.
+
+    ``master``: how the master weights are stored, one of :data:`MASTER_DTYPES` (float32; or
+    bfloat16, the compute weights themselves), and ``master_rounding`` how a bfloat16 master
+    takes each update (:data:`MASTER_ROUNDINGS`: ``compensated`` keeps the dropped rounding error
+    in a bfloat16 companion, Kahan-style; ``stochastic`` has none; see
+    :mod:`jaxascend.optim.master_codes`). Both are part of the stored format."""
 
     dtype: str = "float32"
     block: int = 0
     rounding: str = "nearest"
+    master: str = "float32"
+    master_rounding: str = "compensated"
+    # A record without its master: a bfloat16 master that lives elsewhere (a streamed leaf's
+    # params region, the weights the forward streams); not part of the checkpoint's description.
+    master_elsewhere: bool = False
 
     def __post_init__(self):
         if self.dtype not in STATE_DTYPES:
@@ -91,10 +104,35 @@ class StateFormat:
             object.__setattr__(self, "block", 0)
         if self.dtype == "float32":
             object.__setattr__(self, "rounding", "nearest")
+        if self.master not in MASTER_DTYPES:
+            raise ValueError(f"master dtype {self.master!r} is not one of {', '.join(MASTER_DTYPES)}")
+        if self.master_rounding not in MASTER_ROUNDINGS:
+            raise ValueError(f"master rounding {self.master_rounding!r} is not one of {', '.join(MASTER_ROUNDINGS)}")
+        if self.master == "float32":
+            object.__setattr__(self, "master_rounding", "compensated")  # not narrowed: one canonical value
+            if self.master_elsewhere:
+                raise ValueError("a float32 master lives in its record")
 
     @classmethod
-    def of(cls, dtype: str = "float32", block: int = DEFAULT_BLOCK, rounding: str = "nearest") -> "StateFormat":
-        return cls(dtype, block if dtype == "int8" else 0, rounding)
+    def of(cls, dtype: str = "float32", block: int = DEFAULT_BLOCK, rounding: str = "nearest",
+           master: str = "float32", master_rounding: str = "compensated") -> "StateFormat":
+        return cls(dtype, block if dtype == "int8" else 0, rounding, master, master_rounding)
+
+    @property
+    def master_itemsize(self) -> int:
+        """Bytes of one master weight in a record (0: it lives elsewhere)."""
+        return 0 if self.master_elsewhere else 4 if self.master == "float32" else 2
+
+    @property
+    def companion_itemsize(self) -> int:
+        """Bytes of one element of a bfloat16 master's compensation (0: none)."""
+        return 2 if self.master == "bfloat16" and self.master_rounding == "compensated" else 0
+
+    @property
+    def master_format(self):
+        """The kernel's :class:`~jaxascend.optim.master_codes.MasterFormat` of the master."""
+        from jaxascend.optim.master_codes import MasterFormat  # beside this module, imports it
+        return MasterFormat(self.master, self.master_rounding)
 
     @property
     def stochastic(self) -> bool:
@@ -108,11 +146,16 @@ class StateFormat:
 
     @property
     def bytes_per_element(self) -> float:
-        """State bytes per parameter on SSD: master + m + v (+ the two scales per block)."""
-        return 4 + 2 * self.moment_itemsize + (8 / self.block if self.block else 0)
+        """State bytes per parameter in a record: master (+ its companion) + m + v (+ the two scales
+        per block)."""
+        return (self.master_itemsize + self.companion_itemsize + 2 * self.moment_itemsize
+                + (8 / self.block if self.block else 0))
 
     def moment_dtype(self, which: str) -> np.dtype:
-        """The stored dtype of ``"m"`` or ``"v"``."""
+        """The stored dtype of ``"m"`` or ``"v"`` (or of ``"master"``, ``"master_comp"``)."""
+        if which in ("master", "master_comp"):
+            import ml_dtypes
+            return np.dtype(np.float32) if which == "master" and self.master == "float32" else np.dtype(ml_dtypes.bfloat16)
         if self.dtype == "float32":
             return np.dtype(np.float32)
         if self.dtype == "bfloat16":
@@ -122,7 +165,10 @@ class StateFormat:
 
     def decode(self, which: str, stored: np.ndarray, scale: Optional[np.ndarray] = None) -> np.ndarray:
         """The float32 values of a stored ``"m"`` or ``"v"`` (bfloat16 bits or codes; ``scale``:
-        the int8 block scales)."""
+        the int8 block scales; ``"master"``: its float32 values, a bfloat16 one widened exactly)."""
+        if which in ("master", "master_comp"):
+            return bf16_widen(np.asarray(stored).view(np.uint16)) if np.asarray(stored).itemsize == 2 \
+                else np.asarray(stored, np.float32)
         if self.dtype == "float32":
             return np.asarray(stored, np.float32)
         if self.dtype == "bfloat16":
@@ -139,20 +185,29 @@ class StateFormat:
         if self.dtype == "int8":
             out.update(block=self.block, m="sign + e4m3 of m / m_scale",
                        v="e4m4 of sqrt(v) / v_scale", scales="power of two above the block's largest magnitude")
+        if self.master != "float32":  # a float32 master's record is as before the field existed
+            out.update(master_dtype=self.master, master_rounding=self.master_rounding)
         return out
 
 
 @dataclass(frozen=True)
 class StateRecord:
-    """Where master, m, v (and the int8 scales) of a chunk of ``count`` elements sit in its
-    record: byte offsets from the record's start, ``nbytes`` in all."""
+    """Where master (and a compensated bfloat16 master's companion), m, v (and the int8 scales)
+    of a chunk of ``count`` elements sit in its record: ``master[n] | comp[n] | pad | m[n] | v[n]
+    (| pad | m_scale | v_scale)``, byte offsets from the record's start, ``nbytes`` in all. A
+    float32 master's record is as it always was: ``master[n] | m[n] | v[n] ...``."""
 
     state: StateFormat
     count: int
 
     @property
+    def companion_offset(self) -> int:
+        return self.state.master_itemsize * self.count
+
+    @property
     def m_offset(self) -> int:
-        return 4 * self.count
+        end = self.companion_offset + self.state.companion_itemsize * self.count
+        return -(-end // 4) * 4  # float32 moments aligned
 
     @property
     def v_offset(self) -> int:
@@ -174,17 +229,23 @@ class StateRecord:
 
     def views(self, raw: np.ndarray) -> tuple:
         """``(master, m, v, m_scale, v_scale)`` views into a record's bytes ``raw`` (uint8; the
-        scales None without int8 state); m and v as the kernel takes them (float32, bfloat16
-        bits as uint16, or uint8 codes)."""
+        scales None without int8 state); the master float32 or bfloat16 bits (uint16), m and v as
+        the kernel takes them (float32, bfloat16 bits as uint16, or uint8 codes)."""
         n, isz = self.count, self.state.moment_itemsize
         moment = {4: np.float32, 2: np.uint16, 1: np.uint8}[isz]
-        master = raw[:4 * n].view(np.float32)
+        master = raw[:self.companion_offset].view(np.float32 if self.state.master == "float32" else np.uint16)
         m = raw[self.m_offset:self.m_offset + isz * n].view(moment)
         v = raw[self.v_offset:self.v_offset + isz * n].view(moment)
         if not self.blocks:
             return master, m, v, None, None
         scales = raw[self.scales_offset:self.scales_offset + 8 * self.blocks].view(np.float32)
         return master, m, v, scales[:self.blocks], scales[self.blocks:]
+
+    def companion(self, raw: np.ndarray) -> Optional[np.ndarray]:
+        """The compensation of a bfloat16 master (bits as uint16) in a record's bytes ``raw``; None without one."""
+        if not self.state.companion_itemsize:
+            return None
+        return raw[self.companion_offset:self.companion_offset + 2 * self.count].view(np.uint16)
 
 
 def check_block(block: int) -> int:

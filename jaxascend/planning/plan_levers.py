@@ -105,10 +105,12 @@ def _need_on(plan, folder: str) -> int:
 
 
 def disk_levers(cfg: Config, model_cfg: ModelConfig, plan, fs: FilesystemUse, replan: Replan) -> tuple[Lever, ...]:
-    """What each disk setting would save on ``fs``: cheaper optimizer state, fewer checkpoints
-    kept, no ``params.safetensors``."""
+    """What each disk setting would save on ``fs``: cheaper optimizer state (moments, a bfloat16
+    master), fewer checkpoints kept, no ``params.safetensors``."""
     variants = [(f"optimizer.state_dtype: {dtype}", _section(cfg, "optimizer", state_dtype=dtype))
                 for dtype in CHEAPER_STATES[cfg.optimizer.state_dtype]]
+    if cfg.optimizer.master_dtype == "float32" and cfg.model.dtype == "bfloat16" and cfg.offload.enabled:
+        variants.append(("optimizer.master_dtype: bfloat16", _section(cfg, "optimizer", master_dtype="bfloat16")))
     fields = {part.field for part in fs.parts}
     if "checkpoint.dir" in fields and cfg.checkpoint.keep_last > 1:
         variants.append(("checkpoint.keep_last: 1", _section(cfg, "checkpoint", keep_last=1)))

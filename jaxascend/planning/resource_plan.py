@@ -366,12 +366,13 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     # Per step: the optimizer reads master/m/v (+ grads) and writes master/m/v (+ the new
     # streamed weights); the backward writes the gradients; the source reads every streamed
     # layer twice (forward, and the backward's recomputation).
-    read = layout.state_bytes + grads + 2 * streamed
+    # A streamed leaf's bfloat16 master is its weights: the update reads them once more.
+    read = layout.state_bytes + grads + 2 * streamed + (streamed if layout.masters_in_params else 0)
     write = layout.state_bytes + grads + streamed
     fmt = layout.state
     # A job's checkpoint is one directory: every process's slices, the compute params once.
-    checkpoint = int(fmt.bytes_per_element * whole.num_parameters) + whole.streamed_param_bytes \
-        + whole.resident_param_bytes
+    checkpoint = int(sum(whole.record_format(leaf).bytes_per_element * leaf.size for leaf in whole.leaves)) \
+        + whole.streamed_param_bytes + whole.resident_param_bytes
     disk = disk_use(run_disk_parts(cfg, ssd_bytes, checkpoint, 4 * n, _export_itemsize(cfg, model_cfg) * n))
     mine = layout.num_parameters
     notes = (f"optimizer state: {fmt.dtype} moments, {layout.state_bytes / mine:.2f} B/param on SSD; a step moves "

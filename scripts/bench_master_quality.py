@@ -1,0 +1,189 @@
+"""16-bit master weights against float32 ones, in the two regimes of issue 39. Prints JSON, writes
+``docs/bench_master_quality.{json,png}``.
+
+The rule is fixed before running (``TOLERANCE``, the rule of ``bench_state_quality``): the mean
+loss over the last 10% of steps within 1% of the float32-master run's, or within that run's own
+perturbation spread (a float32 run whose eps is 1e-5 of itself larger: the same data and weights,
+a trajectory that drifts apart as any perturbation's does). In the fine-tuning regime the drift
+of the weights from where they started, ``|W_T - W_0| / |W_0|`` over every parameter, must meet
+the same rule against float32's drift.
+
+1. **Training from scratch** (``scratch``): the tiny config for ``--steps`` (default 1000) at its
+   learning rate 2e-3, once per master (float32; bfloat16 ``compensated``; ``stochastic``; and
+   each beside int8 moments).
+2. **Fine-tuning at a small learning rate** (``finetune``): the tiny model is trained to
+   convergence on the standard library's Python (``--pretrain-steps``, default 1500, at 2e-3,
+   float32 master), exported in bfloat16 (so every master starts from the same weights exactly), then fine-tuned on other data (numpy's Python sources) at 1e-5 and
+   at 5e-5 for ``--finetune-steps`` (default 300) from the exported weights. This is where a
+   bfloat16 weight rounded to nearest stops moving: an update below half its ulp (0.2-0.4% of
+   the weight) is lost. ``nearest`` (a bfloat16 master without compensation) shows it.
+
+Every run trains the same data in the same order from the same weights (``model.dtype:
+bfloat16``, the compute dtype a bfloat16 master needs, for every run).
+
+    python scripts/bench_master_quality.py                         # both regimes (about 2 hours on 2 cores)
+    python scripts/bench_master_quality.py --only finetune --finetune-steps 50 --pretrain-steps 100   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+from bench_state_quality import PERTURBED_EPS, smooth, train  # noqa: E402
+from bench_step import cpu_model  # noqa: E402
+
+TOLERANCE = 0.01  # relative, of the last 10% of steps' mean loss (and of the weights' drift)
+MASTERS = {  # name -> overrides
+    "float32": ["optimizer.master_dtype=float32"],
+    "bfloat16-compensated": ["optimizer.master_dtype=bfloat16", "optimizer.master_rounding=compensated"],
+    "bfloat16-stochastic": ["optimizer.master_dtype=bfloat16", "optimizer.master_rounding=stochastic"],
+}
+NEAREST = {"bfloat16-nearest": ["optimizer.master_dtype=bfloat16", "optimizer.master_rounding=nearest"]}
+COMPACT = {"bfloat16-stochastic+int8": MASTERS["bfloat16-stochastic"] + ["optimizer.state_dtype=int8"],
+           "bfloat16-compensated+int8": MASTERS["bfloat16-compensated"] + ["optimizer.state_dtype=int8"]}
+PERTURBED = {"float32-perturbed": MASTERS["float32"] + [f"optimizer.eps={PERTURBED_EPS}"]}
+BASE = ["model.dtype=bfloat16", "model.param_dtype=float32"]
+
+
+def numpy_sources() -> str:
+    import numpy
+    return str(Path(numpy.__file__).parent)
+
+
+def weights(folder: Path, bf16: bool = False) -> dict:
+    """The run's ``params.safetensors`` (``model.param_dtype: float32``: the master's values) as
+    float32 arrays by name; ``bf16``: rounded to bfloat16 first (the weights a fine-tuning run
+    starts from, exported in bfloat16)."""
+    import ml_dtypes
+    from safetensors import safe_open
+    out = {}
+    with safe_open(str(folder / "params.safetensors"), "np") as f:
+        for name in f.keys():
+            x = np.asarray(f.get_tensor(name), np.float32)
+            out[name] = x.astype(ml_dtypes.bfloat16).astype(np.float32) if bf16 else x
+    return out
+
+
+def drift(start: dict, end: dict) -> float:
+    num = sum(float(np.sum((end[k] - start[k]) ** 2)) for k in start)
+    den = sum(float(np.sum(start[k] ** 2)) for k in start)
+    return (num / den) ** 0.5
+
+
+def verdict(runs: dict, key: str = "losses") -> dict:
+    """Each run's last-10% mean against float32's, and float32-perturbed's as the spread."""
+    def tail_mean(r):
+        x = np.asarray(r["losses"])
+        return float(x[-max(1, len(x) // 10):].mean())
+
+    base = tail_mean(runs["float32"])
+    spread = abs(tail_mean(runs["float32-perturbed"]) / base - 1) if "float32-perturbed" in runs else 0.0
+    out = {}
+    for name, r in runs.items():
+        if name == "float32":
+            continue
+        rel = tail_mean(r) / base - 1
+        entry = {"final_relative_difference": round(rel, 5),
+                 "within_rule": abs(rel) <= max(TOLERANCE, spread)}
+        if "drift" in r and "drift" in runs["float32"]:
+            d = r["drift"] / runs["float32"]["drift"] - 1
+            d_spread = abs(runs["float32-perturbed"]["drift"] / runs["float32"]["drift"] - 1) \
+                if "float32-perturbed" in runs else 0.0
+            entry.update(drift=round(r["drift"], 6), drift_relative_difference=round(d, 5),
+                         drift_within_rule=abs(d) <= max(TOLERANCE, d_spread))
+            entry["within_rule"] = entry["within_rule"] and entry["drift_within_rule"]
+        out[name] = entry
+    return {"perturbation_spread": round(spread, 5), "runs": out}
+
+
+def scratch(args, work: Path) -> dict:
+    runs = {}
+    for name, overrides in {**MASTERS, **PERTURBED, **COMPACT}.items():
+        runs[name] = train(f"scratch-{name}", BASE + overrides + [f"train.steps={args.steps}"], work, args.reuse)
+        print(f"scratch {name}: final loss {runs[name]['losses'][-1]:.4f}", file=sys.stderr)
+    return {"steps": args.steps, "num_params": runs["float32"]["num_params"], "runs": runs, "verdict": verdict(runs)}
+
+
+def finetune(args, work: Path) -> dict:
+    pre = work / "pretrained"
+    train("pretrained", BASE + MASTERS["float32"] + [f"train.steps={args.pretrain_steps}", "export.enabled=true",
+                                                     f"export.dir={pre / 'hf'}", "export.dtype=bfloat16"],
+          work, args.reuse)
+    start = weights(pre, bf16=True)  # every run starts from these, a bfloat16 master exactly
+    data = [f"model.path={pre / 'hf'}", "data.tokenizer=bytes", f"data.paths=[{numpy_sources()}]",
+            "data.include=['*.py']", f"train.steps={args.finetune_steps}", "optimizer.warmup_steps=0"]
+    out = {}
+    for lr in args.learning_rates:
+        runs = {}
+        for name, overrides in {**MASTERS, **PERTURBED, **NEAREST, **COMPACT}.items():
+            run_name = f"finetune-{lr:g}-{name}"
+            try:
+                r = train(run_name, BASE + overrides + data + [f"optimizer.learning_rate={lr}"], work, args.reuse)
+            except SystemExit as err:  # e.g. a rounding this build does not have
+                print(f"{run_name}: skipped: {str(err).splitlines()[-1]}", file=sys.stderr)
+                continue
+            r["drift"] = drift(start, weights(work / run_name))
+            runs[name] = r
+            print(f"finetune {lr:g} {name}: loss {r['losses'][-1]:.4f} drift {r['drift']:.6f}", file=sys.stderr)
+        out[f"{lr:g}"] = {"runs": runs, "verdict": verdict(runs)}
+    return {"pretrain_steps": args.pretrain_steps, "steps": args.finetune_steps, "learning_rates": out}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = ([("scratch", results["scratch"]["runs"])] if "scratch" in results else []) + \
+        [(f"fine-tune lr {lr}", r["runs"]) for lr, r in results.get("finetune", {}).get("learning_rates", {}).items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (title, runs) in zip(axes[0], panels):
+        for k, (name, r) in enumerate(runs.items()):
+            y = smooth(np.asarray(r["losses"]), 10)
+            ax.plot(np.arange(len(y)) + 10, y, lw=1.1, color=f"C{k}",
+                    label=name + (f" (drift {r['drift']:.2e})" if "drift" in r else ""))
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (mean of 10 steps)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=["scratch", "finetune"], default=None)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--pretrain-steps", type=int, default=1500)
+    p.add_argument("--finetune-steps", type=int, default=300)
+    p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-5, 5e-5])
+    p.add_argument("--work-dir", default="/tmp/jaxascend-bench-master")
+    p.add_argument("--out", default=str(REPO / "docs" / "bench_master_quality"))
+    p.add_argument("--reuse", action="store_true", help="keep runs already finished in --work-dir")
+    args = p.parse_args(argv)
+    work = Path(args.work_dir)
+    results = {"tolerance": TOLERANCE, "cpu": cpu_model()}
+    if args.only in (None, "scratch"):
+        results["scratch"] = scratch(args, work)
+    if args.only in (None, "finetune"):
+        results["finetune"] = finetune(args, work)
+    out = Path(args.out)
+    plot(results, out.with_suffix(".png"))
+    strip = json.loads(json.dumps(results, default=float))
+    for r in [strip.get("scratch", {})] + list(strip.get("finetune", {}).get("learning_rates", {}).values()):
+        for run in r.get("runs", {}).values():
+            run["final_loss"] = run.pop("losses", [None])[-1]
+    out.with_suffix(".json").write_text(json.dumps(strip, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in strip.items()}, indent=1))
+    return strip
+
+
+if __name__ == "__main__":
+    main()
