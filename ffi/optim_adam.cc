@@ -38,23 +38,47 @@ class DefaultFloatEnvironment {
 
 JAXASCEND_ADAM_KERNEL(ScalarKernel, AdamRangeScalar, AdamElem::kF32)
 JAXASCEND_ADAM_KERNEL(ScalarBf16Kernel, AdamRangeScalar, AdamElem::kBF16)
-template <AdamElem G, AdamElem P>
+template <AdamElem G, AdamElem P, AdamMaster M>
 struct ScalarInt8Kernel {
-  static constexpr AdamRangeFn fn = AdamRangeInt8Scalar<G, P>;
+  static constexpr AdamRangeFn fn = AdamRangeInt8Scalar<G, P, M>;
 };
 
-AdamRangeFn RangeFor(AdamIsa isa, AdamState state, AdamElem g, AdamElem p) {
+AdamRangeFn RangeFor(AdamIsa isa, const AdamBuffers& b) {
+  const AdamState state = b.state_type;
+  const AdamMaster master = b.master_type;
+  const AdamElem g = b.grad_type, p = b.param_type;
 #if JAXASCEND_ADAM_X86
   if (state == AdamState::kInt8 && (isa == AdamIsa::kAvx512 || isa == AdamIsa::kAvx2)) {
-    return Avx2Range(state, g, p);  // no AVX-512 variant of its own
+    return Avx2Range(state, master, g, p);  // no AVX-512 variant of its own
   }
-  if (isa == AdamIsa::kAvx512) return Avx512Range(state, g, p);
-  if (isa == AdamIsa::kAvx2) return Avx2Range(state, g, p);
+  if (isa == AdamIsa::kAvx512) return Avx512Range(state, master, g, p);
+  if (isa == AdamIsa::kAvx2) return Avx2Range(state, master, g, p);
 #else
   (void)isa;  // only the scalar path is built
 #endif
-  if (state == AdamState::kInt8) return SelectRange<ScalarInt8Kernel>(g, p);
-  return state == AdamState::kBF16 ? SelectRange<ScalarBf16Kernel>(g, p) : SelectRange<ScalarKernel>(g, p);
+  if (state == AdamState::kInt8) return SelectRange<ScalarInt8Kernel>(master, g, p);
+  return state == AdamState::kBF16 ? SelectRange<ScalarBf16Kernel>(master, g, p)
+                                   : SelectRange<ScalarKernel>(master, g, p);
+}
+
+// "" or what is wrong with b's master buffers (the top of optim_adam.h says what each format
+// needs); the pointers of an empty call are not looked at.
+std::string CheckMaster(const AdamBuffers& b) {
+  if (b.master_type != AdamMaster::kF32 && b.param_type != AdamElem::kBF16) {
+    return std::string("adamw: a bfloat16 master needs bfloat16 params_out, got ") + AdamElemName(b.param_type);
+  }
+  if (b.n == 0) return "";
+  if (b.master_type == AdamMaster::kF32) {
+    return b.master_in == nullptr || b.master_out == nullptr ? "adamw: a float32 master needs master_in and master_out"
+                                                             : "";
+  }
+  if (b.master16_in == nullptr || b.master16_out == nullptr) {
+    return "adamw: a bfloat16 master needs master16_in and master16_out";
+  }
+  if (b.master_type == AdamMaster::kBF16Compensated && (b.comp_in == nullptr || b.comp_out == nullptr)) {
+    return "adamw: a compensated bfloat16 master needs comp_in and comp_out";
+  }
+  return "";
 }
 
 // Ranges start at multiples of 64 elements (a cache line of every buffer, fp16 included), and
@@ -135,6 +159,15 @@ const char* AdamStateName(AdamState state) {
   return "unknown";
 }
 
+const char* AdamElemName(AdamElem elem) {
+  switch (elem) {
+    case AdamElem::kF32: return "float32";
+    case AdamElem::kF16: return "float16";
+    case AdamElem::kBF16: return "bfloat16";
+  }
+  return "unknown";
+}
+
 AdamScalars AdamScalarsFromArray(const float* values) {
   AdamScalars s;
   static_assert(sizeof(AdamScalars) == kAdamScalarCount * sizeof(float), "packed floats");
@@ -156,6 +189,8 @@ std::string RunFusedAdamW(const AdamBuffers& b, const AdamScalars& s, int thread
   AdamIsa resolved;
   std::string error = ResolveAdamIsa(isa, &resolved);
   if (!error.empty()) return error;
+  error = CheckMaster(b);
+  if (!error.empty()) return error;
   if (b.n == 0) return "";
   int64_t align = kRangeAlign;
   if (b.state_type == AdamState::kInt8) {
@@ -166,7 +201,7 @@ std::string RunFusedAdamW(const AdamBuffers& b, const AdamScalars& s, int thread
     if (b.m_scale == nullptr || b.v_scale == nullptr) return "adamw: int8 state needs m_scale and v_scale";
     align = b.block;  // a range is whole blocks, so each block's scales belong to one thread
   }
-  const AdamRangeFn range = RangeFor(resolved, b.state_type, b.grad_type, b.param_type);
+  const AdamRangeFn range = RangeFor(resolved, b);
   ParallelFor(b.n, threads, align, kMinElementsPerThread,
               [&](int64_t begin, int64_t end) {
                 DefaultFloatEnvironment env;

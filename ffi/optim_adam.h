@@ -1,6 +1,6 @@
-// Fused host AdamW: one pass per element over fp32 master weights, the moments m and v (fp32,
-// bf16 or block-wise 8-bit codes: AdamState) and an fp16, bf16 or fp32 gradient, writing the
-// new compute-dtype parameters. Used by the XLA FFI target
+// Fused host AdamW: one pass per element over the master weights (fp32, or bf16: AdamMaster),
+// the moments m and v (fp32, bf16 or block-wise 8-bit codes: AdamState) and an fp16, bf16 or
+// fp32 gradient, writing the new compute-dtype parameters. Used by the XLA FFI target
 // "jaxascend_adamw" and by jaxascend._native.adamw_update (numpy, in place), and callable
 // from other native code (the streamed optimizer step) through RunFusedAdamW.
 //
@@ -29,6 +29,29 @@
 // resumed.
 // The scalar and AVX2 variants agree bit for bit in every format; kInt8 has no AVX-512 variant
 // of its own (an avx512 request runs the AVX2 one).
+//
+// The master (AdamMaster; the numpy reference is jaxascend/optim/master_codes.py) is float32 as
+// above, or bfloat16 (2 bytes a weight; params_out must then be bfloat16 and receives exactly the
+// new master's bits, and may be the master's own buffer). With x the master as float32 and u the
+// update above (weight decay on x), y = x - lr*u is the float32 master's arithmetic, and:
+//   kBF16Stochastic:  x = the master widened; master = bf16((bits(y) + r) >> 16), r the top 16
+//                     bits of lowbias32(uint32(index) * 0x9E3779B1 + (rounding_seed ^ 0x6A09E667)),
+//                     a hash of its own so that the moments' bits (h >> 16, h & 0xffff) stay what
+//                     they were. Unbiased: E[master] = y.
+//   kBF16Compensated: a 16-bit companion comp holds the float32 master's low half, so the pair is
+//                     the float32 master exactly: x = float(bits: (master << 16) + int16(comp));
+//                     master = (bits(y) + 0x8000) >> 16 (to nearest, ties away from zero, so
+//                     that comp as int16 is exactly bits(y) - (master << 16): ties to even would
+//                     need a 17th bit), comp = bits(y) & 0xffff.
+//                     Every step is the float32 master's step, bit for bit; 4 bytes a weight,
+//                     like Kahan summation with a bfloat16 companion (optimi, anyprecision
+//                     AdamW), which rounds its companion to 8 bits and so stalls once lr*|u| is
+//                     under half the companion's ulp: at lr 1e-6 on weights near 1 it stops at
+//                     |comp| = 2**-11 and the master never moves.
+// Either way a NaN stays a quiet NaN (FloatToBFloat16's), an infinity infinite. Both compose with
+// every state format and moment rounding; the moments' arithmetic and bits are the float32
+// master's. Rounded to nearest alone, a bfloat16 master stops moving once lr*u is under half its
+// ulp (2**-9 to 2**-8 of the weight): lr 1e-6 on weights near 1 never lands.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +67,12 @@ enum class AdamState { kF32, kBF16, kInt8 };
 
 // How m and v are narrowed (kBF16 and kInt8; float32 state is not); see the top of the file.
 enum class AdamRounding { kNearest, kStochastic };
+
+// How the master weights are stored and rounded (see the top of the file).
+enum class AdamMaster { kF32, kBF16Compensated, kBF16Stochastic };
+
+// Salt of the bfloat16 master's stochastic rounding hash (rounding_seed ^ kAdamMasterSalt).
+constexpr uint32_t kAdamMasterSalt = 0x6a09e667u;
 
 // kInt8 blocks: a power of two in [kAdamMinBlock, kAdamMaxBlock] elements.
 constexpr int64_t kAdamMinBlock = 256;
@@ -93,6 +122,15 @@ struct AdamBuffers {
   AdamRounding rounding = AdamRounding::kNearest;
   uint32_t rounding_seed = 0;
   int64_t rounding_index = 0;
+  // A bfloat16 master (not kF32) is read from master16_in and written to master16_out (bits;
+  // master_in and master_out are unused); kBF16Compensated reads comp_in and writes comp_out
+  // (the low halves, n each). kBF16Stochastic draws its bits from rounding_seed and
+  // rounding_index too.
+  AdamMaster master_type = AdamMaster::kF32;
+  const uint16_t* master16_in = nullptr;
+  uint16_t* master16_out = nullptr;
+  const uint16_t* comp_in = nullptr;
+  uint16_t* comp_out = nullptr;
 };
 
 // Largest `threads` accepted by RunFusedAdamW.
@@ -118,6 +156,9 @@ std::string RunFusedAdamW(const AdamBuffers& b, const AdamScalars& s, int thread
 
 // Name used in messages: "float32", "bfloat16", "int8".
 const char* AdamStateName(AdamState state);
+
+// Name used in messages: "float32", "float16", "bfloat16".
+const char* AdamElemName(AdamElem elem);
 
 // Reads AdamScalars from a float buffer laid out as documented above.
 AdamScalars AdamScalarsFromArray(const float* values);

@@ -1,7 +1,7 @@
 // The AVX2 + F16C variant of the fused AdamW kernel (optim_adam_kernel.h): 8 lanes, fp32, bf16
-// and int8 state; bitwise equal to the scalar path (optim_adam_scalar.h), which also runs the
-// tails. Compiled with target attributes and chosen at run time (optim_adam.cc), so the
-// extension still loads on a CPU without AVX2.
+// and int8 state, fp32 and bf16 master; bitwise equal to the scalar path (optim_adam_scalar.h),
+// which also runs the tails. Compiled with target attributes and chosen at run time
+// (optim_adam.cc), so the extension still loads on a CPU without AVX2.
 #include "optim_adam_scalar.h"
 
 #if JAXASCEND_ADAM_X86
@@ -27,16 +27,19 @@ JAXASCEND_TARGET_AVX2 inline __m256 Load8(const void* p, int64_t i) {
   }
 }
 
+// The 8 lanes of r (each < 2**16) packed to 16 bits, in order. The saturating pack is exact on
+// such values; it interleaves 128-bit lanes, which the permute undoes.
+JAXASCEND_TARGET_AVX2 inline __m128i Pack16x8(__m256i r) {
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
 // bf16 bits (each lane's high half of `rounded`) of x, a NaN keeping its top bits, quieted;
 // the 8 halves packed in order.
 JAXASCEND_TARGET_AVX2 inline __m128i PackBf16x8(__m256 x, __m256i rounded) {
   const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
   const __m256i quiet_nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
   const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i r = _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
-  // Values are < 2**16, so the saturating pack is exact; it interleaves 128-bit lanes, which
-  // the permute undoes.
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+  return Pack16x8(_mm256_blendv_epi8(rounded, quiet_nan, is_nan));
 }
 
 template <AdamElem E>
@@ -60,9 +63,10 @@ JAXASCEND_TARGET_AVX2 inline void Store8(void* p, int64_t i, __m256 x) {
   }
 }
 
-// 8 lanes of the stochastic rounding hashes of elements i .. i + 7 (RoundingHash).
-JAXASCEND_TARGET_AVX2 inline __m256i RoundingHash8(const AdamBuffers& b, int64_t i) {
-  const uint32_t first = static_cast<uint32_t>(b.rounding_index + i) * kGolden + b.rounding_seed;
+// 8 lanes of lowbias32(uint32(index + lane) * kGolden + seed): RoundingHash's (seed =
+// b.rounding_seed) or, salted, MasterRoundingBits' before its shift.
+JAXASCEND_TARGET_AVX2 inline __m256i HashLanes8(uint32_t seed, int64_t index) {
+  const uint32_t first = static_cast<uint32_t>(index) * kGolden + seed;
   const __m256i steps = _mm256_setr_epi32(0, static_cast<int>(kGolden), static_cast<int>(2 * kGolden),
                                           static_cast<int>(3 * kGolden), static_cast<int>(4 * kGolden),
                                           static_cast<int>(5 * kGolden), static_cast<int>(6 * kGolden),
@@ -73,6 +77,11 @@ JAXASCEND_TARGET_AVX2 inline __m256i RoundingHash8(const AdamBuffers& b, int64_t
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x735a2d97));
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+}
+
+// 8 lanes of the stochastic rounding hashes of elements i .. i + 7 (RoundingHash).
+JAXASCEND_TARGET_AVX2 inline __m256i RoundingHash8(const AdamBuffers& b, int64_t i) {
+  return HashLanes8(b.rounding_seed, b.rounding_index + i);
 }
 
 // Stores the new v of elements i .. i + 7 in S, rounded as b.rounding says.
@@ -101,33 +110,70 @@ JAXASCEND_TARGET_AVX2 inline Avx2Scalars Broadcast8(const AdamScalars& s) {
           _mm256_set1_ps(s.one_minus_b1), _mm256_set1_ps(s.one_minus_b2)};
 }
 
+// Returns the update u (weight decay included); *m and *v get the new moments.
 JAXASCEND_TARGET_AVX2 inline __m256 AdamUpdate8(const Avx2Scalars& c, __m256 grad, __m256 master,
                                                 __m256 m_old, __m256 v_old, __m256* m, __m256* v) {
   const __m256 g = _mm256_mul_ps(grad, c.grad_scale);
   *m = _mm256_add_ps(_mm256_mul_ps(c.omb1, g), _mm256_mul_ps(c.b1, m_old));
   *v = _mm256_add_ps(_mm256_mul_ps(c.omb2, _mm256_mul_ps(g, g)), _mm256_mul_ps(c.b2, v_old));
   const __m256 denom = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(*v, c.inv_bc2)), c.eps);
-  const __m256 update = _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(*m, c.inv_bc1), denom),
-                                      _mm256_mul_ps(c.wd, master));
-  return _mm256_sub_ps(master, _mm256_mul_ps(c.lr, update));
+  return _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(*m, c.inv_bc1), denom), _mm256_mul_ps(c.wd, master));
 }
 
-template <AdamElem G, AdamElem P, AdamElem S>
+// LoadMaster of elements i .. i + 7 (a compensated master joined: JoinMaster).
+template <AdamMaster M>
+JAXASCEND_TARGET_AVX2 inline __m256 LoadMaster8(const AdamBuffers& b, int64_t i) {
+  if constexpr (M == AdamMaster::kF32) {
+    return _mm256_loadu_ps(b.master_in + i);
+  } else if constexpr (M == AdamMaster::kBF16Stochastic) {
+    return Load8<AdamElem::kBF16>(b.master16_in, i);
+  } else {
+    const __m256i high = _mm256_castps_si256(Load8<AdamElem::kBF16>(b.master16_in, i));
+    const __m256i low = _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.comp_in + i)));
+    return _mm256_castsi256_ps(_mm256_add_epi32(high, low));
+  }
+}
+
+// StoreMaster of elements i .. i + 7: x their old master, u their update.
+template <AdamMaster M, AdamElem P>
+JAXASCEND_TARGET_AVX2 inline void StoreMaster8(const AdamBuffers& b, const Avx2Scalars& c, int64_t i, __m256 x,
+                                               __m256 u) {
+  const __m256 new_master = _mm256_sub_ps(x, _mm256_mul_ps(c.lr, u));
+  if constexpr (M == AdamMaster::kF32) {
+    _mm256_storeu_ps(b.master_out + i, new_master);
+    Store8<P>(b.params_out, i, new_master);
+  } else {
+    const __m256i y = _mm256_castps_si256(new_master);
+    __m128i bits;
+    if constexpr (M == AdamMaster::kBF16Stochastic) {
+      const __m256i r = _mm256_srli_epi32(HashLanes8(b.rounding_seed ^ kAdamMasterSalt, b.rounding_index + i), 16);
+      bits = PackBf16x8(new_master, _mm256_srli_epi32(_mm256_add_epi32(y, r), 16));
+    } else {
+      bits = PackBf16x8(new_master, _mm256_srli_epi32(_mm256_add_epi32(y, _mm256_set1_epi32(0x8000)), 16));
+      const __m128i low = Pack16x8(_mm256_and_si256(y, _mm256_set1_epi32(0xffff)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(b.comp_out + i), low);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(b.master16_out + i), bits);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(b.params_out) + i), bits);
+  }
+}
+
+template <AdamElem G, AdamElem P, AdamElem S, AdamMaster M>
 JAXASCEND_TARGET_AVX2 void AdamRangeAvx2(const AdamBuffers& b, const AdamScalars& s,
                                          int64_t begin, int64_t end) {
   const Avx2Scalars c = Broadcast8(s);
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
-    PrefetchInputs<G, S>(b, i);
+    PrefetchInputs<G, S, M>(b, i);
     __m256 m, v;
-    const __m256 new_master = AdamUpdate8(c, Load8<G>(b.grad, i), _mm256_loadu_ps(b.master_in + i),
-                                          Load8<S>(b.m_in, i), Load8<S>(b.v_in, i), &m, &v);
-    _mm256_storeu_ps(b.master_out + i, new_master);
+    const __m256 master = LoadMaster8<M>(b, i);
+    const __m256 update = AdamUpdate8(c, Load8<G>(b.grad, i), master, Load8<S>(b.m_in, i), Load8<S>(b.v_in, i),
+                                      &m, &v);
     Store8<S>(b.m_out, i, m);
     StoreV8<S>(b, i, v);
-    Store8<P>(b.params_out, i, new_master);
+    StoreMaster8<M, P>(b, c, i, master, update);
   }
-  AdamRangeScalar<G, P, S>(b, s, i, end);
+  AdamRangeScalar<G, P, S, M>(b, s, i, end);
 }
 
 // kInt8 in AVX2: 8 codes at a time, the same integer and float operations as the scalar
@@ -192,7 +238,7 @@ JAXASCEND_TARGET_AVX2 inline uint32_t HorizontalMax(__m256i x) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
 }
 
-template <AdamElem G, AdamElem P>
+template <AdamElem G, AdamElem P, AdamMaster M>
 JAXASCEND_TARGET_AVX2 void AdamRangeInt8Avx2(const AdamBuffers& b, const AdamScalars& s,
                                              int64_t begin, int64_t end) {
   const Avx2Scalars c = Broadcast8(s);
@@ -218,10 +264,9 @@ JAXASCEND_TARGET_AVX2 void AdamRangeInt8Avx2(const AdamBuffers& b, const AdamSca
       const __m256 m_old = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(m_mag), m_sign));
       const __m256 w_old = _mm256_mul_ps(DecodeCode8<kWBits>(LoadCodes8(b.v_in, i)), w_scale8);
       __m256 m, v;
-      const __m256 new_master = AdamUpdate8(c, Load8<G>(b.grad, i), _mm256_loadu_ps(b.master_in + i), m_old,
-                                            _mm256_mul_ps(w_old, w_old), &m, &v);
-      _mm256_storeu_ps(b.master_out + i, new_master);
-      Store8<P>(b.params_out, i, new_master);
+      const __m256 master = LoadMaster8<M>(b, i);
+      const __m256 update = AdamUpdate8(c, Load8<G>(b.grad, i), master, m_old, _mm256_mul_ps(w_old, w_old), &m, &v);
+      StoreMaster8<M, P>(b, c, i, master, update);
       const __m256 w = _mm256_sqrt_ps(v);
       _mm256_store_ps(m_new + j, m);
       _mm256_store_ps(w_new + j, w);
@@ -230,7 +275,7 @@ JAXASCEND_TARGET_AVX2 void AdamRangeInt8Avx2(const AdamBuffers& b, const AdamSca
     }
     uint32_t m_max = HorizontalMax(m_max8), w_max = HorizontalMax(w_max8);
     for (int64_t t = j; t < n; ++t) {
-      Int8Element<G, P>(b, s, inv_bc1_scalar, inv_bc2_scalar, start + t, m_scale, w_scale, &m_new[t], &w_new[t]);
+      Int8Element<G, P, M>(b, s, inv_bc1_scalar, inv_bc2_scalar, start + t, m_scale, w_scale, &m_new[t], &w_new[t]);
       m_max = std::max(m_max, Magnitude(m_new[t]));
       w_max = std::max(w_max, Magnitude(w_new[t]));
     }
@@ -260,16 +305,17 @@ JAXASCEND_TARGET_AVX2 void AdamRangeInt8Avx2(const AdamBuffers& b, const AdamSca
 
 JAXASCEND_ADAM_KERNEL(Avx2Kernel, AdamRangeAvx2, AdamElem::kF32)
 JAXASCEND_ADAM_KERNEL(Avx2Bf16Kernel, AdamRangeAvx2, AdamElem::kBF16)
-template <AdamElem G, AdamElem P>
+template <AdamElem G, AdamElem P, AdamMaster M>
 struct Avx2Int8Kernel {
-  static constexpr AdamRangeFn fn = AdamRangeInt8Avx2<G, P>;
+  static constexpr AdamRangeFn fn = AdamRangeInt8Avx2<G, P, M>;
 };
 
 }  // namespace
 
-AdamRangeFn Avx2Range(AdamState state, AdamElem g, AdamElem p) {
-  if (state == AdamState::kInt8) return SelectRange<Avx2Int8Kernel>(g, p);
-  return state == AdamState::kBF16 ? SelectRange<Avx2Bf16Kernel>(g, p) : SelectRange<Avx2Kernel>(g, p);
+AdamRangeFn Avx2Range(AdamState state, AdamMaster master, AdamElem g, AdamElem p) {
+  if (state == AdamState::kInt8) return SelectRange<Avx2Int8Kernel>(master, g, p);
+  return state == AdamState::kBF16 ? SelectRange<Avx2Bf16Kernel>(master, g, p)
+                                   : SelectRange<Avx2Kernel>(master, g, p);
 }
 
 }  // namespace adam_kernel

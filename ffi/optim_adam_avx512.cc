@@ -1,5 +1,5 @@
 // The AVX-512F variant of the fused AdamW kernel (optim_adam_kernel.h): 16 lanes, fp32 and bf16
-// state (int8 state runs the AVX2 variant); bitwise equal to the scalar path
+// state (int8 state runs the AVX2 variant), fp32 and bf16 master; bitwise equal to the scalar path
 // (optim_adam_scalar.h), which also runs the tails. Compiled with target attributes and chosen
 // at run time (optim_adam.cc).
 #include "optim_adam_scalar.h"
@@ -55,9 +55,10 @@ JAXASCEND_TARGET_AVX512 inline void Store16(void* p, int64_t i, __m512 x) {
   }
 }
 
-// 16 lanes of v's stochastic rounding bits of elements i .. i + 15 (RoundingHash >> 16).
-JAXASCEND_TARGET_AVX512 inline __m512i RoundingBits16(const AdamBuffers& b, int64_t i) {
-  const uint32_t first = static_cast<uint32_t>(b.rounding_index + i) * kGolden + b.rounding_seed;
+// 16 lanes of lowbias32(uint32(index + lane) * kGolden + seed) >> 16: v's stochastic rounding
+// bits (RoundingHash >> 16) or, salted, the master's (MasterRoundingBits).
+JAXASCEND_TARGET_AVX512 inline __m512i HashBits16(uint32_t seed, int64_t index) {
+  const uint32_t first = static_cast<uint32_t>(index) * kGolden + seed;
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512i x = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first)),
                                _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(kGolden))));
@@ -67,6 +68,10 @@ JAXASCEND_TARGET_AVX512 inline __m512i RoundingBits16(const AdamBuffers& b, int6
   x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x735a2d97));
   x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
   return _mm512_srli_epi32(x, 16);
+}
+
+JAXASCEND_TARGET_AVX512 inline __m512i RoundingBits16(const AdamBuffers& b, int64_t i) {
+  return HashBits16(b.rounding_seed, b.rounding_index + i);
 }
 
 // Stores the new v of elements i .. i + 15 in S, rounded as b.rounding says.
@@ -82,7 +87,44 @@ JAXASCEND_TARGET_AVX512 inline void StoreV16(const AdamBuffers& b, int64_t i, __
   Store16<S>(b.v_out, i, v);
 }
 
-template <AdamElem G, AdamElem P, AdamElem S>
+// LoadMaster of elements i .. i + 15 (LoadMaster8's twin).
+template <AdamMaster M>
+JAXASCEND_TARGET_AVX512 inline __m512 LoadMaster16(const AdamBuffers& b, int64_t i) {
+  if constexpr (M == AdamMaster::kF32) {
+    return _mm512_loadu_ps(b.master_in + i);
+  } else if constexpr (M == AdamMaster::kBF16Stochastic) {
+    return Load16<AdamElem::kBF16>(b.master16_in, i);
+  } else {
+    const __m512i high = _mm512_castps_si512(Load16<AdamElem::kBF16>(b.master16_in, i));
+    const __m512i low = _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.comp_in + i)));
+    return _mm512_castsi512_ps(_mm512_add_epi32(high, low));
+  }
+}
+
+// StoreMaster of elements i .. i + 15: x their old master, u their update (StoreMaster8's twin).
+template <AdamMaster M, AdamElem P>
+JAXASCEND_TARGET_AVX512 inline void StoreMaster16(const AdamBuffers& b, __m512 lr, int64_t i, __m512 x, __m512 u) {
+  const __m512 new_master = _mm512_sub_ps(x, _mm512_mul_ps(lr, u));
+  if constexpr (M == AdamMaster::kF32) {
+    _mm512_storeu_ps(b.master_out + i, new_master);
+    Store16<P>(b.params_out, i, new_master);
+  } else {
+    const __m512i y = _mm512_castps_si512(new_master);
+    __m256i bits;
+    if constexpr (M == AdamMaster::kBF16Stochastic) {
+      const __m512i r = HashBits16(b.rounding_seed ^ kAdamMasterSalt, b.rounding_index + i);
+      bits = PackBf16x16(new_master, _mm512_srli_epi32(_mm512_add_epi32(y, r), 16));
+    } else {
+      bits = PackBf16x16(new_master, _mm512_srli_epi32(_mm512_add_epi32(y, _mm512_set1_epi32(0x8000)), 16));
+      // vpmovdw truncates each lane to its low 16 bits.
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.comp_out + i), _mm512_cvtepi32_epi16(y));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.master16_out + i), bits);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.params_out) + i), bits);
+  }
+}
+
+template <AdamElem G, AdamElem P, AdamElem S, AdamMaster M>
 JAXASCEND_TARGET_AVX512 void AdamRangeAvx512(const AdamBuffers& b, const AdamScalars& s,
                                              int64_t begin, int64_t end) {
   const __m512 lr = _mm512_set1_ps(s.lr), b1 = _mm512_set1_ps(s.b1), b2 = _mm512_set1_ps(s.b2);
@@ -93,9 +135,9 @@ JAXASCEND_TARGET_AVX512 void AdamRangeAvx512(const AdamBuffers& b, const AdamSca
   const __m512 omb1 = _mm512_set1_ps(s.one_minus_b1), omb2 = _mm512_set1_ps(s.one_minus_b2);
   int64_t i = begin;
   for (; i + 16 <= end; i += 16) {
-    PrefetchInputs<G, S>(b, i);
+    PrefetchInputs<G, S, M>(b, i);
     const __m512 g = _mm512_mul_ps(Load16<G>(b.grad, i), grad_scale);
-    const __m512 master = _mm512_loadu_ps(b.master_in + i);
+    const __m512 master = LoadMaster16<M>(b, i);
     const __m512 m = _mm512_add_ps(_mm512_mul_ps(omb1, g),
                                    _mm512_mul_ps(b1, Load16<S>(b.m_in, i)));
     const __m512 v = _mm512_add_ps(_mm512_mul_ps(omb2, _mm512_mul_ps(g, g)),
@@ -103,13 +145,11 @@ JAXASCEND_TARGET_AVX512 void AdamRangeAvx512(const AdamBuffers& b, const AdamSca
     const __m512 denom = _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(v, inv_bc2)), eps);
     const __m512 update = _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(m, inv_bc1), denom),
                                         _mm512_mul_ps(wd, master));
-    const __m512 new_master = _mm512_sub_ps(master, _mm512_mul_ps(lr, update));
-    _mm512_storeu_ps(b.master_out + i, new_master);
     Store16<S>(b.m_out, i, m);
     StoreV16<S>(b, i, v);
-    Store16<P>(b.params_out, i, new_master);
+    StoreMaster16<M, P>(b, lr, i, master, update);
   }
-  AdamRangeScalar<G, P, S>(b, s, i, end);
+  AdamRangeScalar<G, P, S, M>(b, s, i, end);
 }
 
 JAXASCEND_ADAM_KERNEL(Avx512Kernel, AdamRangeAvx512, AdamElem::kF32)
@@ -117,8 +157,9 @@ JAXASCEND_ADAM_KERNEL(Avx512Bf16Kernel, AdamRangeAvx512, AdamElem::kBF16)
 
 }  // namespace
 
-AdamRangeFn Avx512Range(AdamState state, AdamElem g, AdamElem p) {
-  return state == AdamState::kBF16 ? SelectRange<Avx512Bf16Kernel>(g, p) : SelectRange<Avx512Kernel>(g, p);
+AdamRangeFn Avx512Range(AdamState state, AdamMaster master, AdamElem g, AdamElem p) {
+  return state == AdamState::kBF16 ? SelectRange<Avx512Bf16Kernel>(master, g, p)
+                                   : SelectRange<Avx512Kernel>(master, g, p);
 }
 
 }  // namespace adam_kernel

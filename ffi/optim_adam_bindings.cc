@@ -122,6 +122,32 @@ AdamChoices ParseAdamChoices(const std::string& grad_dtype, const std::string& p
           rounding == "stochastic" ? AdamRounding::kStochastic : AdamRounding::kNearest};
 }
 
+// The master's format by the names Python passes ("float32"; "bfloat16" with "compensated" or
+// "stochastic"; a float32 master ignores its rounding), throwing ValueError for a bad one.
+AdamMaster ParseMaster(const std::string& dtype, const std::string& rounding) {
+  if (dtype == "float32") return AdamMaster::kF32;
+  if (dtype != "bfloat16") {
+    throw nb::value_error(("adamw: master_dtype '" + dtype + "' is not one of float32, bfloat16").c_str());
+  }
+  if (rounding == "compensated") return AdamMaster::kBF16Compensated;
+  if (rounding == "stochastic") return AdamMaster::kBF16Stochastic;
+  throw nb::value_error(("adamw: master_rounding '" + rounding +
+                         "' is not one of compensated, stochastic (a bfloat16 master)").c_str());
+}
+
+// A bfloat16 master's companion: n 2-byte elements (the float32 master's low halves) when
+// compensated, absent otherwise; appended to `views` for the overlap check.
+void CheckComp(AdamMaster master, const std::optional<HostArray>& comp, int64_t n, std::vector<ArrayView>* views) {
+  if (master != AdamMaster::kBF16Compensated) {
+    if (comp) throw nb::value_error("adamw: comp is only for a compensated bfloat16 master");
+    return;
+  }
+  if (!comp) throw nb::value_error("adamw: a compensated bfloat16 master needs comp");
+  const ArrayView c = CheckArray("comp", *comp, 2, false);
+  if (c.count != n) throw nb::value_error(AdamCountMismatch("comp", c.count, n).c_str());
+  views->push_back(c);
+}
+
 // The int8 state's block size and its m_scale/v_scale (one float32 per block of the n elements),
 // appended to `views` for the overlap check.
 void CheckInt8Scales(const std::optional<HostArray>& m_scale, const std::optional<HostArray>& v_scale,
@@ -144,10 +170,15 @@ void CheckInt8Scales(const std::optional<HostArray>& m_scale, const std::optiona
 }
 
 // In place means each buffer is read and written by itself only; two arguments sharing
-// memory would read values another stream has already overwritten.
-void CheckNoOverlap(const std::vector<ArrayView>& views) {
+// memory would read values another stream has already overwritten. The exception: a bfloat16
+// master and params_out may be one buffer (both receive the same bits), `alias_ok` names them.
+void CheckNoOverlap(const std::vector<ArrayView>& views, const char* alias_ok[2] = nullptr) {
   for (size_t i = 0; i < views.size(); ++i) {
     for (size_t j = i + 1; j < views.size(); ++j) {
+      if (alias_ok != nullptr && views[i].name == alias_ok[0] && views[j].name == alias_ok[1] &&
+          views[i].data == views[j].data && views[i].count == views[j].count) {
+        continue;
+      }
       const auto* a = static_cast<const char*>(views[i].data);
       const auto* b = static_cast<const char*>(views[j].data);
       const int64_t a_bytes = views[i].count * static_cast<int64_t>(views[i].itemsize);
@@ -161,14 +192,26 @@ void CheckNoOverlap(const std::vector<ArrayView>& views) {
   }
 }
 
+// Points b at a bfloat16 master's bits and companion (both in place); a float32 master is
+// already there.
+void SetMaster(AdamBuffers* b, AdamMaster master_type, void* master, void* comp) {
+  b->master_type = master_type;
+  if (master_type == AdamMaster::kF32) return;
+  b->master16_in = b->master16_out = static_cast<uint16_t*>(master);
+  b->comp_in = b->comp_out = static_cast<uint16_t*>(comp);
+}
+
 void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO grad,
                       HostArray params_out, HostArrayRO scalars, const std::string& grad_dtype,
                       const std::string& param_dtype, int threads, const std::string& isa_name,
                       const std::string& state_dtype, std::optional<HostArray> m_scale,
                       std::optional<HostArray> v_scale,
                       int64_t block, const std::string& rounding, uint32_t rounding_seed,
-                      int64_t rounding_index) {
+                      int64_t rounding_index, const std::string& master_dtype,
+                      const std::string& master_rounding, std::optional<HostArray> comp) {
   const AdamChoices c = ParseAdamChoices(grad_dtype, param_dtype, isa_name, state_dtype, rounding, rounding_index);
+  const AdamMaster master_type = ParseMaster(master_dtype, master_rounding);
+  const bool master16 = master_type != AdamMaster::kF32;
   const AdamElem grad_type = c.grad_type, param_type = c.param_type;
   const AdamState state = c.state;
   const size_t grad_size = grad_type == AdamElem::kF32 ? 4 : 2;
@@ -176,7 +219,7 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
   const size_t state_size = state == AdamState::kF32 ? 4 : (state == AdamState::kBF16 ? 2 : 1);
   const bool int8 = state == AdamState::kInt8;
   std::vector<ArrayView> views = {
-      CheckArray("master", master, 4, true),
+      CheckArray("master", master, master16 ? 2 : 4, !master16),
       CheckArray("m", m, state_size, state == AdamState::kF32),
       CheckArray("v", v, state_size, state == AdamState::kF32),
       CheckArray("grad", grad, grad_size, grad_type == AdamElem::kF32),
@@ -187,16 +230,19 @@ void AdamWUpdateNumpy(HostArray master, HostArray m, HostArray v, HostArrayRO gr
     if (a.count != n) throw nb::value_error(AdamCountMismatch(a.name, a.count, n).c_str());
   }
   if (int8) CheckInt8Scales(m_scale, v_scale, block, n, &views);
-  CheckNoOverlap(views);
+  CheckComp(master_type, comp, n, &views);
+  const char* master_and_params[2] = {"master", "params_out"};
+  CheckNoOverlap(views, master16 ? master_and_params : nullptr);
   const ArrayView sv = CheckArray("scalars", scalars, 4, true);
   if (sv.count != kAdamScalarCount) {
     throw nb::value_error(("adamw: scalars must be float32[" + std::to_string(kAdamScalarCount) +
                            "], got " + std::to_string(sv.count) + " elements")
                               .c_str());
   }
-  auto* master_data = static_cast<float*>(master.data());
+  auto* master_data = master16 ? nullptr : static_cast<float*>(master.data());
   AdamBuffers b{master_data, m.data(), v.data(), grad.data(), master_data, m.data(), v.data(),
                 params_out.data(), n, grad_type, param_type};
+  SetMaster(&b, master_type, master.data(), comp ? comp->data() : nullptr);
   b.state_type = state;
   b.rounding = c.rounding;
   b.rounding_seed = rounding_seed;
@@ -280,13 +326,18 @@ void BindAdamW(nb::module_& m) {
         nb::arg("isa") = "auto", nb::arg("state_dtype") = "float32",
         nb::arg("m_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(), nb::arg("block") = 0,
         nb::arg("rounding") = "nearest", nb::arg("rounding_seed") = 0, nb::arg("rounding_index") = 0,
+        nb::arg("master_dtype") = "float32", nb::arg("master_rounding") = "nearest",
+        nb::arg("comp").none() = nb::none(),
         "Fused AdamW in place on C-contiguous numpy arrays (see jaxascend.optim.fused_adam). grad and "
         "params_out hold grad_dtype/param_dtype ('float32', 'float16', 'bfloat16'; 16-bit types "
         "may be passed as uint16 views); m and v hold state_dtype ('float32'; 'bfloat16' as uint16; "
         "'int8' as uint8 codes with float32 m_scale/v_scale, one per block of `block`). "
         "rounding: how m and v are narrowed ('nearest' even, or 'stochastic': v, and int8 m, with the bits of element i "
         "hashed from rounding_seed and rounding_index + i). "
-        "Releases the GIL.");
+        "master_dtype 'float32' (master float32), or 'bfloat16' (master as uint16 bits, params_out bfloat16 and "
+        "possibly master itself) with master_rounding 'compensated' (comp: uint16, the float32 master's low halves, in place) "
+        "or 'stochastic' (bits from a salted hash of rounding_seed and rounding_index + i); see "
+        "jaxascend.optim.master_codes. Releases the GIL.");
   m.def("adamw_supported_isas", &SupportedIsas,
         "Kernel variants this CPU can run, e.g. ['scalar', 'avx2', 'avx512'].");
   m.def("adamw_default_isa", &DefaultIsa,

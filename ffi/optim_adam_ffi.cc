@@ -3,7 +3,9 @@
 //   jaxascend_adamw(master, m, v, grad, scalars; threads) -> (master, m, v, params)
 //
 // The dispatch checks dtypes and element counts and returns an ffi::Error naming the argument;
-// the work is RunFusedAdamW, as for the numpy entry (optim_adam_bindings.cc).
+// the work is RunFusedAdamW, as for the numpy entry (optim_adam_bindings.cc). The master is
+// float32 here (a bfloat16 master is refused as "master must be float32"); the numpy entry takes
+// the bfloat16 ones.
 #include <cstdint>
 #include <string>
 

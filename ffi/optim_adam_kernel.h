@@ -1,8 +1,9 @@
 // What the files of the fused AdamW kernel (optim_adam.h) share; not part of its API.
 //
 //   optim_adam_scalar.h   the scalar path: the reference, and the element helpers (conversions,
-//                         the stochastic rounding hash, the 8-bit codes) the vector variants share
-//   optim_adam_avx2.cc    the AVX2 + F16C variant (fp32, bf16 and int8 state)
+//                         the stochastic rounding hash, the 8-bit codes, the bf16 master's
+//                         rounding) the vector variants share
+//   optim_adam_avx2.cc    the AVX2 + F16C variant (fp32, bf16 and int8 state; every master)
 //   optim_adam_avx512.cc  the AVX-512F variant (fp32 and bf16 state; int8 runs the AVX2 one)
 //   optim_adam.cc         run-time ISA selection and RunFusedAdamW
 //
@@ -43,34 +44,47 @@ namespace jaxascend {
 namespace adam_kernel {
 
 // ---------------------------------------------------------------------------------------------
-// Dispatch tables: [grad type][param type] for one ISA.
+// Dispatch tables: [grad type][param type] for one ISA and a float32 master; [rounding][grad type]
+// for a bfloat16 one, whose params are bfloat16.
 
 using AdamRangeFn = void (*)(const AdamBuffers&, const AdamScalars&, int64_t, int64_t);
 
-template <template <AdamElem, AdamElem> class Kernel>
-AdamRangeFn SelectRange(AdamElem g, AdamElem p) {
+// nullptr for a bfloat16 master with other params (RunFusedAdamW refuses those first).
+template <template <AdamElem, AdamElem, AdamMaster> class Kernel>
+AdamRangeFn SelectRange(AdamMaster master, AdamElem g, AdamElem p) {
+  constexpr AdamMaster kF32 = AdamMaster::kF32;
   static const AdamRangeFn table[3][3] = {
-      {Kernel<AdamElem::kF32, AdamElem::kF32>::fn, Kernel<AdamElem::kF32, AdamElem::kF16>::fn,
-       Kernel<AdamElem::kF32, AdamElem::kBF16>::fn},
-      {Kernel<AdamElem::kF16, AdamElem::kF32>::fn, Kernel<AdamElem::kF16, AdamElem::kF16>::fn,
-       Kernel<AdamElem::kF16, AdamElem::kBF16>::fn},
-      {Kernel<AdamElem::kBF16, AdamElem::kF32>::fn, Kernel<AdamElem::kBF16, AdamElem::kF16>::fn,
-       Kernel<AdamElem::kBF16, AdamElem::kBF16>::fn},
+      {Kernel<AdamElem::kF32, AdamElem::kF32, kF32>::fn, Kernel<AdamElem::kF32, AdamElem::kF16, kF32>::fn,
+       Kernel<AdamElem::kF32, AdamElem::kBF16, kF32>::fn},
+      {Kernel<AdamElem::kF16, AdamElem::kF32, kF32>::fn, Kernel<AdamElem::kF16, AdamElem::kF16, kF32>::fn,
+       Kernel<AdamElem::kF16, AdamElem::kBF16, kF32>::fn},
+      {Kernel<AdamElem::kBF16, AdamElem::kF32, kF32>::fn, Kernel<AdamElem::kBF16, AdamElem::kF16, kF32>::fn,
+       Kernel<AdamElem::kBF16, AdamElem::kBF16, kF32>::fn},
   };
-  return table[static_cast<int>(g)][static_cast<int>(p)];
+  constexpr AdamMaster kComp = AdamMaster::kBF16Compensated, kSr = AdamMaster::kBF16Stochastic;
+  constexpr AdamElem kB = AdamElem::kBF16;
+  static const AdamRangeFn bf16_master[2][3] = {
+      {Kernel<AdamElem::kF32, kB, kComp>::fn, Kernel<AdamElem::kF16, kB, kComp>::fn,
+       Kernel<AdamElem::kBF16, kB, kComp>::fn},
+      {Kernel<AdamElem::kF32, kB, kSr>::fn, Kernel<AdamElem::kF16, kB, kSr>::fn, Kernel<AdamElem::kBF16, kB, kSr>::fn},
+  };
+  if (master == kF32) return table[static_cast<int>(g)][static_cast<int>(p)];
+  if (p != kB) return nullptr;
+  return bf16_master[master == kSr ? 1 : 0][static_cast<int>(g)];
 }
 
-// Kernel<G, P>::fn for one state format: S the element type of m and v (fp32 or bf16 state).
-#define JAXASCEND_ADAM_KERNEL(Name, Range, S)    \
-  template <AdamElem G, AdamElem P>              \
-  struct Name {                                  \
-    static constexpr AdamRangeFn fn = Range<G, P, S>; \
+// Kernel<G, P, M>::fn for one state format: S the element type of m and v (fp32 or bf16 state).
+#define JAXASCEND_ADAM_KERNEL(Name, Range, S)              \
+  template <AdamElem G, AdamElem P, AdamMaster M>          \
+  struct Name {                                            \
+    static constexpr AdamRangeFn fn = Range<G, P, S, M>;   \
   };
 
 #if JAXASCEND_ADAM_X86
-// The range of each (grad type, param type) for one state format, by variant.
-AdamRangeFn Avx2Range(AdamState state, AdamElem g, AdamElem p);    // optim_adam_avx2.cc
-AdamRangeFn Avx512Range(AdamState state, AdamElem g, AdamElem p);  // optim_adam_avx512.cc, not kInt8
+// The range of each (grad type, param type) for one state format and master, by variant:
+// optim_adam_avx2.cc, and optim_adam_avx512.cc (not kInt8).
+AdamRangeFn Avx2Range(AdamState state, AdamMaster master, AdamElem g, AdamElem p);
+AdamRangeFn Avx512Range(AdamState state, AdamMaster master, AdamElem g, AdamElem p);
 
 // Software prefetch this many elements ahead of the loop. The hardware prefetchers follow the
 // streams too, but the loop's long sqrt/div chains keep few iterations in flight, and asking
@@ -86,9 +100,14 @@ inline void PrefetchAhead(const void* base, int64_t i, int64_t size) {
   _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T0);
 }
 
-template <AdamElem G, AdamElem S>
+template <AdamElem G, AdamElem S, AdamMaster M>
 inline void PrefetchInputs(const AdamBuffers& b, int64_t i) {
-  PrefetchAhead(b.master_in, i, 4);
+  if constexpr (M == AdamMaster::kF32) {
+    PrefetchAhead(b.master_in, i, 4);
+  } else {
+    PrefetchAhead(b.master16_in, i, 2);
+    if constexpr (M == AdamMaster::kBF16Compensated) PrefetchAhead(b.comp_in, i, 2);
+  }
   PrefetchAhead(b.m_in, i, S == AdamElem::kF32 ? 4 : 2);
   PrefetchAhead(b.v_in, i, S == AdamElem::kF32 ? 4 : 2);
   PrefetchAhead(b.grad, i, G == AdamElem::kF32 ? 4 : 2);

@@ -1,8 +1,9 @@
 // The scalar path of the fused AdamW kernel (optim_adam.h): the reference every vector variant
 // must match bit for bit, and the element helpers the variants share with it (loads and stores
-// in every element type, the stochastic rounding hash, the 8-bit codes). Inline, so that the
-// variants (optim_adam_avx2.cc, optim_adam_avx512.cc) run their tails and their int8 blocks with
-// the same operations; optim_adam_kernel.h says what else they share.
+// in every element type, the stochastic rounding hash, the 8-bit codes, the bf16 master's
+// rounding). Inline, so that the variants (optim_adam_avx2.cc, optim_adam_avx512.cc) run their
+// tails and their int8 blocks with the same operations; optim_adam_kernel.h says what else they
+// share.
 #pragma once
 
 #include <algorithm>
@@ -67,6 +68,11 @@ inline uint32_t RoundingHash(const AdamBuffers& b, int64_t i) {
   return Lowbias32(static_cast<uint32_t>(b.rounding_index + i) * kGolden + b.rounding_seed);
 }
 
+// A bfloat16 master's 16 random bits: the top half of a hash of its own (salted seed).
+inline uint32_t MasterRoundingBits(const AdamBuffers& b, int64_t i) {
+  return Lowbias32(static_cast<uint32_t>(b.rounding_index + i) * kGolden + (b.rounding_seed ^ kAdamMasterSalt)) >> 16;
+}
+
 // fp32 -> bf16 rounded up with the probability of the dropped half: (u + bits) >> 16; NaN as
 // FloatToBFloat16 has it.
 inline uint16_t FloatToBFloat16Stochastic(float f, uint32_t bits) {
@@ -87,30 +93,74 @@ inline void StoreV(const AdamBuffers& b, int64_t i, float v) {
   StoreElement<S>(b.v_out, i, v);
 }
 
+// A compensated master's float32 value: its bits plus the companion as a signed 16-bit offset.
+inline float JoinMaster(uint16_t master, uint16_t comp) {
+  return BitsToFloat((static_cast<uint32_t>(master) << 16) + static_cast<uint32_t>(static_cast<int16_t>(comp)));
+}
+
+// The bf16 half of a compensated master: y to nearest, ties away from zero (the companion is
+// then y's low 16 bits read as a signed offset); NaN as FloatToBFloat16 has it.
+inline uint16_t SplitMasterHigh(float y) {
+  const uint32_t u = FloatToBits(y);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x8000u) >> 16);
+}
+
+// Element i of the master as float32: widened, or joined with its companion.
+template <AdamMaster M>
+inline float LoadMaster(const AdamBuffers& b, int64_t i) {
+  if constexpr (M == AdamMaster::kF32) {
+    return b.master_in[i];
+  } else if constexpr (M == AdamMaster::kBF16Stochastic) {
+    return BFloat16ToFloat(b.master16_in[i]);
+  } else {
+    return JoinMaster(b.master16_in[i], b.comp_in[i]);
+  }
+}
+
+// Applies update u to element i's master x (LoadMaster's) and stores the new master, its
+// companion (kBF16Compensated) and the params, as the top of optim_adam.h says.
+template <AdamMaster M, AdamElem P>
+inline void StoreMaster(const AdamBuffers& b, const AdamScalars& s, int64_t i, float x, float u) {
+  const float new_master = x - s.lr * u;
+  if constexpr (M == AdamMaster::kF32) {
+    b.master_out[i] = new_master;
+    StoreElement<P>(b.params_out, i, new_master);
+  } else {
+    uint16_t bits;
+    if constexpr (M == AdamMaster::kBF16Stochastic) {
+      bits = FloatToBFloat16Stochastic(new_master, MasterRoundingBits(b, i));
+    } else {
+      bits = SplitMasterHigh(new_master);
+      b.comp_out[i] = static_cast<uint16_t>(FloatToBits(new_master));
+    }
+    b.master16_out[i] = bits;
+    static_cast<uint16_t*>(b.params_out)[i] = bits;
+  }
+}
+
 // One element of the update, given the old moments widened to float; returns the new ones.
-template <AdamElem G, AdamElem P>
+template <AdamElem G, AdamElem P, AdamMaster M>
 inline void AdamElement(const AdamBuffers& b, const AdamScalars& s, float inv_bc1, float inv_bc2,
                         int64_t i, float m_old, float v_old, float* m, float* v) {
   const float g = LoadElement<G>(b.grad, i) * s.grad_scale;
-  const float master = b.master_in[i];
+  const float master = LoadMaster<M>(b, i);
   *m = s.one_minus_b1 * g + s.b1 * m_old;
   *v = s.one_minus_b2 * (g * g) + s.b2 * v_old;
   const float denom = std::sqrt(*v * inv_bc2) + s.eps;
   const float update = (*m * inv_bc1) / denom + s.weight_decay * master;
-  const float new_master = master - s.lr * update;
-  b.master_out[i] = new_master;
-  StoreElement<P>(b.params_out, i, new_master);
+  StoreMaster<M, P>(b, s, i, master, update);
 }
 
-// S: the element type of m and v (kF32, or kBF16 for AdamState::kBF16).
-template <AdamElem G, AdamElem P, AdamElem S>
+// S: the element type of m and v (kF32, or kBF16 for AdamState::kBF16); M: the master's format.
+template <AdamElem G, AdamElem P, AdamElem S, AdamMaster M>
 void AdamRangeScalar(const AdamBuffers& b, const AdamScalars& s, int64_t begin, int64_t end) {
   const float inv_bc1 = 1.0f / s.bias_correction1;
   const float inv_bc2 = 1.0f / s.bias_correction2;
   for (int64_t i = begin; i < end; ++i) {
     float m, v;
-    AdamElement<G, P>(b, s, inv_bc1, inv_bc2, i, LoadElement<S>(b.m_in, i), LoadElement<S>(b.v_in, i),
-                      &m, &v);
+    AdamElement<G, P, M>(b, s, inv_bc1, inv_bc2, i, LoadElement<S>(b.m_in, i), LoadElement<S>(b.v_in, i),
+                         &m, &v);
     StoreElement<S>(b.m_out, i, m);
     StoreV<S>(b, i, v);
   }
@@ -203,13 +253,13 @@ inline uint8_t EncodeW(const AdamBuffers& b, uint32_t hash, float w, float inver
 }
 
 // One kInt8 element's update: writes master and params, returns the new m and w = sqrt(v).
-template <AdamElem G, AdamElem P>
+template <AdamElem G, AdamElem P, AdamMaster M>
 inline void Int8Element(const AdamBuffers& b, const AdamScalars& s, float inv_bc1, float inv_bc2, int64_t i,
                         float m_scale, float w_scale, float* m, float* w) {
   const float m_old = DecodeM(static_cast<const uint8_t*>(b.m_in)[i], m_scale);
   const float w_old = DecodeW(static_cast<const uint8_t*>(b.v_in)[i], w_scale);
   float v;
-  AdamElement<G, P>(b, s, inv_bc1, inv_bc2, i, m_old, w_old * w_old, m, &v);
+  AdamElement<G, P, M>(b, s, inv_bc1, inv_bc2, i, m_old, w_old * w_old, m, &v);
   *w = std::sqrt(v);
 }
 
@@ -228,7 +278,7 @@ inline void EncodeBlockTail(const AdamBuffers& b, int64_t start, int64_t from, i
 
 inline uint32_t Magnitude(float x) { return FloatToBits(x) & 0x7fffffffu; }
 
-template <AdamElem G, AdamElem P>
+template <AdamElem G, AdamElem P, AdamMaster M>
 void AdamRangeInt8Scalar(const AdamBuffers& b, const AdamScalars& s, int64_t begin, int64_t end) {
   const float inv_bc1 = 1.0f / s.bias_correction1;
   const float inv_bc2 = 1.0f / s.bias_correction2;
@@ -239,7 +289,7 @@ void AdamRangeInt8Scalar(const AdamBuffers& b, const AdamScalars& s, int64_t beg
     const int64_t k = start / b.block;
     uint32_t m_max = 0, w_max = 0;
     for (int64_t j = 0; j < n; ++j) {
-      Int8Element<G, P>(b, s, inv_bc1, inv_bc2, start + j, b.m_scale[k], b.v_scale[k], &m_new[j], &w_new[j]);
+      Int8Element<G, P, M>(b, s, inv_bc1, inv_bc2, start + j, b.m_scale[k], b.v_scale[k], &m_new[j], &w_new[j]);
       m_max = std::max(m_max, Magnitude(m_new[j]));
       w_max = std::max(w_max, Magnitude(w_new[j]));
     }
