@@ -10,6 +10,8 @@
 * :class:`StateFormat` / :data:`~jaxascend.optim.state_codes.STATE_DTYPES` -- how the moments are stored (``optimizer.state_dtype``:
   float32, bfloat16, block-wise int8 codes; :mod:`~jaxascend.optim.state_codes` has their numpy reference);
   :class:`StateRecord` -- where master, m, v (and int8's scales) sit in one chunk's record;
+* :class:`MasterFormat` -- how the master weights are stored: float32, or bfloat16 compensated (Kahan
+  companion) or stochastically rounded (:mod:`~jaxascend.optim.master_codes` has their numpy reference);
 * :func:`grad_stats` / :func:`tree_grad_stats` -- fused overflow check + sum of squares;
 * :class:`LossScaleState` / :class:`LossScaling` -- dynamic loss scaling for fp16 (its state, its settings).
 
@@ -22,12 +24,14 @@ from jaxascend.optim.fused_adam import (AdamHyperParams, adamw_reference, defaul
                                         fused_adamw_update_numpy)
 from jaxascend.optim.grad_stats import grad_stats, tree_grad_stats
 from jaxascend.optim.loss_scale import LossScaleState, LossScaling
+from jaxascend.optim import master_codes  # the numpy reference of the master's formats, as a namespace
+from jaxascend.optim.master_codes import MasterFormat
 from jaxascend.optim.schedules import learning_rate_schedule, unfinished_warmup_note
 from jaxascend.optim import state_codes  # the numpy reference of the moments' formats, as a namespace
 from jaxascend.optim.state_codes import StateFormat, StateRecord, chunk_seed
 
 __all__ = [
-    "AdamHyperParams", "AdamWSettings", "LossScaleState", "LossScaling", "StateFormat", "StateRecord", "adamw_in_memory",
+    "AdamHyperParams", "AdamWSettings", "LossScaleState", "LossScaling", "MasterFormat", "StateFormat", "StateRecord", "adamw_in_memory",
     "adamw_reference", "check_decay_rule", "chunk_seed", "decay_mask", "default_isa", "fused_adamw_update", "fused_adamw_update_numpy", "grad_stats",
-    "leaf_decay", "learning_rate_schedule", "param_path", "state_codes", "tree_grad_stats", "unfinished_warmup_note",
+    "leaf_decay", "learning_rate_schedule", "master_codes", "param_path", "state_codes", "tree_grad_stats", "unfinished_warmup_note",
 ]

@@ -6,7 +6,9 @@ Two entry points run the same native kernel and agree bit for bit:
 * :func:`fused_adamw_update` -- jax arrays, an XLA FFI call usable under ``jit``; master, m and
   v are aliased to their outputs, so donating them updates them in place.
 * :func:`fused_adamw_update_numpy` -- numpy arrays updated in place (views into the SSD
-  arena when streaming), GIL released, ``threads`` workers of a persistent pool.
+  arena when streaming), GIL released, ``threads`` workers of a persistent pool. It also takes
+  a bfloat16 master (``master_format``, :mod:`jaxascend.optim.master_codes`); the FFI target
+  keeps a float32 one.
 
 The arithmetic is ``optax.adamw``'s (``scale_by_adam`` with ``eps_root=0``,
 ``add_decayed_weights``, ``scale_by_learning_rate``, ``apply_updates``), each operation rounded
@@ -48,6 +50,7 @@ import optax
 
 from jaxascend.native import extension as _native
 from jaxascend.native import ffi_call
+from jaxascend.optim.master_codes import FLOAT32_MASTER, MasterFormat
 from jaxascend.optim.state_codes import StateFormat
 
 FLOAT32_STATE = StateFormat()
@@ -162,11 +165,48 @@ def _dtype_name(array: np.ndarray, name: str) -> str:
     raise ValueError(f"adamw: {name} dtype {dtype} is not supported (float16, bfloat16, float32)")
 
 
+_BF16_BITS = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16))
+
+
+def _check_in_place(named: dict, updated: tuple) -> None:
+    """Every array of ``named`` is a numpy array; those named in ``updated`` are writeable."""
+    for name, array in named.items():
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"adamw: {name} must be a numpy array, got {type(array).__name__}")
+    for name in updated:
+        if not named[name].flags.writeable:
+            raise ValueError(f"adamw: {name} is read-only; it is updated in place")
+
+
+def _check_master(master: np.ndarray, params_out: np.ndarray, comp, master_format: MasterFormat) -> None:
+    """The master's dtype, its params' and its companion's for ``master_format`` (dtypes and
+    presence; sizes and writeability are checked with the other arrays)."""
+    if not isinstance(master_format, MasterFormat):
+        raise TypeError(f"adamw: master_format must be a MasterFormat, got {type(master_format).__name__}")
+    if master_format.dtype == "float32":
+        if master.dtype != np.float32:
+            raise ValueError(f"adamw: master must be float32, got {master.dtype} "
+                             "(a bfloat16 master needs master_format=MasterFormat('bfloat16', ...))")
+    else:
+        if master.dtype not in _BF16_BITS:
+            raise ValueError(f"adamw: a bfloat16 master must be bfloat16 or its uint16 bits, got {master.dtype}")
+        if params_out.dtype != ml_dtypes.bfloat16:
+            raise ValueError(f"adamw: a bfloat16 master needs bfloat16 params_out, got {params_out.dtype}")
+    if master_format.compensated and comp is None:
+        raise ValueError("adamw: a compensated bfloat16 master needs comp (uint16, one per weight)")
+    if not master_format.compensated and comp is not None:
+        raise ValueError(f"adamw: comp is only for a compensated bfloat16 master, not a {master_format.dtype} "
+                         f"{master_format.rounding} one")
+    if comp is not None and comp.dtype not in _BF16_BITS:
+        raise ValueError(f"adamw: comp must be uint16 (or bfloat16, taken as its bits), got {comp.dtype}")
+
+
 def fused_adamw_update_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, grad: np.ndarray,
                              params_out: np.ndarray, hparams: AdamHyperParams | np.ndarray, *,
                              threads: int = 1, isa: str = "auto", state: StateFormat = FLOAT32_STATE,
                              m_scale: Optional[np.ndarray] = None, v_scale: Optional[np.ndarray] = None,
-                             seed: int = 0, index: int = 0) -> None:
+                             seed: int = 0, index: int = 0, master_format: MasterFormat = FLOAT32_MASTER,
+                             comp: Optional[np.ndarray] = None) -> None:
     """One AdamW update in place on C-contiguous numpy arrays; bitwise equal to
     :func:`fused_adamw_update`.
 
@@ -184,35 +224,40 @@ def fused_adamw_update_numpy(master: np.ndarray, m: np.ndarray, v: np.ndarray, g
     bits of element ``i`` hashed from ``seed`` (:func:`~jaxascend.optim.state_codes.chunk_seed`)
     and ``index + i`` (its index in its layer); see :mod:`jaxascend.optim.state_codes`. The GIL
     is released while the kernel runs.
+
+    ``master_format`` :class:`~jaxascend.optim.master_codes.MasterFormat` ("bfloat16"): ``master``
+    is bfloat16 (or its uint16 bits), ``params_out`` bfloat16 (it gets the new master's bits and
+    may be ``master`` itself); "compensated" also updates ``comp`` (uint16, one per weight: the
+    float32 master's low halves; a bfloat16 array is taken as its bits) in place, "stochastic"
+    draws its bits from ``seed`` and ``index`` too. See :mod:`jaxascend.optim.master_codes`.
     """
     named = {"master": master, "m": m, "v": v, "grad": grad, "params_out": params_out}
+    updated = ("master", "m", "v", "params_out")
     if state.dtype == "int8":
         named.update(m_scale=m_scale, v_scale=v_scale)
-    for name, array in named.items():
-        if not isinstance(array, np.ndarray):
-            raise TypeError(f"adamw: {name} must be a numpy array, got {type(array).__name__}")
-    for name in ("master", "m", "v", "params_out") + (("m_scale", "v_scale") if state.dtype == "int8" else ()):
-        if not named[name].flags.writeable:
-            raise ValueError(f"adamw: {name} is read-only; it is updated in place")
-    if master.dtype != np.float32:
-        raise ValueError(f"adamw: master must be float32, got {master.dtype}")
-    moment = {"float32": (np.dtype(np.float32),), "bfloat16": (np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)),
-              "int8": (np.dtype(np.uint8),)}[state.dtype]
+        updated += ("m_scale", "v_scale")
+    if comp is not None:
+        named.update(comp=comp)
+        updated += ("comp",)
+    _check_in_place(named, updated)
+    _check_master(master, params_out, comp, master_format)
+    moment = {"float32": (np.dtype(np.float32),), "bfloat16": _BF16_BITS, "int8": (np.dtype(np.uint8),)}[state.dtype]
     for name in ("m", "v"):
         if named[name].dtype not in moment:
             raise ValueError(f"adamw: {name} must be {moment[0]} for {state.dtype} state, got {named[name].dtype}")
-    _check_same_size({k: a for k, a in named.items() if k in ("m", "v", "grad", "params_out")}, master.size)
+    _check_same_size({k: a for k, a in named.items() if k in ("m", "v", "grad", "params_out", "comp")}, master.size)
     grad_dtype = _dtype_name(grad, "grad")
     param_dtype = _dtype_name(params_out, "params_out")
     scalars = np.ascontiguousarray(np.asarray(_scalars_of(hparams)), dtype=np.float32)
     # 16-bit floats travel as uint16 views (nanobind has no bfloat16 numpy dtype).
-    as_raw = lambda a: a.view(np.uint16) if a.dtype.itemsize == 2 else a  # noqa: E731
-    _native.adamw_update(master, as_raw(m), as_raw(v), as_raw(grad), as_raw(params_out), scalars,
+    as_raw = lambda a: a.view(np.uint16) if a is not None and a.dtype.itemsize == 2 else a  # noqa: E731
+    _native.adamw_update(as_raw(master), as_raw(m), as_raw(v), as_raw(grad), as_raw(params_out), scalars,
                          grad_dtype=grad_dtype, param_dtype=param_dtype, threads=threads, isa=isa,
                          state_dtype=state.dtype, m_scale=m_scale if state.dtype == "int8" else None,
                          v_scale=v_scale if state.dtype == "int8" else None, block=state.block,
                          rounding=state.rounding, rounding_seed=int(seed) & 0xFFFFFFFF,
-                         rounding_index=int(index))
+                         rounding_index=int(index), master_dtype=master_format.dtype,
+                         master_rounding=master_format.rounding, comp=as_raw(comp))
 
 
 def adamw_reference(master: jax.Array, m: jax.Array, v: jax.Array, grad: jax.Array,
