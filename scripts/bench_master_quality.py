@@ -105,7 +105,7 @@ def verdict(runs: dict, key: str = "losses") -> dict:
 
 def scratch(args, work: Path) -> dict:
     runs = {}
-    for name, overrides in {**MASTERS, **PERTURBED, **COMPACT}.items():
+    for name, overrides in {**MASTERS, **PERTURBED, **{k: v for k, v in COMPACT.items() if k in args.compact}}.items():
         runs[name] = train(f"scratch-{name}", BASE + overrides + [f"train.steps={args.steps}"], work, args.reuse)
         print(f"scratch {name}: final loss {runs[name]['losses'][-1]:.4f}", file=sys.stderr)
     return {"steps": args.steps, "num_params": runs["float32"]["num_params"], "runs": runs, "verdict": verdict(runs)}
@@ -122,7 +122,8 @@ def finetune(args, work: Path) -> dict:
     out = {}
     for lr in args.learning_rates:
         runs = {}
-        for name, overrides in {**MASTERS, **PERTURBED, **NEAREST, **COMPACT}.items():
+        compact = {k: v for k, v in COMPACT.items() if k in args.compact}
+        for name, overrides in {**MASTERS, **PERTURBED, **NEAREST, **compact}.items():
             run_name = f"finetune-{lr:g}-{name}"
             try:
                 r = train(run_name, BASE + overrides + data + [f"optimizer.learning_rate={lr}"], work, args.reuse)
@@ -164,6 +165,7 @@ def main(argv=None) -> dict:
     p.add_argument("--pretrain-steps", type=int, default=1500)
     p.add_argument("--finetune-steps", type=int, default=300)
     p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-5, 5e-5])
+    p.add_argument("--compact", nargs="*", default=list(COMPACT), help="which combinations with int8 moments to run")
     p.add_argument("--work-dir", default="/tmp/jaxascend-bench-master")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_master_quality"))
     p.add_argument("--reuse", action="store_true", help="keep runs already finished in --work-dir")

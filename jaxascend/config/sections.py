@@ -140,10 +140,12 @@ class OptimizerConfig:
     # bfloat16: the bf16 compute weights are the master (needs model.dtype: bfloat16), 2 B/param
     # read and written by the update, no separate copy.
     master_dtype: Literal["float32", "bfloat16"] = "float32"
-    # How a bfloat16 master takes an update: "compensated" keeps the rounding error each update
-    # drops in a bfloat16 companion and adds it back at the next (Kahan; 2 B/param more), or
-    # "stochastic" rounds with reproducible random bits (seeded as state_rounding's).
-    master_rounding: Literal["compensated", "stochastic"] = "compensated"
+    # How a bfloat16 master takes an update: "compensated" keeps the float32 master's low 16 bits
+    # in a companion (2 B/param more), so master and companion are the float32 master exactly,
+    # or "stochastic" rounds with reproducible random bits (seeded as state_rounding's), or
+    # "nearest" (an ablation: an update under half a bfloat16 ulp is lost, so at a fine-tuning
+    # learning rate the weights stop moving; docs/bench_master_quality.md).
+    master_rounding: Literal["compensated", "stochastic", "nearest"] = "compensated"
 
     def __post_init__(self):
         if not (256 <= self.state_block <= 2048 and self.state_block & (self.state_block - 1) == 0):

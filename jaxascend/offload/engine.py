@@ -32,6 +32,7 @@ import time
 from typing import Callable, Iterable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -45,6 +46,7 @@ from jaxascend.offload.compute_weights import ComputeWeights
 from jaxascend.offload.engine_settings import EngineSettings, StateOptions, param_paths
 from jaxascend.offload.grad_sink import step_errors
 from jaxascend.offload.gradient_routing import GradientRouting, leaf_routes
+from jaxascend.offload.initial_state import master_parts
 from jaxascend.offload.layout import STATE_SLOT_CLASS
 from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
 from jaxascend.offload.placement import placement_of
@@ -153,8 +155,11 @@ class PlannedOffloadEngine:
         # This process's state (a job's: its slice of each layer), from the reader or the params.
         self.placement.write_initial_state(self.state, params, read, compute)
         # The compute copy, without the streamed leaves (on SSD now); the param_dtype copy is
-        # dropped once the master weights are on SSD.
-        return [None if leaf.streamed else x.astype(dtype) for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
+        # dropped once the master weights are on SSD. A bfloat16 master's is the master itself.
+        fmt = self.state.layout.state
+        copy = (lambda x: x.astype(dtype)) if fmt.master == "float32" else \
+            (lambda x: jnp.asarray(master_parts(np.asarray(x, np.float32), fmt)[0].view(dtype)))
+        return [None if leaf.streamed else copy(x) for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
 
     @property
     def params(self):

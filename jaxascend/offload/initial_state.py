@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxascend.offload.layout import STATE_SLOT_CLASS, ChunkRef, LeafLayout, OffloadLayout
+from jaxascend.optim import StateFormat, master_codes
 from jaxascend.ssd import Segment, SsdStore
 
 Reader = Callable[[LeafLayout, Optional[int]], np.ndarray]
@@ -59,28 +60,38 @@ def write_initial_state(store: SsdStore, chunks: list[ChunkRef], segments: list[
     with store.stream(segments, STATE_SLOT_CLASS) as stream:
         for chunk in stream:
             ref = chunks[chunk.index]
+            fmt = ref.record.state
             if ref.first_of_leaf if whole_leaves else ref.start == 0:
                 values = np.asarray(source(ref.leaf, ref.layer)).reshape(-1)
-                if ref.leaf.streamed:
-                    _write_compute_params(store, ref.leaf, values, compute, whole_leaves, ref.layer)
+                if ref.leaf.streamed:  # a bfloat16 master there: its high half is the compute weights
+                    weights = (lambda leaf, x: master_parts(x, fmt)[0].view(ml_dtypes.bfloat16)) \
+                        if fmt.master_elsewhere else compute
+                    _write_compute_params(store, ref.leaf, values, weights, whole_leaves, ref.layer)
             start = ref.flat_start if whole_leaves else ref.start
             n = ref.count
             raw = chunk.arrays[0]
-            master = ref.record.views(raw)[0]
-            if not ref.record.state.master_elsewhere:  # else the compute weights written above are the master
-                master[:] = as_master(values[start:start + n], master.dtype)
+            master, comp = master_parts(values[start:start + n], fmt)
+            if not fmt.master_elsewhere:  # else the compute weights written above are the master
+                ref.record.views(raw)[0][:] = master
             raw[ref.record.companion_offset:ref.state_bytes] = 0  # zero companion and moments (int8: code 0, scale 0)
+            if comp is not None:
+                ref.record.companion(raw)[:] = comp
             if ref.last_of_leaf:
                 values = None
     store.flush()  # the compute weights' writes are on disk (or their error raises here)
 
 
-def as_master(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """``values`` (float32, or the compute dtype) as the master stores them: float32, or a
-    bfloat16 master's bits (uint16), rounded to nearest even once (exact from bfloat16)."""
-    if dtype == np.float32:
-        return np.asarray(values, np.float32)
-    return np.asarray(values).astype(ml_dtypes.bfloat16).view(np.uint16)
+def master_parts(values: np.ndarray, fmt: StateFormat) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """``values`` (float32, or the compute dtype) as the master stores them, and a compensated
+    master's companion (else None): float32 as they are; a compensated bfloat16 master and its
+    low half, together ``values`` exactly (``master_codes.split_master``); a stochastic one's
+    bits rounded to nearest even once (exact from bfloat16)."""
+    x = np.asarray(values, np.float32)
+    if fmt.master == "float32":
+        return x, None
+    if fmt.master_rounding == "compensated":
+        return master_codes.split_master(x)
+    return x.astype(ml_dtypes.bfloat16).view(np.uint16), None
 
 
 def _write_compute_params(store: SsdStore, leaf: LeafLayout, values: np.ndarray, compute: Callable,

@@ -449,11 +449,11 @@ class OffloadedAdamState:
             raw = self.store.read(leaf.state_regions[ref.layer], offset=ref.state_offset, nbytes=ref.state_bytes,
                                   dtype=np.uint8)
             master, m, v, m_scale, v_scale = ref.record.views(raw)
-            if which == "master" and ref.record.state.master_elsewhere:  # in the params region
-                values = fmt.decode("master", self.store.read(leaf.param_regions[ref.layer], offset=ref.grad_offset,
-                                                              nbytes=ref.grad_bytes, dtype=np.uint16))
-            elif which == "master":
-                values = fmt.decode("master", master)
+            if which == "master":  # a streamed leaf's bfloat16 master: in its params region
+                master = self.store.read(leaf.param_regions[ref.layer], offset=ref.grad_offset,
+                                         nbytes=ref.grad_bytes, dtype=np.uint16) if ref.record.state.master_elsewhere \
+                    else master
+                values = fmt.decode("master", master, ref.record.companion(raw))
             else:
                 values = fmt.decode(which, m if which == "m" else v, m_scale if which == "m" else v_scale)
             out[ref.flat_start - first:ref.flat_start - first + n] = values

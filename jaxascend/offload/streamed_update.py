@@ -138,8 +138,10 @@ class ChunkKernel:
             master = out.view(np.uint16)
         seed, first = self.rounding_key(ref)
         scalars = self.scalars if self.scalars.ndim == 1 else self.scalars[ref.leaf.index]
-        extra = {} if self.state.master == "float32" else \
-            {"master_format": self.state.master_format, "comp": ref.record.companion(raw)}
+        comp = ref.record.companion(raw)
+        if self.state.master_rounding == "nearest" and self.state.master != "float32":
+            comp = np.zeros(ref.count, np.uint16)  # the ablation: to nearest, the low half dropped
+        extra = {} if self.state.master == "float32" else {"master_format": self.state.master_format, "comp": comp}
         fused_adamw_update_numpy(master, m, v, grad, out, scalars, threads=self.threads, state=self.state,
                                  m_scale=m_scale, v_scale=v_scale, seed=seed, index=first, **extra)
 

@@ -57,8 +57,10 @@ import numpy as np
 
 from jaxascend.optim import state_codes as sc
 
-MASTER_DTYPES = ("float32", "bfloat16")
-MASTER_ROUNDINGS = ("compensated", "stochastic")  # of a bfloat16 master; float32's is "nearest"
+MASTER_DTYPES = sc.MASTER_DTYPES  # ("float32", "bfloat16"): optimizer.master_dtype
+# Of a bfloat16 master in the kernel; float32's is "nearest". (optimizer.master_rounding's "nearest",
+# an ablation, runs as "compensated" with its companion dropped after every update.)
+MASTER_ROUNDINGS = ("compensated", "stochastic")
 MASTER_SEED_SALT = 0x6A09E667  # the master's hash seed is seed ^ MASTER_SEED_SALT
 
 

@@ -67,7 +67,10 @@ _BIAS = 111  # code exponent 15 <-> float32 exponent field 126 (the binade [0.5,
 _SUBNORMAL_LIMIT = np.float32(2.0**-15)
 ROUNDINGS = ("stochastic", "nearest")
 MASTER_DTYPES = ("float32", "bfloat16")  # optimizer.master_dtype
-MASTER_ROUNDINGS = ("compensated", "stochastic")  # optimizer.master_rounding (a bfloat16 master's)
+# optimizer.master_rounding (a bfloat16 master's); "nearest" is an ablation: no companion, and an
+# update under half a bfloat16 ulp is lost (the master's kernel runs it as compensated, its
+# companion zeroed before every update and dropped after)
+MASTER_ROUNDINGS = ("compensated", "stochastic", "nearest")
 _GOLDEN = 0x9E3779B1
 
 
@@ -80,9 +83,9 @@ class StateFormat:
 
     ``master``: how the master weights are stored, one of :data:`MASTER_DTYPES` (float32; or
     bfloat16, the compute weights themselves), and ``master_rounding`` how a bfloat16 master
-    takes each update (:data:`MASTER_ROUNDINGS`: ``compensated`` keeps the dropped rounding error
-    in a bfloat16 companion, Kahan-style; ``stochastic`` has none; see
-    :mod:`jaxascend.optim.master_codes`). Both are part of the stored format."""
+    takes each update (:data:`MASTER_ROUNDINGS`: ``compensated`` keeps the float32 master's low
+    16 bits in a companion, so the two are the float32 master exactly; ``stochastic`` has none;
+    see :mod:`jaxascend.optim.master_codes`). Both are part of the stored format."""
 
     dtype: str = "float32"
     block: int = 0
@@ -125,14 +128,15 @@ class StateFormat:
 
     @property
     def companion_itemsize(self) -> int:
-        """Bytes of one element of a bfloat16 master's compensation (0: none)."""
+        """Bytes of one element of a compensated bfloat16 master's companion (0: none)."""
         return 2 if self.master == "bfloat16" and self.master_rounding == "compensated" else 0
 
     @property
     def master_format(self):
         """The kernel's :class:`~jaxascend.optim.master_codes.MasterFormat` of the master."""
         from jaxascend.optim.master_codes import MasterFormat  # beside this module, imports it
-        return MasterFormat(self.master, self.master_rounding)
+        nearest = self.master_rounding == "nearest"  # compensated with a zero companion, dropped
+        return MasterFormat(self.master, "compensated" if nearest else self.master_rounding)
 
     @property
     def stochastic(self) -> bool:
@@ -153,9 +157,11 @@ class StateFormat:
 
     def moment_dtype(self, which: str) -> np.dtype:
         """The stored dtype of ``"m"`` or ``"v"`` (or of ``"master"``, ``"master_comp"``)."""
-        if which in ("master", "master_comp"):
+        if which == "master_comp":  # the low 16 bits of a compensated master
+            return np.dtype(np.uint16)
+        if which == "master":
             import ml_dtypes
-            return np.dtype(np.float32) if which == "master" and self.master == "float32" else np.dtype(ml_dtypes.bfloat16)
+            return np.dtype(np.float32) if self.master == "float32" else np.dtype(ml_dtypes.bfloat16)
         if self.dtype == "float32":
             return np.dtype(np.float32)
         if self.dtype == "bfloat16":
@@ -165,10 +171,15 @@ class StateFormat:
 
     def decode(self, which: str, stored: np.ndarray, scale: Optional[np.ndarray] = None) -> np.ndarray:
         """The float32 values of a stored ``"m"`` or ``"v"`` (bfloat16 bits or codes; ``scale``:
-        the int8 block scales; ``"master"``: its float32 values, a bfloat16 one widened exactly)."""
-        if which in ("master", "master_comp"):
-            return bf16_widen(np.asarray(stored).view(np.uint16)) if np.asarray(stored).itemsize == 2 \
-                else np.asarray(stored, np.float32)
+        the int8 block scales; ``"master"``: its float32 values, a bfloat16 one widened exactly, a
+        compensated one joined with its companion ``scale``, exactly the float32 master)."""
+        if which == "master" and np.asarray(stored).itemsize == 2:
+            if scale is not None:
+                from jaxascend.optim.master_codes import join_master  # beside this module, imports it
+                return join_master(stored, scale)
+            return bf16_widen(np.asarray(stored).view(np.uint16))
+        if which == "master":
+            return np.asarray(stored, np.float32)
         if self.dtype == "float32":
             return np.asarray(stored, np.float32)
         if self.dtype == "bfloat16":

@@ -47,8 +47,9 @@ def test_a_record_holds_its_master_and_companion_first(fmt, master, comp, m_offs
 def test_the_format_refuses_what_it_cannot_be():
     with pytest.raises(ValueError, match="master dtype 'float16' is not one of float32, bfloat16"):
         StateFormat.of(master="float16")
-    with pytest.raises(ValueError, match="master rounding 'nearest' is not one of compensated, stochastic"):
-        StateFormat.of(master="bfloat16", master_rounding="nearest")
+    with pytest.raises(ValueError, match="master rounding 'up' is not one of compensated, stochastic, nearest"):
+        StateFormat.of(master="bfloat16", master_rounding="up")
+    assert StateFormat.of(master="bfloat16", master_rounding="nearest").companion_itemsize == 0  # the ablation
     assert StateFormat.of(master_rounding="stochastic").master_rounding == "compensated"  # float32: not rounded
     assert "master_dtype" not in StateFormat().describe()  # a float32 master's checkpoints are as before
     assert StateFormat.of(master="bfloat16", master_rounding="stochastic").describe()["master_rounding"] == "stochastic"

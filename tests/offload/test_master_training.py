@@ -1,0 +1,89 @@
+"""Training with a bfloat16 master (``optimizer.master_dtype: bfloat16``), on the tiny shapes, in
+combination: weights resident or on SSD (where the params region is the master), overlap,
+micro-batches, int8 moments; a stop and resume bit-identical to a run never stopped; a resume
+with another master refused in one line; the compensated master equal to a float32 one."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxascend.checkpoint import IncompatibleCheckpointError
+from jaxascend.config import load_config
+from jaxascend.optim import master_codes
+from jaxascend.trainer import run
+from tests._corpus import write_word_corpus
+
+TINY = [
+    "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=3",
+    "model.num_attention_heads=4", "model.num_key_value_heads=2", "data.seq_len=32", "data.batch_size=2",
+    "train.progress=false", "train.steps=4", "train.log_every=1", "model.remat=full", "model.dtype=bfloat16",
+    "model.param_dtype=float32", "offload.block_bytes=4096", "offload.chunk_bytes=16KiB",
+    "offload.staging_bytes=64KiB", "offload.pin_memory=false", "optimizer.warmup_steps=1",
+    "checkpoint.every_steps=2", "export.save_params=true",
+]
+BF16 = ["optimizer.master_dtype=bfloat16"]
+STOCHASTIC = BF16 + ["optimizer.master_rounding=stochastic"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_word_corpus(tmp_path_factory.mktemp("corpus"), docs=4, words_per_doc=400)
+
+
+def train(out, corpus, *extra):
+    cfg = load_config("configs/tiny.yaml", TINY + [f"data.paths=[{corpus}]", "data.include=['*.txt']",
+                                                   f"train.out_dir={out}", f"offload.dir={out}/offload", *extra])
+    result = run(cfg)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    params = out / "params.safetensors"  # none at train.stop_at_step, a resume point
+    return result, records, params.read_bytes() if params.exists() else None
+
+
+@pytest.mark.parametrize("master", [BF16, STOCHASTIC], ids=["compensated", "stochastic"])
+def test_the_master_is_the_same_resident_streamed_and_overlapped(tmp_path, corpus, master):
+    runs = {name: train(tmp_path / name, corpus, *master, *extra) for name, extra in {
+        "resident": ["offload.params=resident", "offload.overlap=false"],
+        "ssd": ["offload.params=ssd", "offload.overlap=false"],
+        "ssd-overlap": ["offload.params=ssd", "offload.overlap=true"],
+        "resident-overlap": ["offload.params=resident", "offload.overlap=true"],
+    }.items()}
+    (base, records, params) = runs["resident"]
+    for name, (result, other_records, other_params) in runs.items():
+        assert result.losses == base.losses, name  # floats compared exactly
+        assert other_params == params, name  # the master's values, byte for byte
+    ssd = runs["ssd"][1][-1]
+    # The streamed leaves' master is their params region: the update reads it too.
+    assert ssd["params"] == "ssd" and ssd["param_source_misses"] == 0
+
+
+def test_a_compensated_master_is_the_float32_master(tmp_path, corpus):
+    f32, _, _ = train(tmp_path / "f32", corpus, "offload.params=ssd")
+    comp, _, _ = train(tmp_path / "comp", corpus, *BF16, "offload.params=ssd")
+    # The same float32 master arithmetic; the compute weights round ties away from zero instead
+    # of to even, so the losses may differ in the last bits, no more.
+    np.testing.assert_allclose(comp.losses, f32.losses, rtol=2e-5)
+    assert master_codes.MasterFormat("bfloat16", "compensated").companion_itemsize == 2
+
+
+@pytest.mark.parametrize("extra", [[*STOCHASTIC, "optimizer.state_dtype=int8", "offload.params=ssd"],
+                                   [*BF16, "train.grad_accum=2", "offload.params=ssd", "offload.overlap=true"]],
+                         ids=["stochastic-int8-ssd", "compensated-accum-overlap"])
+def test_a_stop_and_resume_is_bit_identical(tmp_path, corpus, extra):
+    straight, _, straight_params = train(tmp_path / "straight", corpus, *extra)
+    train(tmp_path / "halves", corpus, *extra, "train.stop_at_step=2")
+    resumed, records, resumed_params = train(tmp_path / "halves", corpus, *extra)
+    assert resumed.losses == straight.losses
+    assert resumed_params == straight_params
+
+
+def test_a_resume_with_another_master_is_refused_in_one_line(tmp_path, corpus):
+    train(tmp_path / "run", corpus, *STOCHASTIC, "train.stop_at_step=2")
+    with pytest.raises(IncompatibleCheckpointError) as err:
+        train(tmp_path / "run", corpus)  # float32 master
+    message = str(err.value)
+    assert "\n" not in message
+    assert "optimizer.master_dtype: checkpoint has 'bfloat16', this run has 'float32'" in message
+    with pytest.raises(IncompatibleCheckpointError, match="optimizer.master_rounding: checkpoint has 'stochastic', "
+                                                           "this run has 'compensated'"):
+        train(tmp_path / "run", corpus, *BF16)
