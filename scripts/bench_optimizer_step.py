@@ -142,6 +142,12 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def state_format(name: str, args) -> StateFormat:
+    """``DTYPE`` (a float32 master) or ``DTYPE:ROUNDING`` (a bfloat16 master rounded so)."""
+    dtype, _, rounding = name.partition(":")
+    return StateFormat.of(dtype, args.state_block, args.state_rounding, *(("bfloat16", rounding) if rounding else ()))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="180M", help="parameter count (default 180M = 2.16 GB of fp32 state)")
@@ -156,7 +162,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--raw-request", default="64MiB", help="request size of the raw O_DIRECT loop")
     ap.add_argument("--state-dtypes", default="float32",
                     help="comma-separated optimizer.state_dtype values to compare in one run, alternating "
-                         "(e.g. float32,bfloat16,int8; the first is the baseline of the ratios)")
+                         "(e.g. float32,bfloat16,int8; the first is the baseline of the ratios); each may name a "
+                         "bfloat16 master after a colon: int8:compensated, int8:stochastic")
     ap.add_argument("--state-block", type=int, default=2048, help="optimizer.state_block of int8 state")
     ap.add_argument("--state-rounding", choices=["stochastic", "nearest"], default="stochastic",
                     help="optimizer.state_rounding of bfloat16/int8 state")
@@ -169,7 +176,7 @@ def main(argv=None) -> dict:
         return result
 
     dtypes = [d.strip() for d in args.state_dtypes.split(",") if d.strip()]
-    formats = {d: StateFormat.of(d, args.state_block, args.state_rounding) for d in dtypes}
+    formats = {d: state_format(d, args) for d in dtypes}
     n_params = parse_count(args.params)
     spec, stacked = model_spec(n_params, parse_count(args.layer_elements))
     work = Path(tempfile.mkdtemp(prefix="jaxascend-bench-step-", dir=args.dir))

@@ -375,8 +375,9 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
         + whole.streamed_param_bytes + whole.resident_param_bytes
     disk = disk_use(run_disk_parts(cfg, ssd_bytes, checkpoint, 4 * n, _export_itemsize(cfg, model_cfg) * n))
     mine = layout.num_parameters
-    notes = (f"optimizer state: {fmt.dtype} moments, {layout.state_bytes / mine:.2f} B/param on SSD; a step moves "
-             f"{(read + write) / mine:.2f} B/param",)
+    master = "" if fmt.master == "float32" else f", a {fmt.master} {fmt.master_rounding} master"
+    notes = (f"optimizer state: {fmt.dtype} moments{master}, {layout.state_bytes / mine:.2f} B/param on SSD; "
+             f"a step moves {(read + write) / mine:.2f} B/param",)
     if stream:
         notes += (f"streamed weights: {format_bytes(streamed)} on SSD; resident embeddings/norms/head "
                   f"{format_bytes(resident)} ({resident / n:.2f} B/param)",)
