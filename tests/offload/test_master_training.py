@@ -87,3 +87,20 @@ def test_a_resume_with_another_master_is_refused_in_one_line(tmp_path, corpus):
     with pytest.raises(IncompatibleCheckpointError, match="optimizer.master_rounding: checkpoint has 'stochastic', "
                                                            "this run has 'compensated'"):
         train(tmp_path / "run", corpus, *BF16)
+
+
+def test_a_job_of_two_processes_trains_a_bfloat16_master_like_one(tmp_path):
+    # Each process updates its slice of every layer; the stochastic bits are drawn by the
+    # element's index in the whole layer, so the job rounds as one process does.
+    from tests.test_train_distributed import EVAL_TEXT, losses, trained
+    (tmp_path / "eval.py").write_text(EVAL_TEXT)
+    extra = ("model.dtype=bfloat16", *STOCHASTIC, "optimizer.state_dtype=int8", "offload.params=ssd",
+             "model.remat=full")
+    one = trained(tmp_path / "one", 1, *extra)
+    two = trained(tmp_path / "two", 2, *extra)
+    np.testing.assert_allclose(losses(two), losses(one), rtol=1e-4)
+    from safetensors.numpy import load_file
+    a, b = load_file(str(one / "params.safetensors")), load_file(str(two / "params.safetensors"))
+    for name in a:  # the loss's sum over two halves differs in the last bits: a rounding may flip, by an ulp
+        np.testing.assert_allclose(b[name].astype(np.float32), a[name].astype(np.float32), rtol=0, atol=2e-3,
+                                   err_msg=name)
