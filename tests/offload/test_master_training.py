@@ -3,41 +3,24 @@ combination: weights resident or on SSD (where the params region is the master),
 micro-batches, int8 moments; a stop and resume bit-identical to a run never stopped; a resume
 with another master refused in one line; the compensated master equal to a float32 one."""
 
-import json
-
 import numpy as np
 import pytest
 
 from jaxascend.checkpoint import IncompatibleCheckpointError
-from jaxascend.config import load_config
 from jaxascend.optim import master_codes
-from jaxascend.trainer import run
-from tests._corpus import write_word_corpus
+from tests.offload.test_streamed_params import corpus  # noqa: F401  (the fixture)
+from tests.offload.test_streamed_params import train as streamed_train
 
-TINY = [
-    "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=3",
-    "model.num_attention_heads=4", "model.num_key_value_heads=2", "data.seq_len=32", "data.batch_size=2",
-    "train.progress=false", "train.steps=4", "train.log_every=1", "model.remat=full", "model.dtype=bfloat16",
-    "model.param_dtype=float32", "offload.block_bytes=4096", "offload.chunk_bytes=16KiB",
-    "offload.staging_bytes=64KiB", "offload.pin_memory=false", "optimizer.warmup_steps=1",
-    "checkpoint.every_steps=2", "export.save_params=true",
+SETTINGS = [  # beside test_streamed_params' TINY: bfloat16 compute, a checkpoint every 2 of 4 steps
+    "train.steps=4", "model.dtype=bfloat16", "model.param_dtype=float32", "checkpoint.every_steps=2",
+    "export.save_params=true",
 ]
 BF16 = ["optimizer.master_dtype=bfloat16"]
 STOCHASTIC = BF16 + ["optimizer.master_rounding=stochastic"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_word_corpus(tmp_path_factory.mktemp("corpus"), docs=4, words_per_doc=400)
-
-
 def train(out, corpus, *extra):
-    cfg = load_config("configs/tiny.yaml", TINY + [f"data.paths=[{corpus}]", "data.include=['*.txt']",
-                                                   f"train.out_dir={out}", f"offload.dir={out}/offload", *extra])
-    result = run(cfg)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    params = out / "params.safetensors"  # none at train.stop_at_step, a resume point
-    return result, records, params.read_bytes() if params.exists() else None
+    return streamed_train(out, corpus, *SETTINGS, *extra)
 
 
 @pytest.mark.parametrize("master", [BF16, STOCHASTIC], ids=["compensated", "stochastic"])
