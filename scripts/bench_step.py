@@ -9,6 +9,9 @@ Contenders, each in its own process, in a rotating order every round:
     SSD as they are computed: that is part of the backward);
   * ``overlap_ssd``: overlapped, with the layer stack's weights on SSD too (``offload.params:
     ssd``: less memory, 4 B/param more SSD traffic, the forward's copy handed over in memory);
+  * ``overlap_master16`` and ``overlap_ssd_compact`` (only when ``--contenders`` names them):
+    ``overlap`` with a bfloat16 compensated master, and ``overlap_ssd`` with a bfloat16 stochastic
+    master and int8 moments (``optimizer.master_dtype``: 15.5 B/param a step at 7B, from 33.1);
   * ``deepspeed``: ``../shared/peers/zero_infinity/zinf_train.py`` with the lean settings
     (``sub_group_size`` 1e8, buckets 5e7, max live params 1e8), optimizer state on NVMe, when
     ``/tmp/peer/venv`` exists (``--peer off`` to skip);
@@ -58,6 +61,11 @@ SHAPES = {
     "small": {"layers": 4, "hidden": 256, "intermediate": 688, "vocab": 4096, "heads": 4, "kv_heads": 4},
 }
 CONTENDERS = ("overlap", "sequential", "compute", "overlap_ssd", "deepspeed")
+# With --contenders only: the 16-bit master beside the float32 one (issue 39), resident and on SSD.
+MASTER16 = {"overlap_master16": ["optimizer.master_dtype=bfloat16"],  # compensated: the float32 step exactly
+            "overlap_ssd_compact": ["optimizer.master_dtype=bfloat16", "optimizer.master_rounding=stochastic",
+                                    "optimizer.state_dtype=int8"]}
+JAX_MODES = ("overlap", "sequential", "compute", "overlap_ssd", *MASTER16)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -78,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "docs" / "bench_step.json"))
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="extra override for every jaxascend contender")
-    p.add_argument("--child", choices=["overlap", "sequential", "compute", "overlap_ssd"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=list(JAX_MODES), help=argparse.SUPPRESS)
     p.add_argument("--child-dir", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -103,7 +111,7 @@ def jaxascend_overrides(shape: dict, args, mode: str, work: Path) -> list[str]:
         "model.tie_word_embeddings=false", "model.dtype=bfloat16", "model.param_dtype=bfloat16",
         # dots: matmul outputs are kept, the rest of each layer (and the fetch of its weights) recomputed
         "model.remat=dots", f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}",
-        "offload.enabled=true", f"offload.params={'ssd' if mode == 'overlap_ssd' else 'resident'}",
+        "offload.enabled=true", f"offload.params={'ssd' if 'ssd' in mode else 'resident'}", *MASTER16.get(mode, []),
         "offload.chunk_bytes=8MiB", "offload.staging_bytes=8MiB", "optimizer.warmup_steps=0",
         f"offload.overlap={'true' if mode.startswith('overlap') else 'false'}",
         f"offload.dir={work / 'offload'}", f"train.out_dir={work}", f"train.steps={args.steps}",
@@ -238,8 +246,8 @@ def summarize(rounds: list[dict], args) -> dict:
     def per_round(mode, fn):
         return [fn(r[mode]) for r in rounds if mode in r]
 
-    step = {m: per_round(m, lambda x: statistics.median(x["periods"])) for m in CONTENDERS}
-    rss = {m: per_round(m, lambda x: x["peak_rss_bytes"]) for m in CONTENDERS}
+    step = {m: per_round(m, lambda x: statistics.median(x["periods"])) for m in CONTENDERS + tuple(MASTER16)}
+    rss = {m: per_round(m, lambda x: x["peak_rss_bytes"]) for m in CONTENDERS + tuple(MASTER16)}
     out = {"step_seconds": {m: median_range(v) for m, v in step.items() if v},
            "peak_rss_bytes": {m: median_range(v) for m, v in rss.items() if v}, "ratios": {}}
     ratios = out["ratios"]
@@ -254,10 +262,13 @@ def summarize(rounds: list[dict], args) -> dict:
             continue
         ostep = statistics.median(o["periods"])
         pairs = {"overlap_vs_sequential": "sequential", "overlap_vs_deepspeed": "deepspeed",
-                 "overlap_vs_compute": "compute"}
+                 "overlap_vs_compute": "compute", "overlap_vs_overlap_master16": "overlap_master16"}
         for name, other in pairs.items():
             if other in r:
                 ratios.setdefault(name, []).append(ostep / statistics.median(r[other]["periods"]))
+        if "overlap_ssd" in r and "overlap_ssd_compact" in r:  # on SSD: float32 master and moments / compact
+            ratios.setdefault("overlap_ssd_vs_overlap_ssd_compact", []).append(
+                statistics.median(r["overlap_ssd"]["periods"]) / statistics.median(r["overlap_ssd_compact"]["periods"]))
         if "deepspeed" in r:
             ds = r["deepspeed"]
             ratios.setdefault("overlap_rss_vs_deepspeed", []).append(o["peak_rss_bytes"] / ds["peak_rss_bytes"])
@@ -292,11 +303,12 @@ def summarize(rounds: list[dict], args) -> dict:
     for name, key in (("ssd_bytes_per_step", "ssd_bytes_per_step"), ("overlap_fraction", "overlap_fraction"),
                       ("deepspeed_compute_seconds", "compute_periods")):
         figures = {m: median_range([statistics.median(r[m][key]) for r in rounds if r.get(m, {}).get(key)])
-                   for m in CONTENDERS}
+                   for m in CONTENDERS + tuple(MASTER16)}
         out[name] = {m: v for m, v in figures.items() if v["n"]}
     out["tokens_per_second"] = {m: median_range([r[m]["tokens_per_step"] / statistics.median(r[m]["periods"])
                                                  for r in rounds if r.get(m, {}).get("tokens_per_step")])
-                                for m in CONTENDERS if any(r.get(m, {}).get("tokens_per_step") for r in rounds)}
+                                for m in CONTENDERS + tuple(MASTER16)
+                                if any(r.get(m, {}).get("tokens_per_step") for r in rounds)}
     return out
 
 
@@ -392,7 +404,7 @@ def run_round(k: int, contenders: list[str], args, work: Path) -> dict:
         print(f"round {k}, A={args.grad_accum}: {mode} step {statistics.median(result[mode]['periods']):.2f} s, "
               f"peak RSS {result[mode]['peak_rss_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
     shutil.rmtree(round_dir, ignore_errors=True)
-    for mode in ("overlap", "sequential", "compute", "overlap_ssd"):  # keep the JSON small: one timeline
+    for mode in JAX_MODES:  # keep the JSON small: one timeline
         if mode in result:
             result[mode]["last_timeline"] = result[mode].pop("timeline", None)
     return result
@@ -403,6 +415,11 @@ def main(argv=None) -> int:
     if args.child:
         return child_main(args)
     contenders = [c for c in args.contenders.split(",") if c]
+    unknown = [c for c in contenders if c not in CONTENDERS + tuple(MASTER16)]
+    if unknown:
+        print(f"error: --contenders: {', '.join(unknown)} not among {', '.join(CONTENDERS + tuple(MASTER16))}",
+              file=sys.stderr)
+        return 2
     try:
         accums = sorted({int(a) for a in args.grad_accum.split(",") if a.strip()})
     except ValueError:
