@@ -20,7 +20,7 @@ import numpy as np
 from jaxascend.kill_points import kill_point
 from jaxascend.offload.layout import PARAM_SLOT_CLASS, ChunkRef, LeafLayout, OffloadLayout
 from jaxascend.offload.param_source import ParamSource
-from jaxascend.optim import AdamHyperParams, StateFormat, chunk_seed, fused_adamw_update_numpy
+from jaxascend.optim import AdamHyperParams, MasterFormat, StateFormat, chunk_seed, fused_adamw_update_numpy
 from jaxascend.ssd import ArenaError, Segment, SsdStore, format_bytes, round_to_alignment
 
 
@@ -141,7 +141,8 @@ class ChunkKernel:
         comp = ref.record.companion(raw)
         if self.state.master_rounding == "nearest" and self.state.master != "float32":
             comp = np.zeros(ref.count, np.uint16)  # the ablation: to nearest, the low half dropped
-        extra = {} if self.state.master == "float32" else {"master_format": self.state.master_format, "comp": comp}
+        extra = {} if self.state.master == "float32" else {"master_format": MasterFormat.of_state(self.state),
+                                                                   "comp": comp}
         fused_adamw_update_numpy(master, m, v, grad, out, scalars, threads=self.threads, state=self.state,
                                  m_scale=m_scale, v_scale=v_scale, seed=seed, index=first, **extra)
 

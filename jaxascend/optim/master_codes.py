@@ -51,7 +51,6 @@ the whole update in numpy, which the kernel (ffi/optim_adam.h) matches bit for b
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -89,6 +88,13 @@ class MasterFormat:
         elif self.rounding not in MASTER_ROUNDINGS:
             raise ValueError(f"master rounding {self.rounding!r} is not one of {', '.join(MASTER_ROUNDINGS)} "
                              "(a bfloat16 master rounded to nearest stops moving at small learning rates)")
+
+    @classmethod
+    def of_state(cls, fmt: sc.StateFormat) -> "MasterFormat":
+        """The kernel's format of ``fmt``'s master (``optimizer.master_rounding: nearest``, the
+        ablation, runs as compensated with a zero companion, dropped after every update)."""
+        nearest = fmt.master_rounding == "nearest"
+        return cls(fmt.master, "compensated" if nearest else fmt.master_rounding)
 
     @property
     def compensated(self) -> bool:
@@ -147,11 +153,7 @@ def split_master(x) -> tuple[np.ndarray, np.ndarray]:
     return master, (u & np.uint32(0xFFFF)).astype(np.uint16)
 
 
-def join_master(master, comp) -> np.ndarray:
-    """The float32 value of a compensated master: bits ``(master << 16) + int16(comp)``."""
-    high = np.asarray(master).view(np.uint16).astype(np.int64) << 16
-    low = np.asarray(comp).view(np.uint16).view(np.int16).astype(np.int64)
-    return ((high + low) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+join_master = sc.join_master  # the float32 value of a compensated master (its bits and companion)
 
 
 def adamw_reference_master(master, m, v, grad, scalars, fmt: sc.StateFormat, master_format: MasterFormat,

@@ -131,12 +131,6 @@ class StateFormat:
         """Bytes of one element of a compensated bfloat16 master's companion (0: none)."""
         return 2 if self.master == "bfloat16" and self.master_rounding == "compensated" else 0
 
-    @property
-    def master_format(self):
-        """The kernel's :class:`~jaxascend.optim.master_codes.MasterFormat` of the master."""
-        from jaxascend.optim.master_codes import MasterFormat  # beside this module, imports it
-        nearest = self.master_rounding == "nearest"  # compensated with a zero companion, dropped
-        return MasterFormat(self.master, "compensated" if nearest else self.master_rounding)
 
     @property
     def stochastic(self) -> bool:
@@ -175,7 +169,6 @@ class StateFormat:
         compensated one joined with its companion ``scale``, exactly the float32 master)."""
         if which == "master" and np.asarray(stored).itemsize == 2:
             if scale is not None:
-                from jaxascend.optim.master_codes import join_master  # beside this module, imports it
                 return join_master(stored, scale)
             return bf16_widen(np.asarray(stored).view(np.uint16))
         if which == "master":
@@ -431,6 +424,13 @@ def rounding_hash(seed: int, index: int, n: int) -> np.ndarray:
 def rounding_bits(seed: int, index: int, n: int) -> np.ndarray:
     """v's 16 random bits (uint32, below 2**16): the top half of :func:`rounding_hash`."""
     return rounding_hash(seed, index, n) >> np.uint32(16)
+
+
+def join_master(master, comp) -> np.ndarray:
+    """The float32 value of a compensated master: bits ``(master << 16) + int16(comp)``."""
+    high = np.asarray(master).view(np.uint16).astype(np.int64) << 16
+    low = np.asarray(comp).view(np.uint16).view(np.int16).astype(np.int64)
+    return ((high + low) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
 
 
 def bf16_widen(bits: np.ndarray) -> np.ndarray:

@@ -143,6 +143,11 @@ CLAIMS = [
     # optimizer, train, data, eval
     Claim("optimizer.state_dtype", "needs offload.enabled", ("offload.enabled=false", "optimizer.state_dtype=int8"),
           refused="optimizer.state_dtype: 'int8' needs offload.enabled: true"),
+    Claim("optimizer.master_dtype", "needs offload.enabled", ("offload.enabled=false", "optimizer.master_dtype=bfloat16"),
+          refused="optimizer.master_dtype: 'bfloat16' needs offload.enabled: true"),
+    Claim("optimizer.master_dtype", "needs model.dtype: bfloat16", ("model.dtype=float32",
+                                                                    "optimizer.master_dtype=bfloat16"),
+          refused="optimizer.master_dtype: 'bfloat16' needs model.dtype: bfloat16"),
     Claim("train.grad_accum", "each layer running them in turn (overlap and jobs alike)",
           ("model.remat=full", "train.grad_accum=3"), job=JOB,
           plan={"grad_accum": 3, "overlap": True, "partitioned": True}),
