@@ -17,15 +17,13 @@ first, with no tokenizer (:func:`resolve_data`): ``data.format: auto`` is resolv
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from jaxascend.config import Config, ConfigError, DataConfig, ModelConfig
 from jaxascend.data import (EpochCount, eval_batches, has_tokenizer_files, load_tokenizer, make_batch_stream,
                             missing_paths, read_data_format, tokenizer_folder, with_epoch_steps)
-from jaxascend.hf import (CheckpointFiles, ModelSource, check_hf_weights, dominant_dtype, locate_model,
-                          model_config_from_hf, param_plan)
+from jaxascend.hf import ModelSource, check_hf_weights, locate_model, model_config_from_hf, param_plan
 from jaxascend.models import TokenBatch, token_batch
 from jaxascend.offload import JobShape, StepPlan
 from jaxascend.planning import ResourcePlan, plan_resources
@@ -63,23 +61,15 @@ def model_notes(asked: ModelConfig, resolved: ModelConfig) -> tuple[str, ...]:
     return tuple(line for line in lines if line)
 
 
-def master_notes(cfg: Config, resolved: ModelConfig) -> tuple[str, ...]:
-    """The ``note:`` of a bfloat16 master starting from a checkpoint of wider weights: they are
-    rounded once, to nearest (a bfloat16 checkpoint's are the master exactly)."""
-    if cfg.optimizer.master_dtype != "bfloat16" or resolved.path is None:
+def master_notes(cfg: Config, weights_dtype: str) -> tuple[str, ...]:
+    """The ``note:`` of a bfloat16 master rounded once from ``model.path``'s wider weights
+    (``weights_dtype``): a stochastic (or nearest) one starts from their bfloat16 rounding; a
+    compensated one holds them exactly, and a bfloat16 checkpoint is the master as it is."""
+    o = cfg.optimizer
+    if o.master_dtype != "bfloat16" or o.master_rounding == "compensated" or weights_dtype == "bfloat16":
         return ()
-    if not any(os.path.isfile(os.path.join(resolved.path, name))
-               for name in ("model.safetensors", "model.safetensors.index.json")):
-        return ()  # config.json alone (a plan): no weights to round
-    files = CheckpointFiles(resolved.path)
-    try:
-        dtype = dominant_dtype(files.entries.values())
-    finally:
-        files.close()
-    if dtype == "bfloat16":
-        return ()
-    return (f"optimizer.master_dtype: bfloat16: the {dtype} weights of {resolved.path} are rounded once to bfloat16 "
-            "(to nearest) where the master starts from them",)
+    return (f"optimizer.master_dtype: bfloat16 ({o.master_rounding}): the {weights_dtype} weights of "
+            f"{cfg.model.path} are rounded once to bfloat16 (to nearest) where the master starts from them",)
 
 
 def replaced_fields_note(asked: ModelConfig, resolved: ModelConfig) -> Optional[str]:
@@ -166,7 +156,7 @@ def read_inputs(cfg: Config) -> RunInputs:
     model_cfg = resolve_model_config(cfg)
     cfg, notes = resolve_data(cfg)  # before the weights and the tokenizer, as the planner reads it
     if cfg.model.path is not None:  # a truncated file or a missing tensor stops the run here
-        check_hf_weights(cfg.model.path, model_cfg)
+        notes += master_notes(cfg, check_hf_weights(cfg.model.path, model_cfg))
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     return RunInputs(model_cfg, tokenizer, make_batch_stream(cfg.data, tokenizer), held_out_batches(cfg, tokenizer),
                      data=cfg.data, notes=notes)
@@ -248,6 +238,6 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     cfg, resources = plan_resources(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete,
                                     processes=job.processes)
     step_plan = StepPlan.resolve(cfg, sized, job, choices=resources.choices)
-    model_lines = model_notes(cfg.model, model_cfg) + master_notes(cfg, model_cfg)
+    model_lines = model_notes(cfg.model, model_cfg)
     return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, resources, step_plan,
                        inputs.assumed, inputs.notes + model_lines + epoch_lines, epochs)

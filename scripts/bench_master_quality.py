@@ -58,23 +58,15 @@ def numpy_sources() -> str:
 
 
 def weights(folder: Path) -> dict:
-    """The Hugging Face export's tensors (``model.safetensors``) as float32 arrays by name: the
-    pretrained weights in bfloat16 (where every fine-tuning run starts, a bfloat16 master exactly),
-    a fine-tuned run's in float32 (its master's values; a compensated master's joined halves)."""
-    import ml_dtypes
-    raw = (folder / "model.safetensors").read_bytes()
-    size = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + size])
-    kinds = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = entry["data_offsets"]
-        x = np.frombuffer(raw, kinds[entry["dtype"]], offset=8 + size + begin, count=(end - begin) // np.dtype(
-            kinds[entry["dtype"]]).itemsize)
-        out[name] = x.astype(np.float32)
-    return out
+    """The Hugging Face export's tensors as float32 arrays by name: the pretrained weights in
+    bfloat16 (where every fine-tuning run starts, a bfloat16 master exactly), a fine-tuned run's
+    in float32 (its master's values; a compensated master's joined halves)."""
+    from jaxascend.hf import CheckpointFiles
+    files = CheckpointFiles(folder)
+    try:
+        return {name: np.asarray(files.read(entry), np.float32) for name, entry in files.entries.items()}
+    finally:
+        files.close()
 
 
 def drift(start: dict, end: dict) -> float:

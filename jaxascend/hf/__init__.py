@@ -27,10 +27,10 @@ from jaxascend.hf.load import HFParamReader, aligned_empty, check_hf_weights, lo
 from jaxascend.hf.names import ParamMapping, abstract_params, param_plan, tree_path_to_dotted
 from jaxascend.hf.params_file import PARAMS_FILE, ParamsFile, save_params
 from jaxascend.hf.presets import PRESETS, make_hf_checkpoint, preset_config
-from jaxascend.hf.safetensors_io import CheckpointFiles, DTYPE_NAMES, dominant_dtype
+from jaxascend.hf.safetensors_io import CheckpointFiles, DTYPE_NAMES
 
 __all__ = [
-    "CONFIG_FILE", "CheckpointFiles", "DEFAULT_SHARD_BYTES", "DTYPE_NAMES", "HFParamReader", "dominant_dtype", "ModelSource",
+    "CONFIG_FILE", "CheckpointFiles", "DEFAULT_SHARD_BYTES", "DTYPE_NAMES", "HFParamReader", "ModelSource",
     "NO_TOKENIZER_NOTE", "PARAMS_FILE", "PRESETS", "ParamMapping", "ParamsFile", "abstract_params", "aligned_empty",
     "build_model_lean", "check_hf_weights", "export_hf", "lean_init_reader", "load_hf_model", "load_hf_params",
     "locate_model", "make_hf_checkpoint", "model_config_from_hf", "model_config_from_hf_dict", "param_leaves",

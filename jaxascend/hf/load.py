@@ -135,16 +135,20 @@ def open_checked(folder: str, cfg: ModelConfig) -> tuple[CheckpointFiles, str]:
         raise
 
 
-def check_hf_weights(folder: str | os.PathLike, model_cfg: ModelConfig) -> None:
+def check_hf_weights(folder: str | os.PathLike, model_cfg: ModelConfig) -> str:
     """Checks the weights in ``folder`` against ``model_cfg`` from their headers alone (see
     :func:`open_checked`): what a run reads before it writes anything, so that a truncated file
-    or a missing tensor stops it at the start.
+    or a missing tensor stops it at the start. Returns the checkpoint's dtype (the one that holds
+    most of its bytes, :func:`~jaxascend.hf.safetensors_io.dominant_dtype`).
 
         check_hf_weights("/models/Qwen2.5-7B", model_config_from_hf("/models/Qwen2.5-7B"))
     """
     folder = os.path.expanduser(str(folder))
     ckpt, _ = open_checked(folder, _resolve(folder, model_cfg))
-    ckpt.close()
+    try:
+        return dominant_dtype(ckpt.entries.values())
+    finally:
+        ckpt.close()
 
 
 def iter_hf_params(folder: str | os.PathLike, model_cfg: Optional[ModelConfig] = None, *,

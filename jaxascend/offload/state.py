@@ -453,7 +453,7 @@ class OffloadedAdamState:
                 master = self.store.read(leaf.param_regions[ref.layer], offset=ref.grad_offset,
                                          nbytes=ref.grad_bytes, dtype=np.uint16) if ref.record.state.master_elsewhere \
                     else master
-                values = fmt.decode("master", master, ref.record.companion(raw))
+                values = fmt.master_values(master, ref.record.companion(raw))
             else:
                 values = fmt.decode(which, m if which == "m" else v, m_scale if which == "m" else v_scale)
             out[ref.flat_start - first:ref.flat_start - first + n] = values

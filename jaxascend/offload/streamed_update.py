@@ -139,7 +139,7 @@ class ChunkKernel:
         seed, first = self.rounding_key(ref)
         scalars = self.scalars if self.scalars.ndim == 1 else self.scalars[ref.leaf.index]
         comp = ref.record.companion(raw)
-        if self.state.master_rounding == "nearest" and self.state.master != "float32":
+        if self.state.master_rounding == "nearest":  # (a float32 master's rounding reads "compensated")
             comp = np.zeros(ref.count, np.uint16)  # the ablation: to nearest, the low half dropped
         extra = {} if self.state.master == "float32" else {"master_format": MasterFormat.of_state(self.state),
                                                                    "comp": comp}
@@ -149,7 +149,7 @@ class ChunkKernel:
     def rounding_key(self, ref: ChunkRef) -> tuple[int, int]:
         """(chunk seed, index of its first element in the whole layer) of a chunk's stochastic
         rounding in this update; (0, 0) when neither v nor the master is rounded stochastically."""
-        if not (self.state.stochastic or self.state.master_rounding == "stochastic" and self.state.master != "float32"):
+        if not (self.state.stochastic or self.state.master_rounding == "stochastic"):
             return 0, 0
         seed = chunk_seed(self.rounding_seed, self.updates_applied, ref.leaf.index, ref.layer)
         return seed, self.partition_index * ref.leaf.layer_elements + ref.start

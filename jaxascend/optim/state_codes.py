@@ -165,19 +165,19 @@ class StateFormat:
 
     def decode(self, which: str, stored: np.ndarray, scale: Optional[np.ndarray] = None) -> np.ndarray:
         """The float32 values of a stored ``"m"`` or ``"v"`` (bfloat16 bits or codes; ``scale``:
-        the int8 block scales; ``"master"``: its float32 values, a bfloat16 one widened exactly, a
-        compensated one joined with its companion ``scale``, exactly the float32 master)."""
-        if which == "master" and np.asarray(stored).itemsize == 2:
-            if scale is not None:
-                return join_master(stored, scale)
-            return bf16_widen(np.asarray(stored).view(np.uint16))
-        if which == "master":
-            return np.asarray(stored, np.float32)
+        the int8 block scales)."""
         if self.dtype == "float32":
             return np.asarray(stored, np.float32)
         if self.dtype == "bfloat16":
             return bf16_widen(np.asarray(stored).view(np.uint16))
         return (dequantize_m if which == "m" else dequantize_v)(stored, scale, self.block)
+
+    def master_values(self, stored: np.ndarray, comp: Optional[np.ndarray] = None) -> np.ndarray:
+        """The float32 values of a stored master: float32 as it is, a bfloat16 one widened exactly,
+        a compensated one joined with its companion ``comp`` (exactly the float32 master)."""
+        if self.master == "float32":
+            return np.asarray(stored, np.float32)
+        return bf16_widen(np.asarray(stored).view(np.uint16)) if comp is None else join_master(stored, comp)
 
     def blocks(self, n: int) -> int:
         """Scale blocks of a run of ``n`` elements (0 without scales)."""

@@ -87,3 +87,20 @@ def test_a_job_of_two_processes_trains_a_bfloat16_master_like_one(tmp_path):
     for name in a:  # the loss's sum over two halves differs in the last bits: a rounding may flip, by an ulp
         np.testing.assert_allclose(b[name].astype(np.float32), a[name].astype(np.float32), rtol=0, atol=2e-3,
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("dtype, rounding, noted", [("float32", "stochastic", True), ("float32", "compensated", False),
+                                                     ("bfloat16", "stochastic", False)])
+def test_a_wider_checkpoint_rounded_once_is_one_note(tmp_path, corpus, dtype, rounding, noted):
+    # A compensated master holds a float32 checkpoint's values exactly; a stochastic one starts
+    # from their bfloat16 rounding, which one note says; a bfloat16 checkpoint is the master as it is.
+    from jaxascend.config import load_config
+    from jaxascend.hf import make_hf_checkpoint
+    from jaxascend.preparation import read_inputs
+    folder = make_hf_checkpoint("llama", "tiny", tmp_path / "model", dtype=dtype)
+    cfg = load_config("configs/tiny.yaml", [f"model.path={folder}", f"data.paths=[{corpus}]", "data.include=['*.txt']",
+                                            f"train.out_dir={tmp_path / 'run'}", *BF16,
+                                            f"optimizer.master_rounding={rounding}"])
+    notes = [n for n in read_inputs(cfg).notes if n.startswith("optimizer.master_dtype")]
+    assert notes == ([f"optimizer.master_dtype: bfloat16 (stochastic): the float32 weights of {folder} are rounded "
+                      "once to bfloat16 (to nearest) where the master starts from them"] if noted else [])
