@@ -6,7 +6,8 @@ then hand the same error back to the caller, which the CLI prints as one ``error
 :func:`one_line_output` keeps that second copy only: while it is active, ``sys.stderr`` is a
 small in-memory buffer (dropped at the end), jaxascend's own log records and Python warnings
 become one-line ``note: ...`` messages, and :func:`terminal` is where the progress bar, notes and
-errors go. ``JAXASCEND_DEBUG=1`` turns all of it off and shows everything, tracebacks included.
+errors go. After an error, the libraries' late reports of it stay hidden too (see
+:func:`_drop_late_reports`). ``JAXASCEND_DEBUG=1`` turns all of it off and shows everything, tracebacks included.
 
 The native runtime of a job writes to the process's own file descriptors, past ``sys.stderr``:
 gloo's ``[Gloo] Rank 0 is connected to 1 peer ranks...`` and XLA's preemption notifier's info and
@@ -24,10 +25,12 @@ import logging
 import os
 import re
 import sys
+import threading
 import warnings
 from typing import Callable, Iterator, NoReturn, TextIO
 
 _terminal: TextIO | None = None  # the real stderr while one_line_output is active
+_errors_reported = 0  # error lines printed so far (one_line_output tells a failed command by it)
 # gloo's connection line, and the info/warning lines of XLA's preemption notifier and sync manager
 # ("Cancelled call to retrieve preemption notice. This is expected upon program shutdown."), as absl
 # writes them ("W1203 07:45:00.123456  1234 preemption_notifier.cc:89] ...") or TSL's own logging
@@ -60,6 +63,8 @@ def first_line(err: BaseException) -> str:
 
 
 def error(message: str) -> None:
+    global _errors_reported
+    _errors_reported += 1
     print(f"error: {message}", file=terminal(), flush=True)
 
 
@@ -147,14 +152,33 @@ def one_line_output() -> Iterator[None]:
         # Left behind by a background save that failed; the failure itself is reported.
         warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
         warnings.showwarning = lambda message, category, *args, **kwargs: note(str(message))
+        errors_before = _errors_reported
         try:
             yield
         finally:
             # A failed background save leaves tasks whose "exception was never retrieved" records
             # would be logged when they are collected: collect them while stderr is the buffer.
             gc.collect()
+            failed = _errors_reported > errors_before
             sys.stderr, package_log.propagate = saved
             for h, stream in zip(handlers, saved_streams):
-                h.setStream(stream)
+                if not failed:
+                    h.setStream(stream)
             package_log.removeHandler(note_handler)
             _terminal = None
+            if failed:
+                _drop_late_reports(buffer)
+
+
+def _drop_late_reports(buffer: TextIO) -> None:
+    """After an ``error:`` line, the libraries' late reports of the same failure stay off the
+    terminal until the process ends: a background save's threads and tensorstore's callbacks can
+    outlive the command (a future whose exception nobody retrieved, an exception in a thread or in
+    a callback on a closed event loop). Only those channels are redirected; ``sys.stderr`` is the
+    caller's again."""
+    late = logging.getLogger("asyncio")
+    late.addHandler(logging.StreamHandler(buffer))
+    late.propagate = False  # else logging's last-resort handler writes to the real stderr
+    sys.unraisablehook = lambda unraisable: None
+    threading.excepthook = lambda args: None
+    sys.excepthook = lambda *exc_info: None  # tensorstore's callbacks report with PyErr_Print
