@@ -69,6 +69,12 @@ Status ShardStore::Submit(IoDirection direction, int32_t id, int64_t offset, int
                                    " bytes cannot hold " + std::to_string(nbytes) + " bytes rounded up to 4096 (" +
                                    std::to_string(RoundUpToAlignment(nbytes)) + ")");
   }
+  if (region(id)->in_memory()) {
+    JAXASCEND_RETURN_IF_ERROR(CopyMemory(id, offset, nbytes, buffer, direction == IoDirection::kWrite, op));
+    ticket->AddPending(1);
+    ticket->Complete(Status::Ok());
+    return Status::Ok();
+  }
   // Holding layout_mu_ while queueing orders these requests before Close() stops the queue.
   std::lock_guard<std::mutex> lock(layout_mu_);
   if (closed_) return Status::Closed(std::string(op) + ": the shard store in " + options_.dir + " is closed");
@@ -187,6 +193,7 @@ Status ShardStore::WaitStaging() {
 
 Status ShardStore::WriteFromHost(int32_t id, int64_t offset, const void* src, int64_t nbytes, bool wait) {
   JAXASCEND_RETURN_IF_ERROR(CheckRange(id, offset, nbytes, "write"));
+  if (region(id)->in_memory()) return CopyMemory(id, offset, nbytes, const_cast<void*>(src), true, "write");
   std::lock_guard<std::mutex> lock(staging_mu_);
   if (closed_) return Status::Closed("write: the shard store in " + options_.dir + " is closed");
   const uint8_t* from = static_cast<const uint8_t*>(src);
@@ -206,6 +213,7 @@ Status ShardStore::WriteFromHost(int32_t id, int64_t offset, const void* src, in
 
 Status ShardStore::ReadToHost(int32_t id, int64_t offset, void* dst, int64_t nbytes) {
   JAXASCEND_RETURN_IF_ERROR(CheckRange(id, offset, nbytes, "read"));
+  if (region(id)->in_memory()) return CopyMemory(id, offset, nbytes, dst, false, "read");
   std::lock_guard<std::mutex> lock(staging_mu_);
   if (closed_) return Status::Closed("read: the shard store in " + options_.dir + " is closed");
   // Staged writes first: a read after a write sees the written data.
@@ -233,6 +241,18 @@ Status ShardStore::ReadToHost(int32_t id, int64_t offset, void* dst, int64_t nby
   next_staging_ = 0;
   const Status rest = WaitStaging();
   return first.ok() ? rest : first;
+}
+
+Status ShardStore::CopyMemory(int32_t id, int64_t offset, int64_t nbytes, void* host, bool to_region,
+                              const char* op) {
+  if (closed_) return Status::Closed(std::string(op) + ": the shard store in " + options_.dir + " is closed");
+  uint8_t* bytes = region(id)->memory.data + offset;  // regions outlive the store's requests
+  if (to_region) {
+    std::memcpy(bytes, host, static_cast<size_t>(nbytes));
+  } else {
+    std::memcpy(host, bytes, static_cast<size_t>(nbytes));
+  }
+  return Status::Ok();
 }
 
 Status ShardStore::Flush() {

@@ -25,6 +25,13 @@
 // the page cache does not grow with the model (unless drop_page_cache is false: then plain
 // page-cache I/O, written back whenever the kernel likes). direct_io() / io_mode_status() say which.
 //
+// In-memory regions. AddRegion(..., in_memory=true) keeps a region's bytes in this process's
+// memory (an anonymous mapping: zeros until written) instead of a shard file: the same names,
+// offsets and rules, no extents, no checksums, no I/O queue; a request completes as it is
+// submitted (a copy). The gradients use it when they fit in RAM (offload.gradients: host), so
+// the sink, the update and their receipts work as with gradients on SSD. The I/O counters count
+// the disk only.
+//
 // For native callers (the gradient sink, the parameter source): ShardStores().Find(handle)
 // returns an open store;
 // WriteFromHost() copies a host buffer into the store's arena staging slots and queues the
@@ -77,6 +84,16 @@ struct StoreExtent {
   int64_t disk_bytes = 0;     // bytes of the region in this extent (4096-aligned)
 };
 
+// An in-memory region's bytes (mmap'd, released with the region).
+struct MappedBytes {
+  uint8_t* data = nullptr;
+  int64_t size = 0;
+  MappedBytes() = default;
+  MappedBytes(const MappedBytes&) = delete;
+  MappedBytes& operator=(const MappedBytes&) = delete;
+  ~MappedBytes();
+};
+
 struct StoreRegion {
   int32_t id = -1;
   std::string name;
@@ -84,6 +101,8 @@ struct StoreRegion {
   int64_t num_blocks = 0;
   std::vector<StoreExtent> extents;
   std::unique_ptr<std::atomic<uint32_t>[]> crcs;  // one per block, of the last successful write
+  MappedBytes memory;  // in-memory regions only (then no extents and no crcs)
+  bool in_memory() const { return memory.data != nullptr; }
 };
 
 class ShardStore : private BlockHandler {
@@ -108,7 +127,7 @@ class ShardStore : private BlockHandler {
   const StoreOptions& options() const { return options_; }
   const std::shared_ptr<Arena>& arena() const { return arena_; }
 
-  Status AddRegion(const std::string& name, int64_t nbytes, int32_t* id);
+  Status AddRegion(const std::string& name, int64_t nbytes, int32_t* id, bool in_memory = false);
   Status FindRegion(const std::string& name, int32_t* id) const;
   const StoreRegion* region(int32_t id) const;  // nullptr when unknown
   int32_t num_regions() const;
@@ -148,6 +167,9 @@ class ShardStore : private BlockHandler {
   const ShardFile& Locate(const BlockRequest& request, int64_t* file_offset) const;
   std::string Where(const BlockRequest& request) const;
   Status WaitStaging();  // waits every staging slot; first error; caller holds staging_mu_
+  Status AddMemoryRegion(StoreRegion& region);
+  // An in-memory region's copy: `to_region` copies `host` into it, else out of it.
+  Status CopyMemory(int32_t id, int64_t offset, int64_t nbytes, void* host, bool to_region, const char* op);
 
   StoreOptions options_;
   std::shared_ptr<Arena> arena_;

@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -221,7 +222,24 @@ Status ShardStore::GrowShard(ShardFile& shard, int64_t new_size, const std::stri
   return Status::Ok();
 }
 
-Status ShardStore::AddRegion(const std::string& name, int64_t nbytes, int32_t* id) {
+MappedBytes::~MappedBytes() {
+  if (data != nullptr) munmap(data, static_cast<size_t>(size));
+}
+
+Status ShardStore::AddMemoryRegion(StoreRegion& region) {
+  const int64_t size = RoundUpToAlignment(region.nbytes);
+  void* p = mmap(nullptr, static_cast<size_t>(size), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    return Status::Io(err, "add_region '" + region.name + "': keeping " + std::to_string(region.nbytes) +
+                               " bytes in memory failed: " + DescribeErrno(err));
+  }
+  region.memory.data = static_cast<uint8_t*>(p);
+  region.memory.size = size;
+  return Status::Ok();
+}
+
+Status ShardStore::AddRegion(const std::string& name, int64_t nbytes, int32_t* id, bool in_memory) {
   std::lock_guard<std::mutex> lock(layout_mu_);
   if (closed_) return Status::Closed("shard store in " + options_.dir + " is closed");
   if (name.empty()) return Status::InvalidArgument("add_region: the name must be non-empty");
@@ -233,6 +251,16 @@ Status ShardStore::AddRegion(const std::string& name, int64_t nbytes, int32_t* i
   }
   const int64_t block = options_.block_bytes;
   auto region = std::make_unique<StoreRegion>();
+  if (in_memory) {
+    region->name = name;
+    region->nbytes = nbytes;
+    JAXASCEND_RETURN_IF_ERROR(AddMemoryRegion(*region));
+    region->id = static_cast<int32_t>(regions_.size());
+    region->num_blocks = (nbytes + block - 1) / block;
+    *id = region->id;
+    regions_.push_back(std::move(region));
+    return Status::Ok();
+  }
   int32_t shard = cursor_shard_;
   int64_t offset = cursor_offset_;
   int64_t remaining = RoundUpToAlignment(nbytes);

@@ -110,11 +110,12 @@ void BindShardStoreRegions(nb::class_<ShardStore>& cls) {
       .def_prop_ro("num_shards", &ShardStore::num_shards)
       .def("shard_path", &ShardStore::shard_path)
       .def("add_region",
-           [](ShardStore& s, const std::string& name, int64_t nbytes) {
+           [](ShardStore& s, const std::string& name, int64_t nbytes, bool in_memory) {
              int32_t id = -1;
-             CheckStatus(s.AddRegion(name, nbytes, &id));
+             CheckStatus(s.AddRegion(name, nbytes, &id, in_memory));
              return id;
-           })
+           },
+           nb::arg("name"), nb::arg("nbytes"), nb::arg("in_memory") = false)
       .def("find_region",
            [](ShardStore& s, const std::string& name) {
              int32_t id = -1;
@@ -127,9 +128,9 @@ void BindShardStoreRegions(nb::class_<ShardStore>& cls) {
              if (!r) RaiseStatus(Status::InvalidArgument("unknown region id " + std::to_string(id)));
              std::vector<std::tuple<int32_t, int64_t, int64_t, int64_t>> extents;
              for (const StoreExtent& e : r->extents) extents.emplace_back(e.shard, e.file_offset, e.region_offset, e.disk_bytes);
-             return std::make_tuple(r->name, r->nbytes, r->num_blocks, extents);
+             return std::make_tuple(r->name, r->nbytes, r->num_blocks, extents, r->in_memory());
            },
-           "(name, nbytes, num_blocks, [(shard, file_offset, region_offset, disk_bytes)]).");
+           "(name, nbytes, num_blocks, [(shard, file_offset, region_offset, disk_bytes)], in_memory).");
 }
 
 // ShardStore's reads and writes: through arena slots, from and to host bytes, and streamed passes.

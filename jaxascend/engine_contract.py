@@ -89,6 +89,8 @@ class EngineReport:
     resident_param_bytes: Optional[int] = None
     streamed_param_bytes: Optional[int] = None
     params: Optional[str] = None  # "resident" or "ssd"
+    gradients: Optional[str] = None  # where they wait: "ssd", "host" (RAM), "host_fp32" (the ablation)
+    grad_bytes: Optional[int] = None  # one step's gradient regions, this process's (on SSD or in RAM)
     overlap: Optional[bool] = None
     overlap_refused: Optional[str] = None
     data_parallel_processes: int = 1

@@ -208,6 +208,12 @@ def _validate_cross_fields(cfg: Config) -> None:
     if cfg.optimizer.state_dtype != "float32" and not cfg.offload.enabled:
         raise ConfigError(f"optimizer.state_dtype: {cfg.optimizer.state_dtype!r} needs offload.enabled: true (the "
                           "in-memory engine keeps optax's float32 moments)")
+    if cfg.offload.gradients != "auto" and not cfg.offload.enabled:
+        raise ConfigError(f"offload.gradients: {cfg.offload.gradients!r} needs offload.enabled: true (the in-memory "
+                          "engine keeps its gradients on the device)")
+    if cfg.offload.gradients != "auto" and cfg.offload.fp32_grad_buffer:
+        raise ConfigError(f"offload.gradients: {cfg.offload.gradients!r} cannot be combined with "
+                          "offload.fp32_grad_buffer (the ablation keeps its own float32 host buffer); leave it auto")
     if cfg.optimizer.master_dtype == "bfloat16" and not cfg.offload.enabled:
         raise ConfigError("optimizer.master_dtype: 'bfloat16' needs offload.enabled: true (the in-memory engine "
                           "keeps optax's float32 weights)")

@@ -188,6 +188,7 @@ def check_decay_mask(rule: str) -> None:
 
 
 PARAM_PLACEMENTS = ("auto", "resident", "ssd")
+GRADIENT_PLACEMENTS = ("auto", "ssd", "host")
 IO_ENGINES = ("auto", "io_uring", "threads")
 
 
@@ -242,6 +243,12 @@ class OffloadConfig:
     # choice is said in a note. See `python -m jaxascend.plan`.
     params: str = "auto"
     param_prefetch: int = 2  # layers the parameter source reads ahead (arena slots of one layer each)
+    # Where each step's gradients wait for the update: "ssd" (written by the backward, read by the
+    # update: 2 + 2 B/param of SSD traffic a step and 2 B/param on disk), "host" (the same
+    # regions kept in RAM: 2 B/param of host memory, no SSD round trip), or "auto": host when
+    # the run's plan still fits with it (after offload.params chose), else ssd; said in a note.
+    # ssd and host need offload.enabled, and are refused with fp32_grad_buffer (leave it auto).
+    gradients: str = "auto"
     # The optimizer of step t runs on a thread while step t+1's forward/backward runs, layer by
     # layer behind it (bit-identical results): in the offloaded engine, with train.grad_accum > 1
     # and in a job too. Off (said once, in a note) with fp32_grad_buffer,
@@ -282,6 +289,8 @@ class OffloadConfig:
         if self.params not in PARAM_PLACEMENTS:
             raise ConfigError(f"offload.params: {self.params!r} is not one of {', '.join(PARAM_PLACEMENTS)}")
         check_range("offload.param_prefetch", self.param_prefetch, lo=1, hi=64)
+        if self.gradients not in GRADIENT_PLACEMENTS:
+            raise ConfigError(f"offload.gradients: {self.gradients!r} is not one of {', '.join(GRADIENT_PLACEMENTS)}")
         self.block_bytes = parse_bytes(self.block_bytes, "offload.block_bytes")
         check_range("offload.block_bytes", self.block_bytes, lo=4096, hi=1 << 30)
         if self.block_bytes % 4096:

@@ -134,7 +134,7 @@ class PlannedOffloadEngine:
         row_blocks = table.row_blocks
         spec = self.placement.local_spec(full_spec, routing.is_stacked, row_blocks)  # a job's: its slices
         layout = StateLayoutOptions(layer_stack_key(model_cfg.arch), self.plan.weights == "ssd", tuple(row_blocks),
-                                    options.format, self.plan.grad_store == "ssd")
+                                    options.format, self.plan.grad_store)
         extra = checkpoint_slot_requests(layout.plan(spec, options.offload), options.offload)
         self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS if extra else STATE_SLOT_CLASS
         return OffloadedAdamState.create(spec, options.offload, **layout.keywords(),
@@ -357,7 +357,7 @@ class PlannedOffloadEngine:
             state_dtype=state.layout.state.dtype, state_rounding=state.layout.state.rounding,
             state_bytes=state.layout.state_bytes, resident_param_bytes=state.layout.resident_param_bytes,
             streamed_param_bytes=state.layout.streamed_param_bytes, params=self.plan.weights,
-            overlap=self.plan.overlap, overlap_refused=self.plan.overlap_refused,
+            gradients=self.plan.grad_store, grad_bytes=state.layout.grad_bytes, overlap=self.plan.overlap, overlap_refused=self.plan.overlap_refused,
             data_parallel_processes=self.plan.processes,
             data_parallel_devices=self.placement.devices,
             early_gradient_arrivals=state.early_gradient_arrivals, **source)

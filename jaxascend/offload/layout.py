@@ -185,7 +185,7 @@ class OffloadLayout:
     chunk_elements: int
     stream_depth: int
     single_pool: bool = False  # every step slot sized for the largest tensor's state (ablation)
-    grads_on_ssd: bool = True  # False: gradients live in a host fp32 buffer (ablation)
+    grad_store: str = "ssd"  # the plan's: store regions on SSD (ssd) or in RAM (host), or host_fp32 (ablation)
     param_prefetch: int = 2  # layers the parameter source reads ahead (streamed weights only)
     state: StateFormat = FLOAT32_STATE  # how m and v are stored
     state_stride: int = 0  # bytes between the records of consecutive chunks of a layer
@@ -194,13 +194,13 @@ class OffloadLayout:
     @classmethod
     def plan(cls, params_spec, cfg: OffloadConfig, stacked: StackedSpec = None,
              stream_params: bool = False, row_blocks: Optional[Sequence[int]] = None,
-             state: StateFormat = FLOAT32_STATE, grads_on_ssd: bool = True) -> "OffloadLayout":
+             state: StateFormat = FLOAT32_STATE, grad_store: str = "ssd") -> "OffloadLayout":
         """Lays out ``params_spec`` (a pytree of arrays or ``jax.ShapeDtypeStruct`` in the compute
         dtype). ``stacked`` says which leaves are layer stacks (see :data:`StackedSpec`);
         ``stream_params``: their compute weights get SSD regions too (``offload.params: ssd``);
         ``row_blocks``: per leaf (flattening order), blocks of rows of an unstacked table (1: none);
-        ``state``: the format of m and v (``optimizer.state_dtype``); ``grads_on_ssd``: False, the
-        gradients wait in a host fp32 buffer instead (the plan's ``grad_store``)."""
+        ``state``: the format of m and v (``optimizer.state_dtype``); ``grad_store``: where the
+        gradients wait (the plan's: ``ssd``, ``host`` regions in RAM, or the ``host_fp32`` buffer)."""
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params_spec)
         flags = []
         if not (stacked is None or isinstance(stacked, bool) or callable(stacked)):
@@ -240,7 +240,7 @@ class OffloadLayout:
             chunk = -(-largest // unit) * unit
         stride = -(-StateRecord(state, chunk).nbytes // cfg.block_bytes) * cfg.block_bytes
         return cls(tuple(leaves), treedef, chunk, cfg.stream_depth, single_pool=cfg.single_pool,
-                   grads_on_ssd=grads_on_ssd, param_prefetch=cfg.param_prefetch, state=state,
+                   grad_store=grad_store, param_prefetch=cfg.param_prefetch, state=state,
                    state_stride=stride, block_bytes=cfg.block_bytes)
 
     @property
@@ -273,7 +273,7 @@ class OffloadLayout:
         the gradients read (on SSD), a streamed leaf's new compute weights written (and read,
         when they are its bfloat16 master). The
         backward's gradient writes, and the parameter source's reads, come on top."""
-        grads = self.grad_bytes if self.grads_on_ssd else 0
+        grads = self.grad_bytes if self.grad_store == "ssd" else 0
         params_read = self.streamed_param_bytes if self.masters_in_params else 0
         return self.state_bytes + grads + params_read, self.state_bytes + self.streamed_param_bytes
 
@@ -364,9 +364,14 @@ class OffloadLayout:
 
     @property
     def slot_classes(self) -> list[str]:
-        """The slot class of each segment of a resident leaf's chunk (state, then gradient if on
-        SSD); a streamed leaf's chunk adds :data:`PARAM_SLOT_CLASS`."""
-        return [STATE_SLOT_CLASS, GRAD_SLOT_CLASS] if self.grads_on_ssd else [STATE_SLOT_CLASS]
+        """The slot class of each segment of a resident leaf's chunk (state, then gradient if in
+        the store); a streamed leaf's chunk adds :data:`PARAM_SLOT_CLASS`."""
+        return [STATE_SLOT_CLASS, GRAD_SLOT_CLASS] if self.grads_in_store else [STATE_SLOT_CLASS]
+
+    @property
+    def grads_in_store(self) -> bool:
+        """Each layer's gradient is a store region (on SSD, or in RAM with ``grad_store`` host)."""
+        return self.grad_store != "host_fp32"
 
     def arena_requests(self) -> list[SlotRequest]:
         """The arena slots a step needs: ``stream_depth`` of each class in :attr:`slot_classes`

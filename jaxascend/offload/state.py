@@ -34,7 +34,8 @@ With ``offload.fp32_grad_buffer`` (an ablation switch: ZeRO-Infinity's full fp32
 copy) the gradients do not go to SSD: the owner allocates one float32 host buffer of 4 B/param
 for the whole run, the sink widens every gradient into it, and the step reads the gradient of
 each chunk from there (bit-identical results: the widening is exact and the kernel widens
-16-bit gradients to fp32 anyway).
+16-bit gradients to fp32 anyway). With ``offload.gradients: host`` the gradient regions are the
+store's in-memory regions: the same sink, receipts and passes, no SSD round trip.
 """
 
 from __future__ import annotations
@@ -101,21 +102,21 @@ class OffloadedAdamState:
     @staticmethod
     def arena_requests(params_spec, cfg: OffloadConfig, stacked: StackedSpec = None,
                        stream_params: bool = False, row_blocks=None,
-                       state: StateFormat = StateFormat(), grads_on_ssd: bool = True) -> list[SlotRequest]:
+                       state: StateFormat = StateFormat(), grad_store: str = "ssd") -> list[SlotRequest]:
         """The arena slots a step over ``params_spec`` needs (add them to the arena plan)."""
         return OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks, state,
-                                  grads_on_ssd).arena_requests()
+                                  grad_store).arena_requests()
 
     @classmethod
     def create(cls, params_spec, cfg: OffloadConfig, *, stacked: StackedSpec = None, kernel_threads: int = 1,
                extra_requests: tuple[SlotRequest, ...] = (), stream_params: bool = False,
                row_blocks=None, state: StateFormat = StateFormat(), rounding_seed: int = 0,
-               partition_index: int = 0, grads_on_ssd: bool = True) -> "OffloadedAdamState":
+               partition_index: int = 0, grad_store: str = "ssd") -> "OffloadedAdamState":
         """Builds the arena (store staging + step slots + ``extra_requests``), opens the store in
         ``cfg.dir`` and lays out the state; :meth:`close` then closes all three."""
         plan = (ArenaPlan().extend(SsdStore.arena_requests(cfg))
                 .extend(OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks,
-                                           state, grads_on_ssd).arena_requests())
+                                           state, grad_store).arena_requests())
                 .extend(extra_requests))
         arena = HostArena(plan, cfg)
         store = None
@@ -123,7 +124,7 @@ class OffloadedAdamState:
             store = SsdStore(cfg, arena)
             owner = cls(store, params_spec, stacked=stacked, kernel_threads=kernel_threads,
                         stream_params=stream_params, row_blocks=row_blocks, state=state,
-                        rounding_seed=rounding_seed, partition_index=partition_index, grads_on_ssd=grads_on_ssd)
+                        rounding_seed=rounding_seed, partition_index=partition_index, grad_store=grad_store)
         except BaseException:
             if store is not None:
                 store.close()
@@ -134,12 +135,12 @@ class OffloadedAdamState:
 
     def __init__(self, store: SsdStore, params_spec, *, stacked: StackedSpec = None, kernel_threads: int = 1,
                  stream_params: bool = False, row_blocks=None, state: StateFormat = StateFormat(),
-                 rounding_seed: int = 0, partition_index: int = 0, grads_on_ssd: bool = True):
+                 rounding_seed: int = 0, partition_index: int = 0, grad_store: str = "ssd"):
         if int(kernel_threads) < 1:
             raise ValueError(f"offloaded AdamW: kernel_threads must be >= 1, got {kernel_threads}")
         self.store = store
         self.layout = OffloadLayout.plan(params_spec, store.cfg, stacked, stream_params, row_blocks, state,
-                                         grads_on_ssd)
+                                         grad_store)
         self.kernel_threads = int(kernel_threads)
         # Stochastic rounding (state.rounding): element j of layer l of leaf k in the update
         # after `updates_applied` draws its bits from chunk_seed(rounding_seed, updates_applied,
@@ -152,12 +153,12 @@ class OffloadedAdamState:
         self.updates_applied = 0  # AdamW updates the SSD state has had since init (or restore)
         self.last_step: Optional[StepStats] = None
         check_step_slots(self.layout, store)
-        grads_on_ssd = self.layout.grads_on_ssd
+        grads_in_store, grads_in_ram = self.layout.grads_in_store, self.layout.grad_store == "host"
         for leaf in self.layout.leaves:
             for layer, (state_region, grad_region) in enumerate(zip(leaf.state_regions, leaf.grad_regions)):
                 store.add_region(state_region, self.layout.state_layer_bytes(leaf))
-                if grads_on_ssd:
-                    store.add_region(grad_region, leaf.grad_layer_bytes)
+                if grads_in_store:  # offload.gradients: host keeps these regions in RAM
+                    store.add_region(grad_region, leaf.grad_layer_bytes, in_memory=grads_in_ram)
                 if leaf.streamed:
                     store.add_region(leaf.param_regions[layer], leaf.grad_layer_bytes)
         # The fp32_grad_buffer ablation: every gradient in one float32 host buffer for the whole
@@ -165,7 +166,7 @@ class OffloadedAdamState:
         # buffer would be.
         self.grad_buffer: Optional[np.ndarray] = None
         self._grad_offsets = np.cumsum([0] + [leaf.size for leaf in self.layout.leaves[:-1]]).tolist()
-        if not grads_on_ssd:
+        if not grads_in_store:
             self.grad_buffer = np.empty(self.layout.num_parameters, np.float32)
             self.grad_buffer.fill(0.0)
         regions = {r.name: r for r in store.regions()}

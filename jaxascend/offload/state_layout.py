@@ -66,12 +66,12 @@ class StateLayoutOptions:
     stream_params: bool
     row_blocks: tuple[int, ...]
     state: StateFormat
-    grads_on_ssd: bool = True  # False: the gradients wait in a host fp32 buffer (a plan's grad_store)
+    grad_store: str = "ssd"  # the plan's: where the gradients wait (ssd, host, host_fp32)
 
     @classmethod
     def of(cls, cfg: Config, model_cfg: ModelConfig, row_blocks: tuple[int, ...], stream: bool) -> "StateLayoutOptions":
         return cls(layer_stack_key(model_cfg.arch), bool(stream), tuple(row_blocks), state_format(cfg),
-                   grad_store(cfg) == "ssd")
+                   grad_store(cfg))
 
     def stacked(self, path: str, shape) -> bool:
         """Whether the leaf at ``path`` ('layers/...') is a layer stack ``[L, ...]``."""
@@ -79,7 +79,7 @@ class StateLayoutOptions:
 
     def keywords(self) -> dict:
         return {"stacked": self.stacked, "stream_params": self.stream_params, "row_blocks": list(self.row_blocks),
-                "state": self.state, "grads_on_ssd": self.grads_on_ssd}
+                "state": self.state, "grad_store": self.grad_store}
 
     def plan(self, spec, cfg: OffloadConfig) -> OffloadLayout:
         return OffloadLayout.plan(spec, cfg, **self.keywords())

@@ -25,7 +25,7 @@ from jaxascend.offload.partition import Partition
 
 Gradients = Literal["instant", "post_backward"]
 WeightSource = Literal["arrays", "host", "ssd"]
-GradStore = Literal["ssd", "host_fp32"]  # where the gradients wait for the update
+GradStore = Literal["ssd", "host", "host_fp32"]  # where the gradients wait for the update
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,8 @@ class StepPlan:
     engine: Literal["offload", "in-memory"]
     weights: Literal["resident", "ssd"]  # where the layer stack's compute weights live
     gradients: Gradients  # instant: each layer's gradient leaves in the backward (once per step, whatever A)
-    grad_store: GradStore  # ssd: each layer's gradient in the store; host_fp32: one fp32 host buffer (the ablation)
+    grad_store: GradStore  # ssd: each layer's gradient a store region on SSD; host: those regions in RAM;
+    # host_fp32: one fp32 host buffer (the ablation)
     grad_accum: int  # A: each layer runs the step's A micro-batches in turn (models.micro_batches)
     overlap: bool  # the optimizer of step t beside step t+1's forward/backward
     overlap_refused: Optional[str] = None  # why an asked-for overlap is off
@@ -112,9 +113,13 @@ class StepPlan:
 
 
 def grad_store(cfg: Config) -> GradStore:
-    """Where the gradients wait for the update: the store on SSD, or (``offload.fp32_grad_buffer``,
-    ZeRO-Infinity's way) one float32 host buffer. The run planner lays out with it too."""
-    return "host_fp32" if cfg.offload.fp32_grad_buffer else "ssd"
+    """Where the gradients wait for the update: the store's regions on SSD or in RAM
+    (``offload.gradients``; ``auto`` not yet resolved by the run planner counts as ssd), or
+    (``offload.fp32_grad_buffer``, ZeRO-Infinity's way) one float32 host buffer. The run planner
+    lays out with it too."""
+    if cfg.offload.fp32_grad_buffer:
+        return "host_fp32"
+    return "host" if cfg.offload.gradients == "host" else "ssd"
 
 
 def streaming_refusal(cfg: Config) -> Optional[str]:

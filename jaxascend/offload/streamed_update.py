@@ -67,11 +67,11 @@ class UpdatePlan:
     @classmethod
     def build(cls, layout: OffloadLayout, chunks: list[ChunkRef], regions: dict) -> "UpdatePlan":
         """The plan of ``layout``'s ``chunks``; ``regions``: the store's Region records by name."""
-        grads_on_ssd, masters_read = layout.grads_on_ssd, layout.masters_in_params
+        grads_in_store, masters_read = layout.grads_in_store, layout.masters_in_params
         segments = [
             [Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes, read=True, write=True)] +
             ([Segment(regions[c.leaf.grad_regions[c.layer]], c.grad_offset, c.grad_bytes, read=True, write=False)]
-             if grads_on_ssd else []) +
+             if grads_in_store else []) +
             # a streamed leaf's new compute weights go to SSD (same offsets as the gradient's); read
             # first where they are its bfloat16 master
             ([Segment(regions[c.leaf.param_regions[c.layer]], c.grad_offset, c.grad_bytes, read=masters_read,

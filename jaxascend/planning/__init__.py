@@ -6,7 +6,7 @@ whether it fits. "What fits, and why" lives here; "how a step runs" lives in
 What the rest of jaxascend (and its users) take from here:
 
 * :func:`plan_resources` -- the run's resource plan, made in this process (its memory measured),
-  with ``offload.params: auto`` resolved into the config;
+  with ``offload.params: auto`` and ``offload.gradients: auto`` resolved into the config;
 * :func:`plan_run` -- the plan for given figures (a placement, a runtime part), as the scripts
   and the levers replan;
 * :class:`ResourcePlan` -- the plan: host memory by part, device memory, disk per filesystem, SSD bytes
@@ -14,7 +14,8 @@ What the rest of jaxascend (and its users) take from here:
   levers (``format()``, ``to_dict()``, ``check()``);
 * :class:`PlanError` -- a part that does not fit, in one line naming it.
 
-Its own modules: ``resource_plan`` (the plan and its parts), ``step_memory`` (what a step holds:
+Its own modules: ``resource_plan`` (the plan's figures, computed; ``offload.params`` and
+``offload.gradients`` auto resolved), ``plan_figures`` (the plan: its parts, problems and printout), ``step_memory`` (what a step holds:
 activations and the largest working set), ``machine_limits`` (what the machine can give: memory,
 cgroups, filesystems), ``disk_plan`` (disk per filesystem), ``plan_levers`` (the settings that
 would make a part fit, with figures) and ``deepspeed_anchor`` (the DeepSpeed estimate printed

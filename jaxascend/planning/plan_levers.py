@@ -44,13 +44,15 @@ def _kept(levers: list[Lever], short: int) -> tuple[Lever, ...]:
 
 def host_levers(cfg: Config, model_cfg: ModelConfig, plan, replan: Replan) -> tuple[Lever, ...]:
     """What each host-memory setting would save: the offloaded engine (for an in-memory run), the
-    weights on SSD, remat, a smaller batch or sequence, fewer micro-batches per step, an arena of
+    weights on SSD, the gradients on SSD, remat, a smaller batch or sequence, fewer micro-batches per step, an arena of
     exactly the plan's size."""
     variants = []
     if not cfg.offload.enabled:  # the in-memory engine: the whole AdamW state and the gradients in RAM
         variants.append(("offload.enabled: true", _section(cfg, "offload", enabled=True), model_cfg))
     if plan.params == "resident" and plan.streamable:
         variants.append(("offload.params: ssd", _section(cfg, "offload", params="ssd"), model_cfg))
+    if plan.gradients == "host":
+        variants.append(("offload.gradients: ssd", _section(cfg, "offload", gradients="ssd"), model_cfg))
     if model_cfg.remat != "full":
         variants.append(("model.remat: full", dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full")),
                          dataclasses.replace(model_cfg, remat="full")))
@@ -106,11 +108,13 @@ def _need_on(plan, folder: str) -> int:
 
 def disk_levers(cfg: Config, model_cfg: ModelConfig, plan, fs: FilesystemUse, replan: Replan) -> tuple[Lever, ...]:
     """What each disk setting would save on ``fs``: cheaper optimizer state (moments, a bfloat16
-    master), fewer checkpoints kept, no ``params.safetensors``."""
+    master), the gradients in RAM, fewer checkpoints kept, no ``params.safetensors``."""
     variants = [(f"optimizer.state_dtype: {dtype}", _section(cfg, "optimizer", state_dtype=dtype))
                 for dtype in CHEAPER_STATES[cfg.optimizer.state_dtype]]
     if cfg.optimizer.master_dtype == "float32" and cfg.model.dtype == "bfloat16" and cfg.offload.enabled:
         variants.append(("optimizer.master_dtype: bfloat16", _section(cfg, "optimizer", master_dtype="bfloat16")))
+    if plan.gradients == "ssd":
+        variants.append(("offload.gradients: host", _section(cfg, "offload", gradients="host")))
     fields = {part.field for part in fs.parts}
     if "checkpoint.dir" in fields and cfg.checkpoint.keep_last > 1:
         variants.append(("checkpoint.keep_last: 1", _section(cfg, "checkpoint", keep_last=1)))

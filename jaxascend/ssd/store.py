@@ -60,13 +60,15 @@ class Extent:
 
 @dataclass(frozen=True)
 class Region:
-    """A named byte range in the store: one tensor's state or gradient."""
+    """A named byte range in the store: one tensor's state or gradient. An in-memory region
+    (:meth:`SsdStore.add_region`'s ``in_memory``) has no extents."""
 
     name: str
     id: int
     nbytes: int
     num_blocks: int
     extents: tuple[Extent, ...]
+    in_memory: bool = False
 
 
 RegionRef = Union[str, Region]
@@ -180,9 +182,11 @@ class SsdStore:
         return self._native.closed
 
     # ------------------------------------------------------------------ regions
-    def add_region(self, name: str, nbytes: int) -> Region:
-        """Reserves ``nbytes`` for ``name`` (reads back as zeros until written)."""
-        self._native.add_region(name, int(nbytes))
+    def add_region(self, name: str, nbytes: int, in_memory: bool = False) -> Region:
+        """Reserves ``nbytes`` for ``name`` (reads back as zeros until written). ``in_memory``:
+        in this process's memory instead of a shard file, read and written the same way (the
+        gradients when they fit in RAM); the I/O counters count the disk only."""
+        self._native.add_region(name, int(nbytes), bool(in_memory))
         return self.region(name)
 
     def region(self, ref: RegionRef) -> Region:
@@ -192,9 +196,9 @@ class SsdStore:
         found = self._regions.get(ref)
         if found is None:
             rid = self._native.find_region(ref)
-            name, nbytes, num_blocks, extents = self._native.region_info(rid)
+            name, nbytes, num_blocks, extents, in_memory = self._native.region_info(rid)
             found = Region(name, rid, nbytes, num_blocks, tuple(
-                Extent(self._native.shard_path(shard), fo, ro, db) for shard, fo, ro, db in extents))
+                Extent(self._native.shard_path(shard), fo, ro, db) for shard, fo, ro, db in extents), in_memory)
             self._regions[ref] = found
         return found
 

@@ -59,6 +59,7 @@ class Outcome:
 
 OVERLAP = "offload.overlap"
 PARAMS = "offload.params"
+GRADS = "offload.gradients"
 CLAIMS = [
     # offload.enabled
     Claim("offload.enabled", "false: the in-memory engine, everything in RAM (one process", ("offload.enabled=false",), job=JOB,
@@ -99,6 +100,22 @@ CLAIMS = [
           plan={"weights": "resident"}, note="offload.params: auto chose resident"),
     Claim(PARAMS, "else resident over the limit", ("model.remat=none", "offload.host_memory_budget=1MiB"),
           plan={"weights": "resident"}, note="offload.params: auto stays resident over the budget"),
+    # offload.gradients
+    Claim(GRADS, '"ssd" (written by the backward', ("model.remat=full", "offload.gradients=ssd"),
+          plan={"grad_store": "ssd"}, no_note="offload.gradients: auto"),
+    Claim(GRADS, '"host" (the same regions kept in RAM', ("model.remat=full", "offload.gradients=host"),
+          plan={"grad_store": "host"}, no_note="offload.gradients: auto"),
+    Claim(GRADS, "host when the run's plan still fits with it (after offload.params chose)", ("model.remat=full",),
+          plan={"grad_store": "host", "weights": "resident"}, note="offload.gradients: auto chose host (the gradients"),
+    Claim(GRADS, "else ssd; said in a note", ("model.remat=full",), mem_available=SCARCE,
+          plan={"grad_store": "ssd", "weights": "ssd"}, note="offload.gradients: auto chose ssd (in RAM they would"),
+    Claim(GRADS, "ssd and host need offload.enabled", ("offload.enabled=false", "offload.gradients=host"),
+          refused="offload.gradients: 'host' needs offload.enabled: true"),
+    Claim(GRADS, "refused with fp32_grad_buffer (leave it auto)",
+          ("model.remat=full", "offload.fp32_grad_buffer=true", "offload.gradients=ssd"),
+          refused="offload.gradients: 'ssd' cannot be combined with offload.fp32_grad_buffer"),
+    Claim(GRADS, "refused with fp32_grad_buffer (leave it auto)", ("model.remat=full", "offload.fp32_grad_buffer=true"),
+          plan={"grad_store": "host_fp32"}, no_note="offload.gradients: auto"),
     # offload.overlap
     Claim(OVERLAP, "The optimizer of step t runs on a thread while step t+1's forward/backward runs",
           ("model.remat=full",), plan={"overlap": True, "overlap_refused": None}, no_note=OVERLAP_OFF),

@@ -160,7 +160,7 @@ def test_single_pool_sizes_every_step_slot_for_the_largest_tensor(tmp_path):
 
 
 def test_fp32_grad_buffer_is_resident_and_receives_widened_gradients(tmp_path):
-    with OffloadedAdamState.create(SPEC, offload_cfg(tmp_path), stacked=STACKED, grads_on_ssd=False) as state:
+    with OffloadedAdamState.create(SPEC, offload_cfg(tmp_path), stacked=STACKED, grad_store="host_fp32") as state:
         assert state.grad_buffer.dtype == np.float32 and state.grad_buffer.nbytes == 4 * state.layout.num_parameters
         assert [r.shape_class for r in state.layout.arena_requests()] == [STATE_SLOT_CLASS]
         assert not any(r.name.endswith("/grad") for r in state.store.regions())  # nothing on SSD

@@ -47,7 +47,7 @@ def roomy(monkeypatch):
 
 def test_a_25_gib_plan_on_a_machine_with_23_gib_available_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "23GiB")
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, "offload.gradients=ssd")  # auto would move them to SSD as the runtime grows
     model_cfg = _model(cfg)
     rest = plan_run(cfg, model_cfg, runtime_bytes=0).host_peak
     plan = plan_run(cfg, model_cfg, runtime_bytes=25 * GiB - rest)  # no host_memory_budget
@@ -63,7 +63,7 @@ def test_a_25_gib_plan_on_a_machine_with_23_gib_available_is_refused(tmp_path, m
 
 
 def test_host_levers_name_the_weights_on_ssd_and_remat_with_figures(tmp_path, monkeypatch):
-    cfg = _cfg(tmp_path, "model.remat=dots", "offload.params=resident", "model.dtype=bfloat16",
+    cfg = _cfg(tmp_path, "model.remat=dots", "offload.params=resident", "model.dtype=bfloat16", "offload.gradients=ssd",
                "model.param_dtype=bfloat16", "model.hidden_size=512", "model.intermediate_size=1024",
                "model.num_hidden_layers=4", "model.num_attention_heads=8", "model.num_key_value_heads=4")
     model_cfg = _model(cfg)  # most of the weights in the layer stack
@@ -350,7 +350,8 @@ def test_auto_streams_the_weights_when_resident_would_overfill_the_device(tmp_pa
     monkeypatch.setenv(DEVICE_MEM_ENV, str((ssd.device_peak + resident.device_peak) // 2))
     plan = plan_run(cfg, model_cfg, runtime_bytes=0)
     assert plan.params == "ssd" and plan.problems() == []
-    [choice] = plan.choices
+    choice, gradients = plan.choices
+    assert gradients.startswith("offload.gradients: auto chose host (the gradients wait in RAM: ")
     assert choice.startswith(f"offload.params: auto chose ssd (resident would need "
                              f"{format_bytes(resident.device_peak)}, over the device's ")
     assert choice.endswith("(JAXASCEND_DEVICE_MEM_BYTES))")
@@ -393,3 +394,52 @@ def test_an_in_memory_run_over_the_device_names_the_offloaded_engine(tmp_path, r
     levers = {lever.setting: lever for lever in plan.device_levers}
     assert levers["offload.enabled: true"].needs == offloaded.device_peak < plan.device_peak
     assert plan.problems()[0].startswith("device memory: the plan needs ")
+
+
+def test_auto_keeps_the_gradients_in_ram_where_they_fit_and_says_so(tmp_path, roomy, monkeypatch):
+    """offload.gradients: host takes the gradient regions off the disk and out of the step's SSD
+    traffic (2 + 2 B/param here, bfloat16) into host memory; auto picks it where the plan fits."""
+    cfg = _cfg(tmp_path, "model.remat=full", "offload.params=ssd", "model.dtype=bfloat16")
+    model_cfg = _model(cfg)
+    ssd = plan_run(_cfg(tmp_path, "model.remat=full", "offload.params=ssd", "model.dtype=bfloat16",
+                        "offload.gradients=ssd"), model_cfg, runtime_bytes=0)
+    host = plan_run(_cfg(tmp_path, "model.remat=full", "offload.params=ssd", "model.dtype=bfloat16",
+                         "offload.gradients=host"), model_cfg, runtime_bytes=0)
+    grads = 2 * host.num_params
+    assert (ssd.gradients, host.gradients) == ("ssd", "host") and "gradients" not in ssd.host
+    assert host.host["gradients"] == grads and host.host_peak == ssd.host_peak + grads
+    assert (ssd.ssd_read_step - host.ssd_read_step, ssd.ssd_write_step - host.ssd_write_step) == (grads, grads)
+    assert ssd.ssd_bytes - host.ssd_bytes == grads
+    auto = plan_run(cfg, model_cfg, runtime_bytes=0)
+    assert auto.gradients == "host" and auto.host == host.host
+    assert auto.choices == (f"offload.gradients: auto chose host (the gradients wait in RAM: {format_bytes(grads)} of "
+                            f"host memory for {format_bytes(2 * grads)} less SSD traffic a step)",)
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, str(host.host_peak - 1))  # one byte short: ssd
+    auto = plan_run(cfg, model_cfg, runtime_bytes=0)
+    assert auto.gradients == "ssd" and auto.problems() == [] and auto.host == ssd.host
+    [choice] = auto.choices
+    assert choice.startswith(f"offload.gradients: auto chose ssd (in RAM they would need {format_bytes(grads)} more "
+                             f"host memory: {format_bytes(host.host_peak)}, over the ")
+    # resolved into the run's config, for the step plan
+    from jaxascend.planning import plan_resources
+
+    resolved, _ = plan_resources(cfg, model_cfg)
+    assert resolved.offload.gradients in ("ssd", "host") and cfg.offload.gradients == "auto"
+
+
+def test_the_gradients_are_a_lever_for_host_memory_and_for_disk(tmp_path, roomy, monkeypatch):
+    overrides = ("model.remat=full", "offload.params=resident", "model.dtype=bfloat16")
+    model_cfg = _model(_cfg(tmp_path, *overrides))
+    host = plan_run(_cfg(tmp_path, *overrides, "offload.gradients=host"), model_cfg, runtime_bytes=0)
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, str(host.host_peak - 1))
+    short = plan_run(_cfg(tmp_path, *overrides, "offload.gradients=host"), model_cfg, runtime_bytes=0)
+    levers = {lever.setting: lever.saves for lever in short.host_levers}
+    assert levers["offload.gradients: ssd"] == 2 * host.num_params
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "1TiB")
+    usage = namedtuple("usage", "total used free")
+    ssd = plan_run(_cfg(tmp_path, *overrides, "offload.gradients=ssd"), model_cfg, runtime_bytes=0)
+    [fs] = ssd.disk
+    monkeypatch.setattr(disk_plan.shutil, "disk_usage", lambda path: usage(2**40, 0, fs.need - 1))
+    full = plan_run(_cfg(tmp_path, *overrides, "offload.gradients=ssd"), model_cfg, runtime_bytes=0)
+    [(_, disk)] = full.disk_levers
+    assert {lever.setting: lever.saves for lever in disk}["offload.gradients: host"] == 2 * host.num_params

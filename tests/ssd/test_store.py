@@ -124,6 +124,49 @@ def test_async_write_then_flush(store):
     np.testing.assert_array_equal(store.read("g"), data)
 
 
+def test_in_memory_regions_read_and_write_like_disk_ones_and_touch_no_disk(tmp_path):
+    """An in-memory region (the gradients in RAM) beside disk ones: the same copies, slot I/O and
+    streamed passes, zeros when fresh, no shard space and no disk bytes counted."""
+    cfg = make_cfg(tmp_path / "d")
+    arena, store = open_store(cfg, ArenaPlan().add("state", 3 * BLOCK).add("seg", BLOCK, 4).requests)
+    with store:
+        store.add_region("disk", 3 * BLOCK)
+        ram = store.add_region("ram", 3 * BLOCK - 100, in_memory=True)
+        assert ram.in_memory and ram.extents == () and not store.region("disk").in_memory
+        assert not store.read("ram").any()
+        before = store.stats()
+        data = random_bytes(3 * BLOCK - 100, 5)
+        store.write("ram", data, wait=False)
+        np.testing.assert_array_equal(store.read("ram"), data)
+        store.write("ram", np.full(BLOCK, 9, np.uint8), offset=BLOCK)
+        expected = data.copy()
+        expected[BLOCK:2 * BLOCK] = 9
+        np.testing.assert_array_equal(store.read("ram", offset=BLOCK, nbytes=BLOCK), expected[BLOCK:2 * BLOCK])
+        slot = arena.acquire("state", 3 * BLOCK)
+        store.read_into("ram", slot)
+        np.testing.assert_array_equal(arena.array(slot)[:3 * BLOCK - 100], expected)
+        arena.array(slot)[:] = random_bytes(3 * BLOCK, 6)
+        store.write_from("ram", slot)
+        np.testing.assert_array_equal(store.read("ram"), arena.array(slot)[:3 * BLOCK - 100])
+        arena.release(slot)
+        after = store.stats()
+        assert (after["bytes_read"], after["bytes_written"]) == (before["bytes_read"], before["bytes_written"])
+        # a streamed pass reads and writes it back in place, beside a disk region
+        store.write("disk", random_bytes(3 * BLOCK, 7))
+        from jaxascend.ssd import Segment
+
+        chunks = [[Segment("disk", c * BLOCK, BLOCK), Segment("ram", c * BLOCK, BLOCK if c < 2 else BLOCK - 100)]
+                  for c in range(3)]
+        with store.stream(chunks, "seg", depth=2) as s:
+            for chunk in s:
+                chunk.arrays[1][:] = chunk.arrays[0][:len(chunk.arrays[1])]
+        np.testing.assert_array_equal(store.read("ram"), store.read("disk")[:3 * BLOCK - 100])
+        with pytest.raises(ValueError, match="exceed the region's"):
+            store.read("ram", offset=3 * BLOCK, nbytes=BLOCK)
+    shard_bytes = sum(os.path.getsize(os.path.join(cfg.dir, f)) for f in os.listdir(cfg.dir) if f.startswith("shard"))
+    assert shard_bytes == 3 * BLOCK  # the disk region's only
+
+
 # ------------------------------------------------------------------------- integrity
 def test_flipped_byte_is_detected_with_file_and_offset(store):
     store.add_region("pad", 3 * BLOCK)
