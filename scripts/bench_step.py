@@ -9,9 +9,12 @@ Contenders, each in its own process, in a rotating order every round:
     SSD as they are computed: that is part of the backward);
   * ``overlap_ssd``: overlapped, with the layer stack's weights on SSD too (``offload.params:
     ssd``: less memory, 4 B/param more SSD traffic, the forward's copy handed over in memory);
-  * ``overlap_master16`` and ``overlap_ssd_compact`` (only when ``--contenders`` names them):
-    ``overlap`` with a bfloat16 compensated master, and ``overlap_ssd`` with a bfloat16 stochastic
-    master and int8 moments (``optimizer.master_dtype``: 15.5 B/param a step at 7B, from 33.1);
+  * ``overlap_master16``, ``overlap_host_grads``, ``overlap_ssd_compact`` and
+    ``overlap_ssd_compact_host`` (only when ``--contenders`` names them): ``overlap`` with a
+    bfloat16 compensated master, or with the gradients in RAM (``offload.gradients: host``), and
+    ``overlap_ssd`` with a compensated master and int8 moments, with the gradients on SSD or in
+    RAM (19.5 and 15.5 B/param a step at 7B, from 33.1); each contender's own SSD floor is its
+    measured bytes per step at the round's raw disk speeds;
   * ``deepspeed``: ``../shared/peers/zero_infinity/zinf_train.py`` with the lean settings
     (``sub_group_size`` 1e8, buckets 5e7, max live params 1e8), optimizer state on NVMe, when
     ``/tmp/peer/venv`` exists (``--peer off`` to skip);
@@ -61,10 +64,14 @@ SHAPES = {
     "small": {"layers": 4, "hidden": 256, "intermediate": 688, "vocab": 4096, "heads": 4, "kv_heads": 4},
 }
 CONTENDERS = ("overlap", "sequential", "compute", "overlap_ssd", "deepspeed")
-# With --contenders only: the 16-bit master beside the float32 one (issue 39), resident and on SSD.
-MASTER16 = {"overlap_master16": ["optimizer.master_dtype=bfloat16"],  # compensated: the float32 step exactly
-            "overlap_ssd_compact": ["optimizer.master_dtype=bfloat16", "optimizer.master_rounding=stochastic",
-                                    "optimizer.state_dtype=int8"]}
+# With --contenders only: fewer bytes a step (issue 39) beside float32 and gradients on SSD,
+# resident and on SSD. The compact state is the one whose quality holds: a compensated bfloat16
+# master (the float32 step exactly) and int8 moments.
+COMPACT_STATE = ["optimizer.master_dtype=bfloat16", "optimizer.state_dtype=int8"]
+MASTER16 = {"overlap_master16": ["optimizer.master_dtype=bfloat16"],
+            "overlap_host_grads": ["offload.gradients=host"],
+            "overlap_ssd_compact": COMPACT_STATE,  # 19.5 B/param a step at 7B, from 33.1
+            "overlap_ssd_compact_host": [*COMPACT_STATE, "offload.gradients=host"]}  # 15.5 B/param
 JAX_MODES = ("overlap", "sequential", "compute", "overlap_ssd", *MASTER16)
 
 
@@ -155,6 +162,8 @@ def child_main(args) -> int:
     measured = records[args.warmup:] or records[-1:]
     result = {"mode": args.child, "params": n_params, "periods": periods[args.warmup - 1:] if args.warmup else periods,
               "ssd_bytes_per_step": [r.get("ssd_read_bytes", 0) + r.get("ssd_written_bytes", 0) for r in measured],
+              "ssd_read_per_step": [r.get("ssd_read_bytes", 0) for r in measured],
+              "ssd_written_per_step": [r.get("ssd_written_bytes", 0) for r in measured],
               "overlap_fraction": [r["overlap_fraction"] for r in measured if r.get("overlap_fraction") is not None],
               "tokens_per_step": int(args.grad_accum) * args.batch * args.seq_len,
               "records": records, "timeline": timeline, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -242,6 +251,16 @@ def median_range(values) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def _own_floor(r: dict, mode: str):
+    """A contender's own SSD floor in round ``r``: its measured bytes a step, read and written, at
+    the raw speeds the round measured, one direction at a time (None without both)."""
+    x, d = r.get(mode), r.get("disk")
+    if not x or not d or not x.get("ssd_read_per_step"):
+        return None
+    return (statistics.median(x["ssd_read_per_step"]) / (d["raw_read_gbps"] * 1e9)
+            + statistics.median(x["ssd_written_per_step"]) / (d["raw_write_gbps"] * 1e9))
+
+
 def summarize(rounds: list[dict], args) -> dict:
     def per_round(mode, fn):
         return [fn(r[mode]) for r in rounds if mode in r]
@@ -262,13 +281,15 @@ def summarize(rounds: list[dict], args) -> dict:
             continue
         ostep = statistics.median(o["periods"])
         pairs = {"overlap_vs_sequential": "sequential", "overlap_vs_deepspeed": "deepspeed",
-                 "overlap_vs_compute": "compute", "overlap_vs_overlap_master16": "overlap_master16"}
+                 "overlap_vs_compute": "compute", "overlap_vs_overlap_master16": "overlap_master16",
+                 "overlap_vs_overlap_host_grads": "overlap_host_grads"}
         for name, other in pairs.items():
             if other in r:
                 ratios.setdefault(name, []).append(ostep / statistics.median(r[other]["periods"]))
-        if "overlap_ssd" in r and "overlap_ssd_compact" in r:  # on SSD: float32 master and moments / compact
-            ratios.setdefault("overlap_ssd_vs_overlap_ssd_compact", []).append(
-                statistics.median(r["overlap_ssd"]["periods"]) / statistics.median(r["overlap_ssd_compact"]["periods"]))
+        for compact in ("overlap_ssd_compact", "overlap_ssd_compact_host"):  # on SSD: float32 / compact
+            if "overlap_ssd" in r and compact in r:
+                ratios.setdefault(f"overlap_ssd_vs_{compact}", []).append(
+                    statistics.median(r["overlap_ssd"]["periods"]) / statistics.median(r[compact]["periods"]))
         if "deepspeed" in r:
             ds = r["deepspeed"]
             ratios.setdefault("overlap_rss_vs_deepspeed", []).append(o["peak_rss_bytes"] / ds["peak_rss_bytes"])
@@ -305,6 +326,8 @@ def summarize(rounds: list[dict], args) -> dict:
         figures = {m: median_range([statistics.median(r[m][key]) for r in rounds if r.get(m, {}).get(key)])
                    for m in CONTENDERS + tuple(MASTER16)}
         out[name] = {m: v for m, v in figures.items() if v["n"]}
+    out["contender_ssd_floor_seconds"] = {m: v for m, v in (
+        (m, median_range([_own_floor(r, m) for r in rounds if _own_floor(r, m)])) for m in JAX_MODES) if v["n"]}
     out["tokens_per_second"] = {m: median_range([r[m]["tokens_per_step"] / statistics.median(r[m]["periods"])
                                                  for r in rounds if r.get(m, {}).get("tokens_per_step")])
                                 for m in CONTENDERS + tuple(MASTER16)
