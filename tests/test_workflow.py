@@ -311,7 +311,7 @@ def test_a_gradient_write_failing_in_the_backward_pass_is_one_line(tmp_path, cor
     # Find the write count that lands in a gradient region: the first writes initialise the state.
     for n in (20, 24, 28, 32, 40, 60):
         out = tmp_path / f"run{n}"
-        proc = scratch_run(out, corpus, "train.steps=2", "offload.preallocate=false",
+        proc = scratch_run(out, corpus, "train.steps=2", "offload.preallocate=false", "offload.gradients=ssd",
                            env={"JAXASCEND_FAULT": f"write:{n}:ENOSPC"})
         if "grad_sink" in proc.stderr:
             assert_one_error_line(proc, "grad_sink", "ENOSPC", "/grad")

@@ -123,7 +123,8 @@ def test_auto_streams_when_resident_does_not_fit(tmp_path, corpus):
     from jaxascend.planning import plan_run
     from jaxascend.preparation import resolve_model_config
 
-    cfg = load_config("configs/tiny.yaml", TINY + [f"data.paths=[{corpus}]", "data.include=['*.txt']", f"train.out_dir={tmp_path}"])
+    cfg = load_config("configs/tiny.yaml", TINY + [f"data.paths=[{corpus}]", "data.include=['*.txt']", f"train.out_dir={tmp_path}",
+                                                   "offload.gradients=ssd"])  # auto would trade them against the weights
     model_cfg = resolve_model_config(cfg)
     model_cfg = type(model_cfg)(**{**model_cfg.__dict__, "vocab_size": 256})
     resident = plan_run(cfg, model_cfg, "resident", runtime_bytes=0)
