@@ -103,7 +103,9 @@ def verdict(runs: dict, key: str = "losses") -> dict:
 
 def scratch(args, work: Path) -> dict:
     runs = {}
-    for name, overrides in {**MASTERS, **PERTURBED, **{k: v for k, v in COMPACT.items() if k in args.compact}}.items():
+    masters = {k: v for k, v in MASTERS.items() if k == "float32" or k in args.masters}
+    compact = {k: v for k, v in COMPACT.items() if k in args.compact and k.split("+")[0] in masters}
+    for name, overrides in {**masters, **PERTURBED, **compact}.items():
         runs[name] = train(f"scratch-{name}", BASE + overrides + [f"train.steps={args.steps}"], work, args.reuse)
         print(f"scratch {name}: final loss {runs[name]['losses'][-1]:.4f}", file=sys.stderr)
     return {"steps": args.steps, "num_params": runs["float32"]["num_params"], "runs": runs, "verdict": verdict(runs)}
@@ -167,6 +169,8 @@ def main(argv=None) -> dict:
     p.add_argument("--finetune-steps", type=int, default=300)
     p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-5, 5e-5])
     p.add_argument("--compact", nargs="*", default=list(COMPACT), help="which combinations with int8 moments to run")
+    p.add_argument("--masters", nargs="*", default=list(MASTERS),
+                   help="which 16-bit masters (and their --compact combinations) to run from scratch beside float32")
     p.add_argument("--work-dir", default="/tmp/jaxascend-bench-master")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_master_quality"))
     p.add_argument("--reuse", action="store_true", help="keep runs already finished in --work-dir")

@@ -46,7 +46,7 @@ from jaxascend.offload.compute_weights import ComputeWeights
 from jaxascend.offload.engine_settings import EngineSettings, StateOptions, param_paths
 from jaxascend.offload.grad_sink import step_errors
 from jaxascend.offload.gradient_routing import GradientRouting, leaf_routes
-from jaxascend.offload.initial_state import master_parts
+from jaxascend.offload.initial_state import master_weights
 from jaxascend.offload.layout import STATE_SLOT_CLASS
 from jaxascend.offload.param_source import PARAM_SOURCE_ERRORS
 from jaxascend.offload.placement import placement_of
@@ -157,8 +157,9 @@ class PlannedOffloadEngine:
         # The compute copy, without the streamed leaves (on SSD now); the param_dtype copy is
         # dropped once the master weights are on SSD. A bfloat16 master's is the master itself.
         fmt = self.state.layout.state
+        # A bfloat16 master of bfloat16 params is the params exactly: no copy (as astype's).
         copy = (lambda x: x.astype(dtype)) if fmt.master == "float32" else \
-            (lambda x: jnp.asarray(master_parts(np.asarray(x, np.float32), fmt)[0].view(dtype)))
+            (lambda x: x if x.dtype == dtype else jnp.asarray(master_weights(np.asarray(x), fmt)))
         return [None if leaf.streamed else copy(x) for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
 
     @property

@@ -64,8 +64,7 @@ def write_initial_state(store: SsdStore, chunks: list[ChunkRef], segments: list[
             if ref.first_of_leaf if whole_leaves else ref.start == 0:
                 values = np.asarray(source(ref.leaf, ref.layer)).reshape(-1)
                 if ref.leaf.streamed:  # a bfloat16 master there: its high half is the compute weights
-                    weights = (lambda leaf, x: master_parts(x, fmt)[0].view(ml_dtypes.bfloat16)) \
-                        if fmt.master_elsewhere else compute
+                    weights = (lambda leaf, x: master_weights(x, fmt)) if fmt.master_elsewhere else compute
                     _write_compute_params(store, ref.leaf, values, weights, whole_leaves, ref.layer)
             start = ref.flat_start if whole_leaves else ref.start
             n = ref.count
@@ -92,6 +91,18 @@ def master_parts(values: np.ndarray, fmt: StateFormat) -> tuple[np.ndarray, Opti
     if fmt.master_rounding == "compensated":
         return master_codes.split_master(x)
     return x.astype(ml_dtypes.bfloat16).view(np.uint16), None
+
+
+def master_weights(values, fmt: StateFormat, block: int = 1 << 22) -> np.ndarray:
+    """A bfloat16 master's weights (the high half of :func:`master_parts`, as bfloat16) of
+    ``values``, a block at a time: no companion, and temporaries of ``block`` elements, not of
+    the whole leaf (a leaf of 10^8 parameters would otherwise take 1.2 GB of them)."""
+    x = np.asarray(values)
+    flat = x.reshape(-1)
+    out = np.empty(flat.size, np.uint16)
+    for i in range(0, flat.size, block):
+        out[i:i + block] = master_parts(flat[i:i + block], fmt)[0]
+    return out.view(ml_dtypes.bfloat16).reshape(x.shape)
 
 
 def _write_compute_params(store: SsdStore, leaf: LeafLayout, values: np.ndarray, compute: Callable,
