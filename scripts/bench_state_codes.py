@@ -8,7 +8,8 @@ worst single-element update in units of lr, with gradient magnitudes spread over
 decades within every block. Candidates: the linear absmax maps (m: 127 signed levels, v: 255
 levels), other exponent/mantissa splits, v coded directly instead of as sqrt(v), and the codes
 jaxascend uses (m: sign + E4M3; v: E4M4 of sqrt(v)), at blocks of 256 and 2048; bfloat16 for
-reference. Prints JSON.
+reference; and the 4-bit moments of Li et al. (NeurIPS 2023: m block-wise with a dynamic
+exponent, v with rank-1 normalisation and a linear map without zero). Prints JSON.
 
     python scripts/bench_state_codes.py --out docs/bench_state_codes.json
 """
@@ -67,6 +68,44 @@ def bf16(x, block):
     return sc.bf16_widen(sc.bf16_round(x))
 
 
+def _nearest(r, levels):
+    """Each of ``r`` (>= 0) as the nearest of the sorted ``levels``."""
+    i = np.clip(np.searchsorted(levels, r), 1, len(levels) - 1)
+    lo, hi = levels[i - 1], levels[i]
+    return np.where(r - lo <= hi - r, lo, hi)
+
+
+def dynamic_exponent_levels(bits: int) -> np.ndarray:
+    """The magnitudes of a ``bits``-bit dynamic-exponent code (Dettmers 2016): after ``i``
+    leading zeros and a one, the remaining bits are a linear fraction in (0.1, 1] of 10**-i; all
+    zeros is 0."""
+    out = [0.0]
+    for i in range(bits):
+        frac = bits - 1 - i
+        edges = np.linspace(0.1, 1.0, 2**frac + 1)
+        out += list((edges[:-1] + edges[1:]) / 2 * 10.0**-i) if frac else [0.55 * 10.0**-i]
+    return np.unique(np.asarray(out)) / max(out)
+
+
+def int4_m(m, block=128):
+    """4-bit m after Li et al. (NeurIPS 2023): block-wise (128) absmax, sign + a 3-bit
+    dynamic-exponent magnitude."""
+    x = m.reshape(-1, block)
+    scale = np.abs(x).max(axis=1, keepdims=True)
+    r = np.where(scale > 0, np.abs(x) / np.where(scale > 0, scale, 1), 0)
+    return (np.sign(x) * _nearest(r, dynamic_exponent_levels(3)) * scale).astype(np.float32).reshape(-1)
+
+
+def int4_v(v, block=256):
+    """4-bit v after Li et al.: rank-1 normalisation of v as a matrix (rows of ``block``: each
+    element over the smaller of its row's and its column's maximum) and a linear map without
+    zero (levels (k + 1) / 16), so no v decodes to zero."""
+    x = v.reshape(-1, block)
+    norm = np.minimum(x.max(axis=1, keepdims=True), x.max(axis=0, keepdims=True))
+    r = np.where(norm > 0, x / np.where(norm > 0, norm, 1), 0)
+    return (_nearest(r, np.arange(1, 17) / 16.0) * norm).astype(np.float32).reshape(-1)
+
+
 def simulate(qm, qv, block, grads, lr=1e-3, b1=0.9, b2=0.95, eps=1e-8):
     n = grads.shape[1]
     p = np.zeros(n, np.float32)
@@ -101,6 +140,9 @@ def main() -> None:
         "m e5m2, sqrt v e4m4": (lambda m, b: minifloat(m, b, 5, 2), exp_v, [256, 2048]),
         "m e3m4, sqrt v e4m4": (lambda m, b: minifloat(m, b, 3, 4), exp_v, [256, 2048]),
         "jaxascend int8: m e4m3, sqrt v e4m4": (exp_m, exp_v, [256, 2048]),
+        # 4-bit (optimizer.state_dtype: int4 of issue 39): m block 128 by the block argument
+        "int4 (Li et al.): m DE block 128, v rank-1 linear without zero": (int4_m, int4_v, [128]),
+        "int4 m (Li et al.), jaxascend int8 v": (int4_m, exp_v, [128]),
     }
     out = {"elements": n, "steps": args.steps, "spreads": {}}
     for decades in (3, 5):
