@@ -46,14 +46,16 @@ LARGE = ["model.arch=llama", "model.hidden_size=2048", "model.intermediate_size=
          "optimizer.learning_rate=3e-4", "optimizer.warmup_steps=10"]
 
 
-def train(name: str, overrides: list[str], work: Path, reuse: bool = False) -> dict:
+def train(name: str, overrides: list[str], work: Path, reuse: bool = False, entry=None) -> dict:
+    """One run of ``jaxascend.train`` (or of ``entry``, the arguments after the interpreter that
+    stand for it) on the tiny config with ``overrides``: its losses and figures."""
     out = work / name
     steps = int(next(o for o in reversed(overrides) if o.startswith("train.steps=")).split("=")[1])
     if reuse and (out / "summary.json").exists():
         summary = json.loads((out / "summary.json").read_text())
         if summary["steps"] == steps:  # a finished run of this length: its curve stands
             return _figures(summary, seconds=None)
-    args = [sys.executable, "-m", "jaxascend.train", "--config", str(REPO / "configs" / "tiny.yaml")]
+    args = [sys.executable, *(entry or ["-m", "jaxascend.train"]), "--config", str(REPO / "configs" / "tiny.yaml")]
     for o in overrides + [f"train.out_dir={out}", f"offload.dir={out}/offload", "train.progress=false",
                           "train.log_every=1", "checkpoint.every_steps=0", "export.save_params=false",
                           "train.resume=none"]:
