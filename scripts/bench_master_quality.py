@@ -10,7 +10,8 @@ the same rule against float32's drift.
 
 1. **Training from scratch** (``scratch``): the tiny config for ``--steps`` (default 1000) at its
    learning rate 2e-3, once per master (float32; bfloat16 ``compensated``; ``stochastic``; and
-   each beside int8 moments).
+   each beside int8 moments; ``--masters`` chooses), then the 0.54B Llama shape of
+   ``bench_state_quality`` for ``--large-steps`` (default 100) at 3e-4.
 2. **Fine-tuning at a small learning rate** (``finetune``): the tiny model is trained to
    convergence on the standard library's Python (``--pretrain-steps``, default 1500, at 2e-3,
    float32 master), exported in bfloat16 (so every master starts from the same weights exactly), then fine-tuned on other data (numpy's Python sources) at 1e-5 and
@@ -36,7 +37,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_state_quality import PERTURBED_EPS, smooth, train  # noqa: E402
+from bench_state_quality import LARGE, PERTURBED_EPS, smooth, train  # noqa: E402
 from bench_step import cpu_model  # noqa: E402
 
 TOLERANCE = 0.01  # relative, of the last 10% of steps' mean loss (and of the weights' drift)
@@ -111,6 +112,20 @@ def scratch(args, work: Path) -> dict:
     return {"steps": args.steps, "num_params": runs["float32"]["num_params"], "runs": runs, "verdict": verdict(runs)}
 
 
+def scratch_large(args, work: Path) -> dict:
+    """Regime 1 on the 0.54B Llama shape of ``bench_state_quality`` for ``--large-steps``: float32,
+    its perturbation, and the masters of ``--masters`` with their ``--compact`` combinations."""
+    masters = {k: v for k, v in MASTERS.items() if k == "float32" or k in args.masters}
+    compact = {k: v for k, v in COMPACT.items() if k in args.compact and k.split("+")[0] in masters}
+    runs = {}
+    for name, overrides in {**masters, **PERTURBED, **compact}.items():
+        runs[name] = train(f"scratch-0.54b-{name}", BASE + LARGE + overrides + [f"train.steps={args.large_steps}"],
+                           work, args.reuse)
+        print(f"scratch 0.54b {name}: final loss {runs[name]['losses'][-1]:.4f}", file=sys.stderr)
+    return {"steps": args.large_steps, "num_params": runs["float32"]["num_params"], "runs": runs,
+            "verdict": verdict(runs)}
+
+
 def finetune(args, work: Path) -> dict:
     pre = work / "pretrained"
     train("pretrained", BASE + MASTERS["float32"] + [f"train.steps={args.pretrain_steps}", "export.enabled=true",
@@ -145,7 +160,8 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = ([("scratch", results["scratch"]["runs"])] if "scratch" in results else []) + \
+    panels = [(name, results[key]["runs"]) for key, name in (("scratch", "scratch"), ("scratch_0.54b", "scratch, 0.54B"))
+              if key in results] + \
         [(f"fine-tune lr {lr}", r["runs"]) for lr, r in results.get("finetune", {}).get("learning_rates", {}).items()]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (title, runs) in zip(axes[0], panels):
@@ -165,6 +181,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=["scratch", "finetune"], default=None)
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--large-steps", type=int, default=100, help="steps of the 0.54B regime (0: skip it)")
     p.add_argument("--pretrain-steps", type=int, default=1500)
     p.add_argument("--finetune-steps", type=int, default=300)
     p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-5, 5e-5])
@@ -179,12 +196,14 @@ def main(argv=None) -> dict:
     results = {"tolerance": TOLERANCE, "cpu": cpu_model()}
     if args.only in (None, "scratch"):
         results["scratch"] = scratch(args, work)
+    if args.only in (None, "scratch") and args.large_steps:
+        results["scratch_0.54b"] = scratch_large(args, work)
     if args.only in (None, "finetune"):
         results["finetune"] = finetune(args, work)
     out = Path(args.out)
     plot(results, out.with_suffix(".png"))
     strip = json.loads(json.dumps(results, default=float))
-    for r in [strip.get("scratch", {})] + list(strip.get("finetune", {}).get("learning_rates", {}).values()):
+    for r in [strip.get("scratch", {}), strip.get("scratch_0.54b", {})] + list(strip.get("finetune", {}).get("learning_rates", {}).values()):
         for run in r.get("runs", {}).values():
             run["final_loss"] = run.pop("losses", [None])[-1]
     out.with_suffix(".json").write_text(json.dumps(strip, indent=1) + "\n")
