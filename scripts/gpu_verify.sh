@@ -19,20 +19,36 @@
 #      float16 at a few lengths (scripts/check_cudnn_attention.py: pass/fail, max errors; it skips,
 #      saying why, where cuDNN attention is unavailable), then a short bf16 training run through it
 #      against the same run with the pure-JAX attention.
-# Sections 1-6 compare runs for equal losses: they use the pure-JAX attention
+#   8. fewer bytes (issue 39): the gradients in RAM (offload.gradients: host) against on SSD (losses
+#      equal), a compensated bfloat16 master against float32 (losses within 1e-4), and the compact
+#      state (compensated master, int8 moments, gradients in RAM) with the weights on SSD, overlapped.
+#   9. bench_step on the GPU (0.54B shape, one round, weights on SSD): compute alone, float32 and the
+#      compact state, each with its SSD bytes and floor (is the GPU's step I/O-bound?);
+# Sections 1-6 and 8 compare runs for equal losses: they use the pure-JAX attention
 # (JAXASCEND_ATTENTION_BACKEND=jax), since cuDNN's backward need not be bit-reproducible; section 7
-# is where cuDNN runs. Output goes to ${OUT:-/tmp/gpu_verify}.
+# is where cuDNN runs. After the build the sections run side by side (one GPU, memory taken as
+# needed: XLA_PYTHON_CLIENT_PREALLOCATE=false), each under GPU_VERIFY_SECTION_S seconds (default
+# 420); the end prints every pass/FAIL line. Output goes to ${OUT:-/tmp/gpu_verify}, every file also
+# in one gpu_verify.tgz there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${OUT:-/tmp/gpu_verify}
-mkdir -p "$out"
+res=${OUT:-/tmp/gpu_verify}  # what comes back: summary.txt, gpu_verify.tgz (every file), bench_step_gpu.json
+out=$(mktemp -d /tmp/gpu_verify_files.XXXX)
+mkdir -p "$res"
+exec > >(tee -a "$res/summary.txt") 2>&1
 export PYTHONUNBUFFERED=1
 export JAXASCEND_ATTENTION_BACKEND=jax
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the sections share the GPU
 py=${PYTHON:-python3}
+section_s=${GPU_VERIFY_SECTION_S:-420}
 { nvidia-smi -L; $py --version; $py -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$out/env.txt"
 echo "== build" | tee "$out/build.txt"
-$py -m pip install --no-build-isolation --no-deps -e . >>"$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
+if [ -z "${GPU_VERIFY_SKIP_BUILD:-}" ]; then  # set it to check the script's plumbing where jaxascend is built
+  $py -m pip install --no-build-isolation --no-deps -e . >>"$out/build.txt" 2>&1 || { tail -40 "$out/build.txt"; exit 1; }
+fi
 tail -2 "$out/build.txt"
+
+sec_tests() {
 echo "== pinned arena (C++)"
 bash scripts/gpu_check.sh 256 2>&1 | tee "$out/pinned_check.txt"
 echo "== pytest on the GPU backend"
@@ -41,6 +57,9 @@ $py -m pytest -p no:cacheprovider -q -rs tests/ssd/test_arena.py tests/offload/t
     "tests/offload/test_streamed_params.py::test_streamed_weights_match_resident_bit_for_bit" \
     "tests/offload/test_vertical_micro_batches.py::test_vertical_micro_batches_equal_one_batch_of_all_rows" \
     2>&1 | tee "$out/pytest.txt" | tail -25
+}
+
+sec_train() {
 echo "== offloaded training, compute params on the GPU"
 rm -rf /tmp/gpu_run
 $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=20 --set train.log_every=5 --set optimizer.warmup_steps=5 \
@@ -77,6 +96,9 @@ rows = [json.loads(l) for l in open("/tmp/gpu_run_ssd/metrics.jsonl")]
 print("losses", [round(r["loss"], 4) for r in rows], "fetches", rows[-1].get("param_source_fetches"),
       "misses", rows[-1].get("param_source_misses"), "wait_s", rows[-1].get("param_source_wait_seconds"))
 PY
+}
+
+sec_overlap() {
 echo "== overlapped step (offload.overlap): the optimizer on a thread beside the next forward; losses must equal the sequential run's"
 for placement in resident ssd; do
   for ov in false true; do
@@ -95,6 +117,9 @@ print(p, "losses equal:", [r["loss"] for r in a] == [r["loss"] for r in b], "ove
       "early arrivals:", b[-1].get("early_gradient_arrivals"), "overlap_fraction:", b[-1].get("overlap_fraction"))
 PY
 done
+}
+
+sec_sft() {
 echo "== chat fine-tuning with held-out eval and end-of-run samples on the GPU (resident and streamed), then generate"
 for placement in resident ssd; do
   rm -rf /tmp/gpu_sft_$placement
@@ -107,6 +132,9 @@ for placement in resident ssd; do
 done
 $py -m pytest -p no:cacheprovider -q -rs tests/models/test_decode.py tests/test_blocked_prefill.py tests/offload/test_masked_loss_and_eval.py \
     2>&1 | tee "$out/pytest_sft.txt" | tail -8
+}
+
+sec_cudnn() {
 echo "== cuDNN attention against the dense reference (bfloat16, float16; T = 128, 1000, 4096)"
 JAXASCEND_ATTENTION_BACKEND=auto $py scripts/check_cudnn_attention.py --out "$out/cudnn_attention.json" 2>&1 \
     | tee "$out/cudnn_attention.txt" | tail -30
@@ -136,3 +164,80 @@ if not any(isinstance(x, str) for x in (a, b, ref)):
           "(bound 2e-2: bf16 trajectories drift apart)")
     print("cuDNN run twice, losses equal (bit-reproducible):", a == b)
 PY
+}
+
+sec_bytes() {
+echo "== fewer bytes (issue 39): gradients in RAM, a compensated bfloat16 master, the compact state on SSD"
+for run in grads_ssd grads_host comp_host compact_ssd; do
+  case $run in
+    grads_ssd) extra="--set offload.gradients=ssd";;
+    grads_host) extra="--set offload.gradients=host";;
+    comp_host) extra="--set offload.gradients=host --set optimizer.master_dtype=bfloat16 --set optimizer.master_rounding=compensated";;
+    compact_ssd) extra="--set offload.gradients=host --set optimizer.master_dtype=bfloat16 --set optimizer.state_dtype=int8 --set offload.params=ssd --set offload.overlap=true --set model.remat=dots";;
+  esac
+  rm -rf /tmp/gpu_bytes_$run
+  $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=12 --set train.log_every=1 --set optimizer.warmup_steps=2 \
+      --set train.out_dir=/tmp/gpu_bytes_$run --set offload.enabled=true --set offload.dir=/tmp/gpu_bytes_$run/offload \
+      --set model.dtype=bfloat16 --set train.progress=false $extra >"$out/train_bytes_$run.txt" 2>&1
+  grep -E "^(note|error): " "$out/train_bytes_$run.txt" | head -5
+done
+$py - <<'PY' 2>&1 | tee -a "$out/train_bytes.txt"
+import json
+def rows(run):
+    try:
+        return [json.loads(l) for l in open(f"/tmp/gpu_bytes_{run}/metrics.jsonl")]
+    except OSError as err:
+        return f"no metrics ({err})"
+r = {k: rows(k) for k in ("grads_ssd", "grads_host", "comp_host", "compact_ssd")}
+for k, v in r.items():
+    print(k, v if isinstance(v, str) else [round(x["loss"], 4) for x in v],
+          "" if isinstance(v, str) else f"ssd bytes/step {v[-1].get('ssd_read_bytes', 0) + v[-1].get('ssd_written_bytes', 0)}")
+if not any(isinstance(v, str) for v in r.values()):
+    loss = {k: [x["loss"] for x in v] for k, v in r.items()}
+    print("gradients in RAM vs on SSD, losses equal:", "pass" if loss["grads_host"] == loss["grads_ssd"] else "FAIL")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(loss["comp_host"], loss["grads_host"]))
+    print(f"compensated bfloat16 master vs float32, max relative loss difference {worst:.1e}:",
+          "pass" if worst <= 1e-4 else "FAIL", "(bound 1e-4: ties round away from zero, not to even)")
+    c = loss["compact_ssd"]
+    print("compact state, weights on SSD, overlapped: finite and falling:",
+          "pass" if all(x == x and abs(x) < 1e9 for x in c) and c[-1] < c[0] else "FAIL")
+PY
+}
+
+sec_bench() {
+echo "== bench_step on the GPU, 0.54B shape, weights on SSD: float32 against the compact state (one round)"
+$py scripts/bench_step.py --rounds 1 --peer off --io-size 1GiB --work-dir /tmp/gpu_bench_step \
+    --contenders compute,overlap_ssd,overlap_ssd_compact,overlap_ssd_compact_host --out "$out/bench_step_gpu.json" \
+    2>&1 | grep -aE "^round|Error|error" | tee "$out/bench_step_gpu.txt"
+$py - "$out/bench_step_gpu.json" <<'PY' 2>&1 | tee -a "$out/bench_step_gpu.txt"
+import json, sys
+try:
+    s = json.load(open(sys.argv[1]))["summary"]
+except (OSError, ValueError, KeyError) as err:
+    sys.exit(f"bench_step: no summary ({err})")
+for k in ("step_seconds", "ssd_bytes_per_step", "contender_ssd_floor_seconds"):
+    print(k, {c: round(v["median"], 3) for c, v in s.get(k, {}).items()})
+print("ratios", {k: round(v["median"], 3) for k, v in s.get("ratios", {}).items()})
+PY
+}
+
+export -f sec_tests sec_train sec_overlap sec_sft sec_cudnn sec_bytes sec_bench
+export out py
+echo "== sections side by side (each at most ${section_s} s): tests train overlap sft cudnn bytes bench"
+started=$(date +%s)
+pids=()
+for name in tests train overlap sft cudnn bytes bench; do
+  ( timeout --kill-after=10 "$section_s" bash -c "sec_$name" >"$out/section_$name.log" 2>&1
+    echo "$name exit $?" >>"$out/section_status.txt" ) &
+  pids+=($!)
+done
+wait "${pids[@]}"  # not a bare wait: that would also wait for the tee behind summary.txt
+cat "$out/section_status.txt"
+echo "sections done in $(( $(date +%s) - started )) s"
+for name in tests train overlap sft cudnn bytes bench; do
+  echo "---- section $name (exit status in section_status.txt)"
+  grep -aE "pass|FAIL|passed|failed|error|skipped|losses equal|max relative|Error|^round|ratios|_seconds|ssd_bytes" "$out/section_$name.log" | grep -av "^note" | head -40
+done
+tar -czf "$res/gpu_verify.tgz" -C "$out" . 2>/dev/null
+cp "$out/bench_step_gpu.json" "$res/" 2>/dev/null
+echo "all output: $res/gpu_verify.tgz"
