@@ -114,11 +114,10 @@ def scratch(args, work: Path) -> dict:
 
 def scratch_large(args, work: Path) -> dict:
     """Regime 1 on the 0.54B Llama shape of ``bench_state_quality`` for ``--large-steps``: float32,
-    its perturbation, and the masters of ``--masters`` with their ``--compact`` combinations."""
-    masters = {k: v for k, v in MASTERS.items() if k == "float32" or k in args.masters}
-    compact = {k: v for k, v in COMPACT.items() if k in args.compact and k.split("+")[0] in masters}
+    its perturbation, and the combinations of ``--large`` (about 10 minutes a run on 2 cores)."""
+    chosen = {k: v for k, v in {**MASTERS, **COMPACT}.items() if k == "float32" or k in args.large}
     runs = {}
-    for name, overrides in {**masters, **PERTURBED, **compact}.items():
+    for name, overrides in {**chosen, **PERTURBED}.items():
         runs[name] = train(f"scratch-0.54b-{name}", BASE + LARGE + overrides + [f"train.steps={args.large_steps}"],
                            work, args.reuse)
         print(f"scratch 0.54b {name}: final loss {runs[name]['losses'][-1]:.4f}", file=sys.stderr)
@@ -182,6 +181,8 @@ def main(argv=None) -> dict:
     p.add_argument("--only", choices=["scratch", "finetune"], default=None)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--large-steps", type=int, default=100, help="steps of the 0.54B regime (0: skip it)")
+    p.add_argument("--large", nargs="*", default=["bfloat16-compensated+int8"],
+                   help="which combinations the 0.54B regime runs beside float32 and its perturbation")
     p.add_argument("--pretrain-steps", type=int, default=1500)
     p.add_argument("--finetune-steps", type=int, default=300)
     p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-5, 5e-5])
