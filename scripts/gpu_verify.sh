@@ -24,6 +24,7 @@
 #      state (compensated master, int8 moments, gradients in RAM) with the weights on SSD, overlapped.
 #   9. bench_step on the GPU (0.54B shape, one round, weights on SSD): compute alone, float32 and the
 #      compact state, each with its SSD bytes and floor (is the GPU's step I/O-bound?);
+#  10. determinism: the tiny run twice with XLA's default GPU ops and twice with deterministic ones.
 # Sections 1-6 and 8 compare runs for equal losses: they use the pure-JAX attention
 # (JAXASCEND_ATTENTION_BACKEND=jax), since cuDNN's backward need not be bit-reproducible; section 7
 # is where cuDNN runs. After the build the sections run side by side (one GPU, memory taken as
@@ -39,6 +40,13 @@ exec > >(tee -a "$res/summary.txt") 2>&1
 export PYTHONUNBUFFERED=1
 export JAXASCEND_ATTENTION_BACKEND=jax
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the sections share the GPU
+# The sections that compare runs for equal losses take XLA's deterministic GPU ops (its reductions
+# and scatters are not run-to-run reproducible otherwise) and full float32 matmuls (XLA's GPU
+# default is TF32, outside the float32 tolerances of the tests); the first H200 run, without them,
+# had every equality fail in the 4th-5th digit. Section 10 measures both ways; 7 and 9 run without.
+plain_xla_flags=${XLA_FLAGS:-}
+export XLA_FLAGS="$plain_xla_flags --xla_gpu_deterministic_ops=true"
+export JAX_DEFAULT_MATMUL_PRECISION=highest
 py=${PYTHON:-python3}
 section_s=${GPU_VERIFY_SECTION_S:-420}
 { nvidia-smi -L; $py --version; $py -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$out/env.txt"
@@ -135,6 +143,7 @@ $py -m pytest -p no:cacheprovider -q -rs tests/models/test_decode.py tests/test_
 }
 
 sec_cudnn() {
+export XLA_FLAGS="$plain_xla_flags"; unset JAX_DEFAULT_MATMUL_PRECISION
 echo "== cuDNN attention against the dense reference (bfloat16, float16; T = 128, 1000, 4096)"
 JAXASCEND_ATTENTION_BACKEND=auto $py scripts/check_cudnn_attention.py --out "$out/cudnn_attention.json" 2>&1 \
     | tee "$out/cudnn_attention.txt" | tail -30
@@ -205,6 +214,7 @@ PY
 }
 
 sec_bench() {
+export XLA_FLAGS="$plain_xla_flags"; unset JAX_DEFAULT_MATMUL_PRECISION
 echo "== bench_step on the GPU, 0.54B shape, weights on SSD: float32 against the compact state (one round)"
 $py scripts/bench_step.py --rounds 1 --peer off --io-size 1GiB --work-dir /tmp/gpu_bench_step \
     --contenders compute,overlap_ssd,overlap_ssd_compact,overlap_ssd_compact_host --out "$out/bench_step_gpu.json" \
@@ -221,12 +231,38 @@ print("ratios", {k: round(v["median"], 3) for k, v in s.get("ratios", {}).items(
 PY
 }
 
-export -f sec_tests sec_train sec_overlap sec_sft sec_cudnn sec_bytes sec_bench
+sec_determinism() {
+echo "== determinism: the same tiny run twice, with XLA's defaults and with deterministic ops"
+for mode in plain_a plain_b det_a det_b; do
+  flags="$plain_xla_flags"; [ "${mode%_*}" = det ] && flags="$plain_xla_flags --xla_gpu_deterministic_ops=true"
+  rm -rf /tmp/gpu_det_$mode
+  XLA_FLAGS="$flags" $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=8 --set train.log_every=1 \
+      --set optimizer.warmup_steps=2 --set train.out_dir=/tmp/gpu_det_$mode --set offload.dir=/tmp/gpu_det_$mode/offload \
+      --set model.dtype=bfloat16 --set train.progress=false >"$out/train_det_$mode.txt" 2>&1
+done
+$py - <<'PY' 2>&1 | tee -a "$out/train_determinism.txt"
+import json
+def losses(run):
+    try:
+        return [json.loads(l)["loss"] for l in open(f"/tmp/gpu_det_{run}/metrics.jsonl")]
+    except OSError as err:
+        return f"no metrics ({err})"
+for kind in ("plain", "det"):
+    a, b = losses(f"{kind}_a"), losses(f"{kind}_b")
+    print(f"{kind}: run twice, losses equal (bit-reproducible): {a == b}", a if isinstance(a, str) else "")
+a, b = losses("det_a"), losses("plain_a")
+if not any(isinstance(x, str) for x in (a, b)):
+    print(f"deterministic vs default, max relative loss difference {max(abs(x - y) / abs(y) for x, y in zip(a, b)):.1e}")
+PY
+}
+
+export -f sec_tests sec_train sec_overlap sec_sft sec_cudnn sec_bytes sec_bench sec_determinism
+export plain_xla_flags
 export out py
-echo "== sections side by side (each at most ${section_s} s): tests train overlap sft cudnn bytes bench"
+echo "== sections side by side (each at most ${section_s} s): tests train overlap sft cudnn bytes bench determinism"
 started=$(date +%s)
 pids=()
-for name in tests train overlap sft cudnn bytes bench; do
+for name in tests train overlap sft cudnn bytes bench determinism; do
   ( timeout --kill-after=10 "$section_s" bash -c "sec_$name" >"$out/section_$name.log" 2>&1
     echo "$name exit $?" >>"$out/section_status.txt" ) &
   pids+=($!)
@@ -234,9 +270,9 @@ done
 wait "${pids[@]}"  # not a bare wait: that would also wait for the tee behind summary.txt
 cat "$out/section_status.txt"
 echo "sections done in $(( $(date +%s) - started )) s"
-for name in tests train overlap sft cudnn bytes bench; do
+for name in tests train overlap sft cudnn bytes bench determinism; do
   echo "---- section $name (exit status in section_status.txt)"
-  grep -aE "pass|FAIL|passed|failed|error|skipped|losses equal|max relative|Error|^round|ratios|_seconds|ssd_bytes" "$out/section_$name.log" | grep -av "^note" | head -40
+  grep -aE "pass|FAIL|passed|failed|error|skipped|losses equal|max relative|Error|^round|ratios|_seconds|ssd_bytes|bit-reproducible" "$out/section_$name.log" | grep -av "^note" | head -40
 done
 tar -czf "$res/gpu_verify.tgz" -C "$out" . 2>/dev/null
 cp "$out/bench_step_gpu.json" "$res/" 2>/dev/null
