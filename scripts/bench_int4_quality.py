@@ -24,23 +24,19 @@ for ``--finetune-steps``; run ``bench_master_quality.py --only finetune`` first 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_master_quality import BASE, PERTURBED_EPS, TOLERANCE, drift, numpy_sources, verdict, weights  # noqa: E402
+from bench_master_quality import BASE, PERTURBED_EPS, TOLERANCE, drift, numpy_sources, save, verdict, weights  # noqa: E402
 from bench_state_codes import dynamic_exponent_levels  # noqa: E402
-from bench_state_quality import smooth, train  # noqa: E402
+from bench_state_quality import train  # noqa: E402
 from bench_step import cpu_model  # noqa: E402
 
 IN_MEMORY = ["offload.enabled=false", "optimizer.master_dtype=float32", "optimizer.state_dtype=float32"]
 RUNS = {"float32": [], "float32-perturbed": [f"optimizer.eps={PERTURBED_EPS}"], "int4": ["MOMENTS=int4"]}
 M_BLOCK, V_BLOCK = 128, 128
-
 
 # ---------------------------------------------------------------- the 4-bit moments, in jnp
 def _nearest(r, levels):
@@ -49,13 +45,11 @@ def _nearest(r, levels):
     lo, hi = levels[i - 1], levels[i]
     return jnp.where(r - lo <= hi - r, lo, hi)
 
-
 def _blocks(x, block):
     import jax.numpy as jnp
     flat = x.reshape(-1)
     pad = -flat.size % block
     return jnp.pad(flat, (0, pad)).reshape(-1, block), pad
-
 
 def int4_m(m):
     """m through the 4-bit code: block-wise absmax, sign + nearest dynamic-exponent magnitude."""
@@ -65,7 +59,6 @@ def int4_m(m):
     r = jnp.where(scale > 0, jnp.abs(b) / jnp.where(scale > 0, scale, 1), 0)
     q = jnp.sign(b) * _nearest(r, jnp.asarray(dynamic_exponent_levels(3), jnp.float32)) * scale
     return q.reshape(-1)[:m.size].reshape(m.shape).astype(m.dtype)
-
 
 def int4_v(v):
     """v through the 4-bit code: rank-1 normalised (a matrix: the smaller of its row's and
@@ -80,7 +73,6 @@ def int4_v(v):
     r = jnp.where(norm > 0, x / jnp.where(norm > 0, norm, 1), 0)
     levels = jnp.arange(1, 17, dtype=jnp.float32) / 16
     return (_nearest(r, levels) * norm).astype(v.dtype)
-
 
 def with_int4_moments(tx):
     """``tx`` whose Adam moments are stored through the 4-bit codes after every update."""
@@ -101,7 +93,6 @@ def with_int4_moments(tx):
 
     return optax.GradientTransformation(tx.init, update)
 
-
 def child(argv: list[str]) -> int:
     """``jaxascend.train`` with the in-memory engine's AdamW given 4-bit moments."""
     import jaxascend.in_memory_engine as engine
@@ -110,7 +101,6 @@ def child(argv: list[str]) -> int:
     engine.adamw_in_memory = lambda cfg, steps: with_int4_moments(inner(cfg, steps))
     return entry.main(argv)
 
-
 # ---------------------------------------------------------------- the two regimes
 def run(name: str, overrides: list[str], work: Path, reuse: bool) -> dict:
     moments = [o for o in overrides if o.startswith("MOMENTS=")]
@@ -118,12 +108,10 @@ def run(name: str, overrides: list[str], work: Path, reuse: bool) -> dict:
     entry = [str(Path(__file__).resolve()), "--child"] if moments else None
     return train(name, BASE + IN_MEMORY + rest, work, reuse, entry=entry)
 
-
 def scratch(args, work: Path) -> dict:
     runs = {name: run(f"int4-scratch-{name}", extra + [f"train.steps={args.steps}"], work, args.reuse)
             for name, extra in RUNS.items()}
     return {"steps": args.steps, "runs": runs, "verdict": verdict(runs)}
-
 
 def finetune(args, work: Path) -> dict:
     pre = Path(args.pretrained)
@@ -144,28 +132,6 @@ def finetune(args, work: Path) -> dict:
         out[f"{lr:g}"] = {"runs": runs, "verdict": verdict(runs)}
     return {"steps": args.finetune_steps, "learning_rates": out}
 
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = ([("scratch", results["scratch"]["runs"])] if "scratch" in results else []) + \
-        [(f"fine-tune lr {lr}", r["runs"]) for lr, r in results.get("finetune", {}).get("learning_rates", {}).items()]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, (title, runs) in zip(axes[0], panels):
-        for k, (name, r) in enumerate(runs.items()):
-            y = smooth(np.asarray(r["losses"]), 10)
-            ax.plot(np.arange(len(y)) + 10, y, lw=1.1, color=f"C{k}",
-                    label=name + (f" (drift {r['drift']:.2e})" if "drift" in r else ""))
-        ax.set_title(f"4-bit moments (simulated), {title}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss (mean of 10 steps)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=["scratch", "finetune"], default=None)
@@ -183,16 +149,7 @@ def main(argv=None) -> dict:
         results["scratch"] = scratch(args, work)
     if args.only in (None, "finetune"):
         results["finetune"] = finetune(args, work)
-    out = Path(args.out)
-    plot(results, out.with_suffix(".png"))
-    strip = json.loads(json.dumps(results, default=float))
-    for r in [strip.get("scratch", {})] + list(strip.get("finetune", {}).get("learning_rates", {}).values()):
-        for one in r.get("runs", {}).values():
-            one["final_loss"] = one.pop("losses", [None])[-1]
-    out.with_suffix(".json").write_text(json.dumps(strip, indent=1) + "\n")
-    print(json.dumps(strip, indent=1))
-    return strip
-
+    return save(results, Path(args.out), prefix="4-bit moments (simulated), ")
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:

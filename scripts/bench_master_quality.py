@@ -13,7 +13,7 @@ the same rule against float32's drift.
    each beside int8 moments; ``--masters`` chooses), then the 0.54B Llama shape of
    ``bench_state_quality`` for ``--large-steps`` (default 100) at 3e-4.
 2. **Fine-tuning at a small learning rate** (``finetune``): the tiny model is trained to
-   convergence on the standard library's Python (``--pretrain-steps``, default 1500, at 2e-3,
+   convergence on the standard library's Python (``--pretrain-steps``, default 1000, at 2e-3,
    float32 master), exported in bfloat16 (so every master starts from the same weights exactly), then fine-tuned on other data (numpy's Python sources) at 1e-5 and
    at 5e-5 for ``--finetune-steps`` (default 300) from the exported weights. This is where a
    bfloat16 weight rounded to nearest stops moving: an update below half its ulp (0.2-0.4% of
@@ -154,7 +154,7 @@ def finetune(args, work: Path) -> dict:
     return {"pretrain_steps": args.pretrain_steps, "steps": args.finetune_steps, "learning_rates": out}
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, prefix: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -168,7 +168,7 @@ def plot(results: dict, path: Path) -> None:
             y = smooth(np.asarray(r["losses"]), 10)
             ax.plot(np.arange(len(y)) + 10, y, lw=1.1, color=f"C{k}",
                     label=name + (f" (drift {r['drift']:.2e})" if "drift" in r else ""))
-        ax.set_title(title)
+        ax.set_title(prefix + title)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (mean of 10 steps)")
         ax.legend(fontsize=7)
@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
     p.add_argument("--large-steps", type=int, default=100, help="steps of the 0.54B regime (0: skip it)")
     p.add_argument("--large", nargs="*", default=["bfloat16-compensated+int8"],
                    help="which combinations the 0.54B regime runs beside float32 and its perturbation")
-    p.add_argument("--pretrain-steps", type=int, default=1500)
+    p.add_argument("--pretrain-steps", type=int, default=1000)
     p.add_argument("--finetune-steps", type=int, default=300)
     p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-5, 5e-5])
     p.add_argument("--compact", nargs="*", default=list(COMPACT), help="which combinations with int8 moments to run")
@@ -201,14 +201,20 @@ def main(argv=None) -> dict:
         results["scratch_0.54b"] = scratch_large(args, work)
     if args.only in (None, "finetune"):
         results["finetune"] = finetune(args, work)
-    out = Path(args.out)
-    plot(results, out.with_suffix(".png"))
+    return save(results, Path(args.out))
+
+
+def save(results: dict, out: Path, prefix: str = "") -> dict:
+    """Plots ``results`` into ``out``.png, writes them (each run's final loss instead of its
+    curve) into ``out``.json and prints them."""
+    plot(results, out.with_suffix(".png"), prefix)
     strip = json.loads(json.dumps(results, default=float))
-    for r in [strip.get("scratch", {}), strip.get("scratch_0.54b", {})] + list(strip.get("finetune", {}).get("learning_rates", {}).values()):
+    for r in [strip.get("scratch", {}), strip.get("scratch_0.54b", {})] + \
+            list(strip.get("finetune", {}).get("learning_rates", {}).values()):
         for run in r.get("runs", {}).values():
             run["final_loss"] = run.pop("losses", [None])[-1]
     out.with_suffix(".json").write_text(json.dumps(strip, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in strip.items()}, indent=1))
+    print(json.dumps(strip, indent=1))
     return strip
 
 
