@@ -489,7 +489,8 @@ def main(argv=None) -> int:
         printed = report["summary"]
     if timeline is not None:
         from jaxascend.offload import write_timeline_png
-        name = f"{out.stem}_timeline" if args.sweep else "step_timeline"
+        # the default run's timeline is docs/step_timeline; any other --out keeps its own beside it
+        name = "step_timeline" if out.stem == "bench_step" and not args.sweep else f"{out.stem}_timeline"
         (out.parent / f"{name}.json").write_text(json.dumps(timeline, indent=1))
         write_timeline_png(timeline, out.parent / f"{name}.png",
                            title=f"one overlapped step, {args.shape} Llama ({report['cpu']})")
