@@ -115,7 +115,8 @@ def scratch(args, work: Path) -> dict:
 def scratch_large(args, work: Path) -> dict:
     """Regime 1 on the 0.54B Llama shape of ``bench_state_quality`` for ``--large-steps``: float32,
     its perturbation, and the combinations of ``--large`` (about 10 minutes a run on 2 cores)."""
-    chosen = {k: v for k, v in {**MASTERS, **COMPACT}.items() if k == "float32" or k in args.large}
+    moments_only = {"float32+int8": MASTERS["float32"] + ["optimizer.state_dtype=int8"]}  # the int8 moments' part
+    chosen = {k: v for k, v in {**MASTERS, **COMPACT, **moments_only}.items() if k == "float32" or k in args.large}
     runs = {}
     for name, overrides in {**chosen, **PERTURBED}.items():
         runs[name] = train(f"scratch-0.54b-{name}", BASE + LARGE + overrides + [f"train.steps={args.large_steps}"],
