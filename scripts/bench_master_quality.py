@@ -103,13 +103,11 @@ def verdict(runs: dict, key: str = "losses") -> dict:
 
 
 def scratch(args, work: Path) -> dict:
-    runs = {}
+    """Regime 1 on the tiny config for ``--steps``: float32, its perturbation, the masters of
+    ``--masters`` and their ``--compact`` combinations."""
     masters = {k: v for k, v in MASTERS.items() if k == "float32" or k in args.masters}
     compact = {k: v for k, v in COMPACT.items() if k in args.compact and k.split("+")[0] in masters}
-    for name, overrides in {**masters, **PERTURBED, **compact}.items():
-        runs[name] = train(f"scratch-{name}", BASE + overrides + [f"train.steps={args.steps}"], work, args.reuse)
-        print(f"scratch {name}: final loss {runs[name]['losses'][-1]:.4f}", file=sys.stderr)
-    return {"steps": args.steps, "num_params": runs["float32"]["num_params"], "runs": runs, "verdict": verdict(runs)}
+    return _from_scratch("scratch", {**masters, **PERTURBED, **compact}, [], args.steps, work, args.reuse)
 
 
 def scratch_large(args, work: Path) -> dict:
@@ -117,13 +115,18 @@ def scratch_large(args, work: Path) -> dict:
     its perturbation, and the combinations of ``--large`` (about 10 minutes a run on 2 cores)."""
     moments_only = {"float32+int8": MASTERS["float32"] + ["optimizer.state_dtype=int8"]}  # the int8 moments' part
     chosen = {k: v for k, v in {**MASTERS, **COMPACT, **moments_only}.items() if k == "float32" or k in args.large}
+    return _from_scratch("scratch 0.54b", {**chosen, **PERTURBED}, LARGE, args.large_steps, work, args.reuse)
+
+
+def _from_scratch(label: str, chosen: dict, shape: list[str], steps: int, work: Path, reuse: bool) -> dict:
+    """Each of ``chosen`` (name -> overrides) trained ``steps`` from the same initialisation on the
+    tiny config with ``shape`` over it, and the rule's verdict."""
     runs = {}
-    for name, overrides in {**chosen, **PERTURBED}.items():
-        runs[name] = train(f"scratch-0.54b-{name}", BASE + LARGE + overrides + [f"train.steps={args.large_steps}"],
-                           work, args.reuse)
-        print(f"scratch 0.54b {name}: final loss {runs[name]['losses'][-1]:.4f}", file=sys.stderr)
-    return {"steps": args.large_steps, "num_params": runs["float32"]["num_params"], "runs": runs,
-            "verdict": verdict(runs)}
+    for name, overrides in chosen.items():
+        folder = label.replace(" ", "-") + f"-{name}"
+        runs[name] = train(folder, BASE + shape + overrides + [f"train.steps={steps}"], work, reuse)
+        print(f"{label} {name}: final loss {runs[name]['losses'][-1]:.4f}", file=sys.stderr)
+    return {"steps": steps, "num_params": runs["float32"]["num_params"], "runs": runs, "verdict": verdict(runs)}
 
 
 def finetune(args, work: Path) -> dict:
