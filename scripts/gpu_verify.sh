@@ -49,6 +49,29 @@ export XLA_FLAGS="$plain_xla_flags --xla_gpu_deterministic_ops=true"
 export JAX_DEFAULT_MATMUL_PRECISION=highest
 py=${PYTHON:-python3}
 section_s=${GPU_VERIFY_SECTION_S:-420}
+
+# tiny_run NAME STEPS [--set ...]: the tiny config in bf16, offloaded, logging every step, into
+# /tmp/NAME (its console in $out/NAME.txt); later --set values win.
+tiny_run() {
+  local name=$1 steps=$2; shift 2
+  rm -rf "/tmp/$name"
+  $py -m jaxascend.train --config configs/tiny.yaml --set train.steps="$steps" --set train.log_every=1 \
+      --set optimizer.warmup_steps=2 --set train.out_dir="/tmp/$name" --set offload.enabled=true \
+      --set offload.dir="/tmp/$name/offload" --set model.dtype=bfloat16 --set train.progress=false "$@" \
+      >"$out/$name.txt" 2>&1
+}
+# check: runs the Python on stdin with rows(NAME) (the records of /tmp/NAME/metrics.jsonl, or why
+# there are none, through jaxascend.plot's reader) and losses(NAME) defined.
+read_runs='from jaxascend.plot import PlotError, metrics_file, read_metrics
+def rows(name):
+    try:
+        return list(read_metrics(metrics_file(f"/tmp/{name}")).values())
+    except PlotError as err:
+        return f"no metrics ({err})"
+def losses(name):
+    r = rows(name)
+    return r if isinstance(r, str) else [x["loss"] for x in r]'
+check() { { printf '%s\n' "$read_runs"; cat; } | $py - "$@"; }
 { nvidia-smi -L; $py --version; $py -c "import jax; print('jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$out/env.txt"
 echo "== build" | tee "$out/build.txt"
 if [ -z "${GPU_VERIFY_SKIP_BUILD:-}" ]; then  # set it to check the script's plumbing where jaxascend is built
@@ -149,22 +172,12 @@ JAXASCEND_ATTENTION_BACKEND=auto $py scripts/check_cudnn_attention.py --out "$ou
     | tee "$out/cudnn_attention.txt" | tail -30
 echo "== training through cuDNN attention (twice) against the pure-JAX attention: tiny, bf16, 20 steps"
 for run in cudnn_a cudnn_b jax; do
-  rm -rf /tmp/gpu_attn_$run
   backend=auto; [ "$run" = jax ] && backend=jax
-  JAXASCEND_ATTENTION_BACKEND=$backend $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=20 \
-      --set train.log_every=1 --set optimizer.warmup_steps=5 --set train.out_dir=/tmp/gpu_attn_$run \
-      --set offload.enabled=true --set offload.dir=/tmp/gpu_attn_$run/offload --set model.dtype=bfloat16 \
-      --set train.progress=false >"$out/train_attention_$run.txt" 2>&1
-  grep "note: attention" "$out/train_attention_$run.txt"  # a fallback from cuDNN says why here
+  JAXASCEND_ATTENTION_BACKEND=$backend tiny_run gpu_attn_$run 20 --set optimizer.warmup_steps=5
+  grep "note: attention" "$out/gpu_attn_$run.txt"  # a fallback from cuDNN says why here
 done
-$py - <<'PY' 2>&1 | tee -a "$out/train_attention.txt"
-import json
-def losses(run):
-    try:
-        return [json.loads(l)["loss"] for l in open(f"/tmp/gpu_attn_{run}/metrics.jsonl")]
-    except OSError as err:
-        return f"no metrics ({err})"
-a, b, ref = losses("cudnn_a"), losses("cudnn_b"), losses("jax")
+check <<'PY' 2>&1 | tee -a "$out/train_attention.txt"
+a, b, ref = losses("gpu_attn_cudnn_a"), losses("gpu_attn_cudnn_b"), losses("gpu_attn_jax")
 print("cuDNN losses", a if isinstance(a, str) else [round(x, 4) for x in a])
 print("pure-JAX losses", ref if isinstance(ref, str) else [round(x, 4) for x in ref])
 if not any(isinstance(x, str) for x in (a, b, ref)):
@@ -184,20 +197,11 @@ for run in grads_ssd grads_host comp_host compact_ssd; do
     comp_host) extra="--set offload.gradients=host --set optimizer.master_dtype=bfloat16 --set optimizer.master_rounding=compensated";;
     compact_ssd) extra="--set offload.gradients=host --set optimizer.master_dtype=bfloat16 --set optimizer.state_dtype=int8 --set offload.params=ssd --set offload.overlap=true --set model.remat=dots";;
   esac
-  rm -rf /tmp/gpu_bytes_$run
-  $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=12 --set train.log_every=1 --set optimizer.warmup_steps=2 \
-      --set train.out_dir=/tmp/gpu_bytes_$run --set offload.enabled=true --set offload.dir=/tmp/gpu_bytes_$run/offload \
-      --set model.dtype=bfloat16 --set train.progress=false $extra >"$out/train_bytes_$run.txt" 2>&1
-  grep -E "^(note|error): " "$out/train_bytes_$run.txt" | head -5
+  tiny_run gpu_bytes_$run 12 $extra
+  grep -E "^(note|error): " "$out/gpu_bytes_$run.txt" | head -5
 done
-$py - <<'PY' 2>&1 | tee -a "$out/train_bytes.txt"
-import json
-def rows(run):
-    try:
-        return [json.loads(l) for l in open(f"/tmp/gpu_bytes_{run}/metrics.jsonl")]
-    except OSError as err:
-        return f"no metrics ({err})"
-r = {k: rows(k) for k in ("grads_ssd", "grads_host", "comp_host", "compact_ssd")}
+check <<'PY' 2>&1 | tee -a "$out/train_bytes.txt"
+r = {k: rows(f"gpu_bytes_{k}") for k in ("grads_ssd", "grads_host", "comp_host", "compact_ssd")}
 for k, v in r.items():
     print(k, v if isinstance(v, str) else [round(x["loss"], 4) for x in v],
           "" if isinstance(v, str) else f"ssd bytes/step {v[-1].get('ssd_read_bytes', 0) + v[-1].get('ssd_written_bytes', 0)}")
@@ -235,29 +239,20 @@ sec_determinism() {
 echo "== determinism: the same tiny run twice, with XLA's defaults and with deterministic ops"
 for mode in plain_a plain_b det_a det_b; do
   flags="$plain_xla_flags"; [ "${mode%_*}" = det ] && flags="$plain_xla_flags --xla_gpu_deterministic_ops=true"
-  rm -rf /tmp/gpu_det_$mode
-  XLA_FLAGS="$flags" $py -m jaxascend.train --config configs/tiny.yaml --set train.steps=8 --set train.log_every=1 \
-      --set optimizer.warmup_steps=2 --set train.out_dir=/tmp/gpu_det_$mode --set offload.dir=/tmp/gpu_det_$mode/offload \
-      --set model.dtype=bfloat16 --set train.progress=false >"$out/train_det_$mode.txt" 2>&1
+  XLA_FLAGS="$flags" tiny_run gpu_det_$mode 8
 done
-$py - <<'PY' 2>&1 | tee -a "$out/train_determinism.txt"
-import json
-def losses(run):
-    try:
-        return [json.loads(l)["loss"] for l in open(f"/tmp/gpu_det_{run}/metrics.jsonl")]
-    except OSError as err:
-        return f"no metrics ({err})"
+check <<'PY' 2>&1 | tee -a "$out/train_determinism.txt"
 for kind in ("plain", "det"):
-    a, b = losses(f"{kind}_a"), losses(f"{kind}_b")
+    a, b = losses(f"gpu_det_{kind}_a"), losses(f"gpu_det_{kind}_b")
     print(f"{kind}: run twice, losses equal (bit-reproducible): {a == b}", a if isinstance(a, str) else "")
-a, b = losses("det_a"), losses("plain_a")
+a, b = losses("gpu_det_det_a"), losses("gpu_det_plain_a")
 if not any(isinstance(x, str) for x in (a, b)):
     print(f"deterministic vs default, max relative loss difference {max(abs(x - y) / abs(y) for x, y in zip(a, b)):.1e}")
 PY
 }
 
-export -f sec_tests sec_train sec_overlap sec_sft sec_cudnn sec_bytes sec_bench sec_determinism
-export plain_xla_flags
+export -f sec_tests sec_train sec_overlap sec_sft sec_cudnn sec_bytes sec_bench sec_determinism tiny_run check
+export plain_xla_flags read_runs
 export out py
 echo "== sections side by side (each at most ${section_s} s): tests train overlap sft cudnn bytes bench determinism"
 started=$(date +%s)
