@@ -72,7 +72,8 @@ void SlotIo(ShardStore& store, IoDirection dir, int32_t region, int64_t offset, 
   CheckStatus(s);
 }
 
-using SegmentTuple = std::tuple<int32_t, int64_t, int64_t, bool, bool>;  // region, offset, nbytes, read, write
+// region, offset, nbytes, read, write, write_region (-1: where it was read), write_offset
+using SegmentTuple = std::tuple<int32_t, int64_t, int64_t, bool, bool, int32_t, int64_t>;
 
 void BindStoreOptions(nb::module_& m) {
   nb::class_<StoreOptions>(m, "StoreOptions")
@@ -163,8 +164,8 @@ void BindShardStoreIo(nb::class_<ShardStore>& cls) {
               std::vector<std::string> slot_classes, int depth) {
              std::vector<std::vector<StreamSegment>> native(chunks.size());
              for (size_t c = 0; c < chunks.size(); ++c) {
-               for (const auto& [region, offset, nbytes, read, write] : chunks[c]) {
-                 native[c].push_back({region, offset, nbytes, read, write});
+               for (const auto& [region, offset, nbytes, read, write, write_region, write_offset] : chunks[c]) {
+                 native[c].push_back({region, offset, nbytes, read, write, write_region, write_offset});
                }
              }
              std::unique_ptr<StreamPass> pass;
@@ -173,7 +174,8 @@ void BindShardStoreIo(nb::class_<ShardStore>& cls) {
              return pass;
            },
            nb::arg("chunks"), nb::arg("slot_classes"), nb::arg("depth"),
-           "chunks: [[(region, offset, nbytes, read, write), ...], ...]; one slot class per segment position.");
+           "chunks: [[(region, offset, nbytes, read, write, write_region, write_offset), ...], ...] (write_region -1: "
+           "written back where read); one slot class per segment position.");
 }
 
 void BindStreamPass(nb::module_& m) {
@@ -191,6 +193,9 @@ void BindStreamPass(nb::module_& m) {
              nb::gil_scoped_release release;
              p.Abort();
            })
+      .def("wait_written_through",
+           [](StreamPass& p, int64_t k) { CheckWithoutGil([&] { return p.WaitWrittenThrough(k); }); },
+           nb::arg("k"), "Waits until every chunk <= k (below the current one) is written back.")
       .def_prop_ro("current", &StreamPass::current)
       .def_prop_ro("written_through", &StreamPass::written_through)
       .def_prop_ro("num_chunks", &StreamPass::num_chunks)

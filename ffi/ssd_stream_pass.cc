@@ -7,42 +7,54 @@
 namespace jaxascend {
 namespace {
 
-// A pass reads chunk k+1 before chunk k is written back, so a written byte must belong to
-// one chunk only; otherwise a read-ahead would see stale data.
+// A pass reads chunk k+1 before chunk k is written back, so a byte written by chunk a may be
+// read only by chunks b <= a (their reads land before a's write is submitted: a read-ahead of a
+// later chunk would see stale data), and written by one chunk only.
 Status CheckNoWrittenOverlap(const ShardStore& store, const std::vector<std::vector<StreamSegment>>& chunks) {
   struct Span {
     int32_t region;
     int64_t begin, end;
-    bool write;
+    bool write;  // this span is where a segment is written back (else where it is read)
     size_t chunk, segment;
   };
   std::vector<Span> spans;
   for (size_t c = 0; c < chunks.size(); ++c) {
     for (size_t i = 0; i < chunks[c].size(); ++i) {
       const StreamSegment& s = chunks[c][i];
-      spans.push_back({s.region, s.offset, s.offset + s.nbytes, s.write, c, i});
+      const bool in_place = s.write && s.write_region < 0;
+      if (s.read || in_place) spans.push_back({s.region, s.offset, s.offset + s.nbytes, in_place, c, i});
+      if (s.write && !in_place) spans.push_back({s.write_region, s.write_offset, s.write_offset + s.nbytes, true, c, i});
     }
   }
   std::sort(spans.begin(), spans.end(),
             [](const Span& a, const Span& b) { return std::tie(a.region, a.begin) < std::tie(b.region, b.begin); });
-  // Sweep each region keeping the span that reaches furthest; any later span starting before
-  // its end overlaps it.
-  for (size_t i = 1, far = 0; i < spans.size(); ++i) {
-    if (spans[i].region != spans[far].region) {
-      far = i;
-      continue;
-    }
-    const Span& a = spans[far];
+  // Every pair of overlapping spans where one is written: allowed only as a read by an earlier
+  // chunk (or the same one) of what a later chunk writes. Spans are short runs per region, so
+  // the pairwise scan over the spans still open is cheap.
+  std::vector<size_t> open;
+  for (size_t i = 0; i < spans.size(); ++i) {
     const Span& b = spans[i];
-    if (b.begin < a.end && (a.write || b.write)) {
-      const StoreRegion* r = store.region(a.region);
+    std::vector<size_t> still;
+    for (size_t j : open) {
+      const Span& a = spans[j];
+      if (a.region != b.region || a.end <= b.begin) continue;
+      still.push_back(j);
+      if (!a.write && !b.write) continue;
+      const Span& w = a.write ? a : b;
+      const Span& r = a.write ? b : a;
+      if (!(w.write && r.write) && r.chunk <= w.chunk && !(r.chunk == w.chunk && r.segment != w.segment)) continue;
+      const StoreRegion* reg = store.region(a.region);
       return Status::InvalidArgument(
           "stream: chunk " + std::to_string(a.chunk) + " segment " + std::to_string(a.segment) + " and chunk " +
           std::to_string(b.chunk) + " segment " + std::to_string(b.segment) + " overlap in region '" +
-          (r ? r->name : std::string("?")) + "' at bytes [" + std::to_string(b.begin) + ", " +
-          std::to_string(std::min(a.end, b.end)) + ") and one of them is written back");
+          (reg ? reg->name : std::string("?")) + "' at bytes [" + std::to_string(b.begin) + ", " +
+          std::to_string(std::min(a.end, b.end)) + ") and " +
+          (w.write && r.write ? std::string("both are written back")
+                              : "chunk " + std::to_string(r.chunk) + " reads what chunk " + std::to_string(w.chunk) +
+                                    " writes before it"));
     }
-    if (b.end > a.end) far = i;
+    still.push_back(i);
+    open.swap(still);
   }
   return Status::Ok();
 }
@@ -71,6 +83,9 @@ Status StreamPass::Create(std::shared_ptr<ShardStore> store, std::vector<std::ve
                                        " is neither read nor written");
       }
       JAXASCEND_RETURN_IF_ERROR(store->CheckRange(s.region, s.offset, s.nbytes, "stream"));
+      if (s.write && s.write_region >= 0) {
+        JAXASCEND_RETURN_IF_ERROR(store->CheckRange(s.write_region, s.write_offset, s.nbytes, "stream"));
+      }
       slot_bytes[i] = std::max(slot_bytes[i], RoundUpToAlignment(s.nbytes));
     }
   }
@@ -136,7 +151,8 @@ Status StreamPass::SubmitWriteBack(int64_t chunk) {
     const StreamSegment& s = chunks_[chunk][i];
     if (!s.write) continue;
     const ArenaSlot& slot = arena.slots()[st.slots[i]];
-    JAXASCEND_RETURN_IF_ERROR(store_->SubmitWrite(s.region, s.offset, s.nbytes, slot.data, slot.capacity, &st.writes));
+    JAXASCEND_RETURN_IF_ERROR(
+        store_->SubmitWrite(s.target_region(), s.target_offset(), s.nbytes, slot.data, slot.capacity, &st.writes));
   }
   return Status::Ok();
 }
@@ -163,6 +179,19 @@ Status StreamPass::Next(bool* has_chunk) {
   Status s = StageOf(k).reads.Wait();
   if (!s.ok()) return Fail(s);
   *has_chunk = true;
+  return Status::Ok();
+}
+
+Status StreamPass::WaitWrittenThrough(int64_t k) {
+  if (!error_.ok()) return error_;
+  // Chunks after written_through_ and before current_ still sit in their stages (a stage is
+  // refilled only for a read, after its writes were awaited), their writes submitted.
+  const int64_t last = std::min(k, current_ - 1);
+  for (int64_t j = written_through_ + 1; j <= last; ++j) {
+    const Status s = StageOf(j).writes.Wait();
+    if (!s.ok()) return Fail(s);
+  }
+  written_through_ = std::max(written_through_, last);
   return Status::Ok();
 }
 

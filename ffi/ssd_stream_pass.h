@@ -1,7 +1,9 @@
 // One pipelined pass over chunks of SSD-resident state, through arena slots.
 //
 // A chunk is a list of segments (region, offset, nbytes, read?/write?), e.g. the same element
-// range of a tensor's fp32 master, m, v (read+write) and gradient (read). The pass holds
+// range of a tensor's fp32 master, m, v (read+write) and gradient (read). A segment is written
+// back where it was read, or to a location of its own (write_region, write_offset: copy on
+// write, as the durable steps' slot rings move a record to a free slot). The pass holds
 // `depth` stages, each with one arena slot per segment position, used round-robin. While the
 // consumer works on chunk k, chunk k+1 .. k+depth-2 are being read and chunk k-1 is being
 // written back (depth 3: one of each). Slots are acquired once when the pass is created and
@@ -15,7 +17,12 @@
 //
 // written_through() says how far the write-back is known to have landed: a stage's writes are
 // awaited before its slots are refilled, so once chunk k's reads are issued, chunks <= k-depth
-// are on disk (and after Finish(), all of them).
+// are on disk (and after Finish(), all of them). WaitWrittenThrough(k) waits until chunks <= k
+// (of those submitted: k < current()) are on disk.
+//
+// Where bytes are shared between chunks, a pass must never read stale data or let two writes
+// race: a byte written by chunk a may be read by chunk b only when b <= a (b's reads have landed
+// before a's write is submitted), and no byte is written by two chunks.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +42,11 @@ struct StreamSegment {
   int64_t nbytes = 0;
   bool read = true;   // filled from disk before the consumer sees it
   bool write = true;  // written back after the consumer is done with it
+  int32_t write_region = -1;  // where it is written back: -1, the region and offset it was read from
+  int64_t write_offset = 0;
+
+  int32_t target_region() const { return write_region < 0 ? region : write_region; }
+  int64_t target_offset() const { return write_region < 0 ? offset : write_offset; }
 };
 
 class StreamPass {
@@ -50,6 +62,9 @@ class StreamPass {
   Status Next(bool* has_chunk);
   Status Finish();
   void Abort();
+  // Waits until every chunk <= k is written back (k below current(): submitted). Raises nothing
+  // new: the first error of the pass, as Next() would.
+  Status WaitWrittenThrough(int64_t k);
 
   int64_t current() const { return current_; }  // -1 before the first Next()
   // Every chunk up to this index is written back (on disk): -1 before any is known to be.

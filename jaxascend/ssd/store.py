@@ -76,13 +76,16 @@ RegionRef = Union[str, Region]
 
 @dataclass(frozen=True)
 class Segment:
-    """``nbytes`` at byte ``offset`` of ``region``; ``read``: filled from disk, ``write``: written back."""
+    """``nbytes`` at byte ``offset`` of ``region``; ``read``: filled from disk, ``write``: written
+    back, there or (``write_region``, ``write_offset``: copy on write) elsewhere."""
 
     region: RegionRef
     offset: int
     nbytes: int
     read: bool = True
     write: bool = True
+    write_region: Optional[RegionRef] = None
+    write_offset: int = 0
 
 
 def inject_fault(spec: str) -> None:
@@ -251,7 +254,8 @@ class SsdStore:
         defaults to ``offload.stream_depth``. See :class:`jaxascend.ssd.stream.SsdStream`."""
         n_seg = len(chunks[0]) if chunks else (1 if isinstance(slot_classes, str) else len(slot_classes))
         classes = [slot_classes] * n_seg if isinstance(slot_classes, str) else list(slot_classes)
-        native_chunks = [[(self.region(s.region).id, int(s.offset), int(s.nbytes), bool(s.read), bool(s.write))
+        native_chunks = [[(self.region(s.region).id, int(s.offset), int(s.nbytes), bool(s.read), bool(s.write),
+                           -1 if s.write_region is None else self.region(s.write_region).id, int(s.write_offset))
                           for s in chunk] for chunk in chunks]
         depth = self.cfg.stream_depth if depth is None else int(depth)
         native_pass = self._native.stream(native_chunks, classes, depth)

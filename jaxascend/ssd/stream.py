@@ -58,6 +58,10 @@ class SsdStream:
         """Every chunk up to this index is written back to disk (-1: none known yet)."""
         return self._native.written_through
 
+    def wait_written_through(self, k: int) -> None:
+        """Waits until every chunk up to ``k`` (before the one in hand) is written back to disk."""
+        self._native.wait_written_through(int(k))
+
     def __iter__(self) -> Iterator[StreamChunk]:
         while self._native.next():
             views = self._native.views()

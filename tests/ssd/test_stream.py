@@ -175,3 +175,32 @@ def test_stream_argument_errors(env):
         chunk_segments(store, [("w", np.float32, "rw")], 1000)
     with pytest.raises(ValueError, match="region 'g' holds 100000 elements, expected 50000"):
         chunk_segments(store, [("g", np.float32, "r"), ("g", np.float16, "r")], 8192)
+
+
+def test_copy_on_write_segments_move_each_record_one_slot_down(env):
+    """A ring of 4 records and one spare slot: chunk k reads slot k + 1 and writes slot k (chunk
+    0 into the spare, slot 0), each record updated on the way; reading a slot that an earlier
+    chunk of the pass writes is refused (the read-ahead would see stale bytes)."""
+    arena, store, _, _ = env
+    rec = 4 * CHUNK_ELEMS  # bytes: two blocks
+    store.add_region("ring", 5 * rec)
+    x = np.arange(4 * CHUNK_ELEMS, dtype=np.float32)
+    store.write("ring", x, offset=rec)  # records in slots 1..4, slot 0 free
+    chunks = [[Segment("ring", (k + 1) * rec, rec, write_region="ring", write_offset=k * rec)] for k in range(4)]
+    with store.stream(chunks, "state", dtypes=np.float32) as s:
+        for chunk in s:
+            chunk.arrays[0] += 1
+            if chunk.index == 2:
+                s.wait_written_through(1)  # chunks 0 and 1 are on disk now
+                assert s.written_through >= 1
+                np.testing.assert_array_equal(store.read("ring", 0, 2 * rec, np.float32), x[:2 * CHUNK_ELEMS] + 1)
+    got = store.read("ring", 0, 5 * rec, np.float32)
+    np.testing.assert_array_equal(got[:4 * CHUNK_ELEMS], x + 1)
+    np.testing.assert_array_equal(got[4 * CHUNK_ELEMS:], x[3 * CHUNK_ELEMS:])  # slot 4: chunk 3's old record
+    backwards = [[Segment("ring", k * rec, rec, write_region="ring", write_offset=(k + 1) * rec)] for k in range(4)]
+    with pytest.raises(ValueError, match="chunk 1 reads what chunk 0 writes before it"):
+        store.stream(backwards, "state")
+    twice = [[Segment("ring", 0, rec, write=False)], [Segment("ring", rec, rec, write_region="ring", write_offset=0)],
+             [Segment("ring", 2 * rec, rec, write_region="ring", write_offset=0)]]
+    with pytest.raises(ValueError, match="both are written back"):
+        store.stream(twice, "state")

@@ -1,0 +1,155 @@
+"""Where each state record lives while steps are durable: rings of equal slots that rotate.
+
+An update rewrites every state record (master, m, v) of a step. Rewritten in place, a record
+whose write a crash tears is lost: neither the old values (to redo the update from the gradient)
+nor the new ones survive. So with durable steps a record never overwrites itself. Every record of
+a given size (:attr:`ChunkRef.state_bytes`) belongs to one :class:`SlotRing`: its chunks, in the
+step's order (``k = 0 .. N-1``), and their ``N`` home slots plus ``W`` spare slots (``M = N + W``).
+A ring has one counter, its rotation ``r``::
+
+    chunk k is read from    slot[(k + r) % M]
+    and written to          slot[(k + r - W) % M]      (the old slot of chunk k - W)
+    after the step          r = (r - W) % M
+
+So chunk k's new record lands where chunk k - W's old one was, and chunks 0 .. W-1 land in the
+``W`` slots that were free. The one rule that keeps every record recoverable: **chunk k's write
+may be issued only once chunk k - W's new record is committed** (on disk, and a journal says so).
+A commit names a position in the step's order (``committed_through``); every chunk at or before
+it is read from its new slot on resume, every chunk after it from its old slot, which nothing has
+touched: the only writes that reach an old slot are those of chunks W places later in its ring,
+which wait for the commit. A torn write therefore only ever hits a slot no live record is in.
+
+:meth:`SlotRings.commit_needs` gives, per step position, the position that must be committed
+before that chunk's write: the update commits lazily, when it reaches such a chunk, everything
+written so far. With ``W`` at least the stream's depth the chunk it needs is already written (the
+write-behind is at most ``depth - 1`` chunks behind), so a commit waits for no I/O.
+
+The spare slots are store regions of their own (:meth:`SlotRings.spare_regions`): ``W`` records
+per ring, ``W = min(offload.durable_spares, N)``. A record that is not whole SSD blocks (the last,
+short chunk of a layer) may only be written at a region's end, so each of its spares is a region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from jaxascend.offload.layout import ChunkRef
+
+SPARE_PREFIX = "durable/spare"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one record fits: ``region`` (a store region name) at byte ``offset``."""
+
+    region: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class SlotRing:
+    """The chunks whose records are ``nbytes`` long, in step order, and the slots they rotate through."""
+
+    nbytes: int
+    members: tuple[int, ...]  # chunk indices (into the layout's chunks), in the step's order
+    slots: tuple[Slot, ...]  # the members' home slots in the same order, then the spares
+    spares: int  # W
+
+    @property
+    def size(self) -> int:
+        """M: slots in the ring."""
+        return len(self.slots)
+
+    def read_slot(self, k: int, rotation: int) -> Slot:
+        """Where member ``k``'s record is before an update at ``rotation``."""
+        return self.slots[(k + rotation) % self.size]
+
+    def write_slot(self, k: int, rotation: int) -> Slot:
+        """Where the update at ``rotation`` writes member ``k``'s new record."""
+        return self.slots[(k + rotation - self.spares) % self.size]
+
+    def advanced(self, rotation: int) -> int:
+        """The rotation after an update at ``rotation``."""
+        return (rotation - self.spares) % self.size
+
+
+@dataclass(frozen=True)
+class SlotRings:
+    """Every record's ring, for one layout and one step order (:meth:`plan`)."""
+
+    rings: tuple[SlotRing, ...]
+    order: tuple[int, ...]  # chunk indices in the step's order: position p -> chunk
+    ring_of: tuple[tuple[int, int], ...]  # per chunk index: (ring index, member k)
+    spare_regions: tuple[tuple[str, int], ...]  # (region name, bytes) to add to the store
+
+    @classmethod
+    def plan(cls, chunks: Sequence[ChunkRef], order: Sequence[int], spares: int, block_bytes: int) -> "SlotRings":
+        """The rings of ``chunks`` (the layout's, each with its state region name in
+        ``chunk.leaf.state_regions[chunk.layer]``) updated in ``order``, with up to ``spares``
+        spare slots each."""
+        if spares < 1:
+            raise ValueError(f"offload.durable_spares: must be >= 1, got {spares}")
+        by_size: dict[int, list[int]] = {}
+        for i in order:
+            by_size.setdefault(chunks[i].state_bytes, []).append(i)
+        rings, regions, ring_of = [], [], [None] * len(chunks)
+        for r, (nbytes, members) in enumerate(sorted(by_size.items())):
+            w = min(spares, len(members))
+            homes = [Slot(chunks[i].leaf.state_regions[chunks[i].layer], chunks[i].state_offset) for i in members]
+            if nbytes % block_bytes == 0:  # whole blocks: the ring's spares side by side in one region
+                name = f"{SPARE_PREFIX}/{nbytes}"
+                regions.append((name, w * nbytes))
+                extra = [Slot(name, j * nbytes) for j in range(w)]
+            else:  # a short record ends its region: one region per spare
+                extra = [Slot(f"{SPARE_PREFIX}/{nbytes}/{j}", 0) for j in range(w)]
+                regions += [(s.region, nbytes) for s in extra]
+            rings.append(SlotRing(nbytes, tuple(members), tuple(homes + extra), w))
+            for k, i in enumerate(members):
+                ring_of[i] = (r, k)
+        if any(x is None for x in ring_of):
+            missing = next(i for i, x in enumerate(ring_of) if x is None)
+            raise ValueError(f"durable steps: chunk {missing} is not in the step order")
+        return cls(tuple(rings), tuple(order), tuple(ring_of), tuple(regions))
+
+    @property
+    def spare_bytes(self) -> int:
+        """Disk the spare slots add to the state."""
+        return sum(n for _, n in self.spare_regions)
+
+    def initial_rotations(self) -> tuple[int, ...]:
+        """Every record in its home slot."""
+        return (0,) * len(self.rings)
+
+    def advanced(self, rotations: Sequence[int]) -> tuple[int, ...]:
+        """The rotations after one update."""
+        return tuple(ring.advanced(r) for ring, r in zip(self.rings, rotations))
+
+    def locations(self, rotations: Sequence[int]) -> list[tuple[Slot, Slot]]:
+        """Per chunk index: (where its record is read from, where its new record is written) in an
+        update at ``rotations``."""
+        out = []
+        for r, k in self.ring_of:
+            ring = self.rings[r]
+            out.append((ring.read_slot(k, rotations[r]), ring.write_slot(k, rotations[r])))
+        return out
+
+    def current(self, rotations: Sequence[int], committed_through: int) -> list[Slot]:
+        """Per chunk index: where its record is now, in an update at ``rotations`` interrupted
+        after committing step positions ``0 .. committed_through`` (-1: none)."""
+        position = {i: p for p, i in enumerate(self.order)}
+        return [read if position[i] > committed_through else write
+                for i, (read, write) in enumerate(self.locations(rotations))]
+
+    def commit_needs(self) -> list[int]:
+        """Per step position p: the position that must be committed before p's write is issued
+        (that of the chunk ``W`` places earlier in its ring), or -1 when its write goes to a free
+        slot. The same in every update (the rotation moves slots, not the order)."""
+        position = {i: p for p, i in enumerate(self.order)}
+        needs = []
+        for i in self.order:
+            r, k = self.ring_of[i]
+            ring = self.rings[r]
+            needs.append(position[ring.members[k - ring.spares]] if k >= ring.spares else -1)
+        return needs
+
