@@ -5,6 +5,7 @@
 #include "ssd_shard_store.h"
 
 #include <fcntl.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -171,9 +172,16 @@ Status ShardStore::Finish(const BlockRequest& req, const BlockTransfer& t, const
   }
   if (write) {
     r.crcs[req.block].store(t.crc, std::memory_order_release);
+    if (r.crc_known) r.crc_known[req.block].store(1, std::memory_order_release);
     return Status::Ok();
   }
   const uint32_t crc = Crc32c(req.buffer, static_cast<size_t>(logical));
+  if (r.crc_known && r.crc_known[req.block].load(std::memory_order_acquire) == 0) {
+    // A reopened file's block, read for the first time: what it holds is what was written.
+    r.crcs[req.block].store(crc, std::memory_order_release);
+    r.crc_known[req.block].store(1, std::memory_order_release);
+    return Status::Ok();
+  }
   const uint32_t expected = r.crcs[req.block].load(std::memory_order_acquire);
   if (crc != expected) {
     return Status::Checksum("crc32c mismatch in " + Where(req) + ", " + std::to_string(logical) + " bytes: stored " +
@@ -260,6 +268,17 @@ Status ShardStore::Flush() {
   const Status staged = WaitStaging();
   if (queue_) queue_->Drain();
   return staged;
+}
+
+Status ShardStore::Sync() {
+  JAXASCEND_RETURN_IF_ERROR(Flush());
+  std::lock_guard<std::mutex> lock(layout_mu_);
+  for (const auto& shard : shards_) {
+    if (fdatasync(shard->fd) != 0) {
+      return Status::Io(errno, "cannot sync shard file " + shard->path + ": " + DescribeErrno(errno));
+    }
+  }
+  return Status::Ok();
 }
 
 IoCounters ShardStore::counters() const {

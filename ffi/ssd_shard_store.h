@@ -68,6 +68,10 @@ struct StoreOptions {
   // Buffered I/O only: sync + drop each block from the page cache after it is transferred.
   // False keeps every page cached (ZeRO-Infinity's page-cache I/O, an ablation baseline).
   bool drop_page_cache = true;
+  // Reopen the shard files as they are (durable steps: a resume reads the state a killed run
+  // left) instead of truncating them. Regions must then be added as that run added them; a
+  // block's crc32c is unknown until it is first read (adopted then) or written.
+  bool keep_files = false;
 };
 
 struct ShardFile {
@@ -101,6 +105,7 @@ struct StoreRegion {
   int64_t num_blocks = 0;
   std::vector<StoreExtent> extents;
   std::unique_ptr<std::atomic<uint32_t>[]> crcs;  // one per block, of the last successful write
+  std::unique_ptr<std::atomic<uint8_t>[]> crc_known;  // keep_files only: 0 until read or written
   MappedBytes memory;  // in-memory regions only (then no extents and no crcs)
   bool in_memory() const { return memory.data != nullptr; }
 };
@@ -150,6 +155,8 @@ class ShardStore : private BlockHandler {
   Status ReadToHost(int32_t id, int64_t offset, void* dst, int64_t nbytes);
   // Waits for every queued request; returns the first deferred error of staged writes.
   Status Flush();
+  // Flush(), then fdatasync every shard file: what was written survives a power loss.
+  Status Sync();
 
   IoCounters counters() const;
 

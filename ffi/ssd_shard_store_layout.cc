@@ -168,7 +168,7 @@ Status ShardStore::OpenShard(int32_t index) {
   std::snprintf(name, sizeof name, "/shard-%05d.bin", index);
   auto shard = std::make_unique<ShardFile>();
   shard->path = options_.dir + name;
-  const int flags = O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC;
+  const int flags = O_RDWR | O_CREAT | O_CLOEXEC | (options_.keep_files ? 0 : O_TRUNC);
   int fd = -1;
   if (direct_io_) {
     const Fault fault = FaultInjector::Global().Check(FaultOp::kOpenDirect);
@@ -199,6 +199,10 @@ Status ShardStore::OpenShard(int32_t index) {
     posix_fadvise(fd, 0, 0, POSIX_FADV_RANDOM);
   }
   shard->fd = fd;
+  if (options_.keep_files) {  // grown only past what the file already holds
+    struct stat st;
+    if (fstat(fd, &st) == 0) shard->size = static_cast<int64_t>(st.st_size);
+  }
   shards_.push_back(std::move(shard));
   return Status::Ok();
 }
@@ -304,6 +308,10 @@ Status ShardStore::AddRegion(const std::string& name, int64_t nbytes, int32_t* i
   for (int64_t b = 0; b < region->num_blocks; ++b) {
     const int64_t len = std::min(block, nbytes - b * block);
     region->crcs[b].store(len == block ? zero_full : Crc32cOfZeros(static_cast<size_t>(len)));
+  }
+  if (options_.keep_files) {  // a reopened file holds what a run wrote: crcs adopted on first read
+    region->crc_known.reset(new std::atomic<uint8_t>[region->num_blocks]);
+    for (int64_t b = 0; b < region->num_blocks; ++b) region->crc_known[b].store(0);
   }
   *id = region->id;
   regions_.push_back(std::move(region));

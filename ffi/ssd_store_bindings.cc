@@ -88,7 +88,8 @@ void BindStoreOptions(nb::module_& m) {
       .def_rw("queue_depth", &StoreOptions::queue_depth)
       .def_rw("direct_io", &StoreOptions::direct_io)
       .def_rw("preallocate", &StoreOptions::preallocate)
-      .def_rw("drop_page_cache", &StoreOptions::drop_page_cache);
+      .def_rw("drop_page_cache", &StoreOptions::drop_page_cache)
+      .def_rw("keep_files", &StoreOptions::keep_files);
 }
 
 // ShardStore's opening, closing, properties and regions.
@@ -158,6 +159,8 @@ void BindShardStoreIo(nb::class_<ShardStore>& cls) {
            })
       .def("flush",
            [](ShardStore& s) { CheckWithoutGil([&] { return s.Flush(); }); })
+      .def("sync",
+           [](ShardStore& s) { CheckWithoutGil([&] { return s.Sync(); }); })
       .def("counters", [](const ShardStore& s) { return CountersDict(s.counters()); })
       .def("stream",
            [](std::shared_ptr<ShardStore> store, const std::vector<std::vector<SegmentTuple>>& chunks,

@@ -43,7 +43,7 @@ def _leaf_specs(fmt: StateFormat, leaf: LeafLayout, chunks: Sequence[ChunkRef],
     """One leaf's arrays (see :func:`specs_for_offload_layout`) from its ``chunks`` in order."""
     spans: dict[str, list] = {name: [] for name in STATE_TENSORS + SCALE_ARRAYS}
     for ref in chunks:
-        region, base, record = leaf.state_regions[ref.layer], ref.state_offset, ref.record
+        region, base, record = ref.region, ref.state_offset, ref.record
         moment_bytes = fmt.moment_itemsize * record.count
         if fmt.master_elsewhere:  # a streamed leaf's bfloat16 master: its params region
             spans["master"].append(Span(leaf.param_regions[ref.layer], ref.grad_offset, ref.grad_bytes))

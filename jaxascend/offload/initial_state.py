@@ -22,7 +22,7 @@ Reader = Callable[[LeafLayout, Optional[int]], np.ndarray]
 
 def initial_segments(chunks: list[ChunkRef], regions: dict) -> list[list[Segment]]:
     """The init pass's segments: every chunk's state record, written only."""
-    return [[Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes, read=False, write=True)]
+    return [[Segment(regions[c.region], c.state_offset, c.state_bytes, read=False, write=True)]
             for c in chunks]
 
 

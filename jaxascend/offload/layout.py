@@ -114,7 +114,9 @@ class LeafLayout:
 class ChunkRef:
     """Elements ``[start, start + count)`` of one layer of one leaf; its state ``record`` sits at
     byte ``state_offset`` of the layer's state region, and a step moves ``state_bytes`` there: the
-    record padded to the next chunk's (whole SSD blocks), or to the region's end for the last."""
+    record padded to the next chunk's (whole SSD blocks), or to the region's end for the last.
+    ``state_region``: the region the record is in when not its home (durable steps move records
+    between slots, :mod:`~jaxascend.offload.slot_rings`)."""
 
     leaf: LeafLayout
     layer: int
@@ -123,6 +125,12 @@ class ChunkRef:
     state_offset: int
     record: StateRecord
     state_bytes: int
+    state_region: Optional[str] = None
+
+    @property
+    def region(self) -> str:
+        """The store region the state record is in."""
+        return self.state_region or self.leaf.state_regions[self.layer]
 
     @property
     def grad_offset(self) -> int:

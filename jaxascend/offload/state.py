@@ -54,8 +54,10 @@ from jaxascend.config import OffloadConfig
 from jaxascend.offload.gradient_intake import GradientSink, arrival_problems, make_gradient_sink
 from jaxascend.offload.initial_state import (check_init_params, checked_reader, initial_segments,
                                              write_initial_state)
-from jaxascend.offload.layout import STATE_TENSORS, LeafLayout, OffloadLayout, StackedSpec
+from jaxascend.offload.durable_records import make_records, roll_forward
+from jaxascend.offload.layout import LeafLayout, OffloadLayout, StackedSpec
 from jaxascend.offload.param_source import ParamSource
+from jaxascend.offload.state_reads import read_leaf_grad, read_leaf_params, read_leaf_state
 from jaxascend.offload.streamed_update import (ChunkKernel, StepStats, StreamedUpdate, UpdateOutputs, UpdatePlan,
                                                check_step_slots, kernel_scalars)
 from jaxascend.optim import StateFormat
@@ -111,9 +113,10 @@ class OffloadedAdamState:
     def create(cls, params_spec, cfg: OffloadConfig, *, stacked: StackedSpec = None, kernel_threads: int = 1,
                extra_requests: tuple[SlotRequest, ...] = (), stream_params: bool = False,
                row_blocks=None, state: StateFormat = StateFormat(), rounding_seed: int = 0,
-               partition_index: int = 0, grad_store: str = "ssd") -> "OffloadedAdamState":
-        """Builds the arena (store staging + step slots + ``extra_requests``), opens the store in
-        ``cfg.dir`` and lays out the state; :meth:`close` then closes all three."""
+               partition_index: int = 0, grad_store: str = "ssd", durable_spares: Optional[int] = None,
+               reopen: bool = False) -> "OffloadedAdamState":
+        """Builds the arena (store staging + step slots + ``extra_requests``), opens the store in ``cfg.dir``
+        (``reopen``: with a durable run's files, then :meth:`recover`) and lays out the state; :meth:`close` closes all three."""
         plan = (ArenaPlan().extend(SsdStore.arena_requests(cfg))
                 .extend(OffloadLayout.plan(params_spec, cfg, stacked, stream_params, row_blocks,
                                            state, grad_store).arena_requests())
@@ -121,10 +124,11 @@ class OffloadedAdamState:
         arena = HostArena(plan, cfg)
         store = None
         try:
-            store = SsdStore(cfg, arena)
+            store = SsdStore(cfg, arena, keep_files=reopen)
             owner = cls(store, params_spec, stacked=stacked, kernel_threads=kernel_threads,
                         stream_params=stream_params, row_blocks=row_blocks, state=state,
-                        rounding_seed=rounding_seed, partition_index=partition_index, grad_store=grad_store)
+                        rounding_seed=rounding_seed, partition_index=partition_index, grad_store=grad_store,
+                        durable_spares=durable_spares)
         except BaseException:
             if store is not None:
                 store.close()
@@ -135,7 +139,8 @@ class OffloadedAdamState:
 
     def __init__(self, store: SsdStore, params_spec, *, stacked: StackedSpec = None, kernel_threads: int = 1,
                  stream_params: bool = False, row_blocks=None, state: StateFormat = StateFormat(),
-                 rounding_seed: int = 0, partition_index: int = 0, grad_store: str = "ssd"):
+                 rounding_seed: int = 0, partition_index: int = 0, grad_store: str = "ssd",
+                 durable_spares: Optional[int] = None):
         if int(kernel_threads) < 1:
             raise ValueError(f"offloaded AdamW: kernel_threads must be >= 1, got {kernel_threads}")
         self.store = store
@@ -172,6 +177,8 @@ class OffloadedAdamState:
         regions = {r.name: r for r in store.regions()}
         self._plan = UpdatePlan.build(self.layout, self.layout.chunks(), regions)  # the step's chunks and passes
         self._init_segments = initial_segments(self._plan.chunks, regions)
+        # Records rewritten in place, or (durable steps) in slot rings with a journal: durable_records.
+        self.records = make_records(store, self.layout, self._plan.chunks, self._plan.segments, durable_spares)
         self._initialized = False
         self._broken: Optional[str] = None  # why the SSD state can no longer be trusted
         self._grads_written = False  # write_grads() ran since the last step
@@ -234,7 +241,9 @@ class OffloadedAdamState:
         weights from ``compute(leaf, values)``, layer by layer."""
         self._check_open(allow_broken=True)
         self._broken = "init() was interrupted; call init(params) again"
+        self.records.invalidate()  # every record at home, as the init pass writes them
         write_initial_state(self.store, self._plan.chunks, self._init_segments, source, whole_leaves, compute)
+        self.records.record_step(0, {}, 0)
         self._broken = None
         self._initialized = True
         self.updates_applied = 0
@@ -247,6 +256,17 @@ class OffloadedAdamState:
         self._initialized = True
         self._broken = None
         self.updates_applied = int(updates_applied)
+
+    @_serialized
+    def recover(self) -> int:
+        """Durable steps over a reopened store (``create(..., reopen=True)``): takes the step the
+        journal names and rolls an interrupted update forward from its gradients; returns the step."""
+        self._check_open(allow_broken=True)
+        kernel = functools.partial(ChunkKernel, state=self.layout.state, threads=self.kernel_threads,
+                                   rounding_seed=self.rounding_seed, partition_index=self.partition_index)
+        self.updates_applied = roll_forward(self.records, self._plan, self.store, self.layout, kernel)
+        self._initialized, self._broken = True, None
+        return self.records.step
 
     @_serialized
     def write_grads(self, grads) -> None:
@@ -320,10 +340,7 @@ class OffloadedAdamState:
     def read_params(self, leaf: LeafRef, layer: int) -> np.ndarray:
         """Layer ``layer`` of a streamed leaf's compute weights, as the next step will read them."""
         self._check_open()
-        leaf = self.leaf(leaf)
-        if not leaf.streamed or not 0 <= layer < leaf.layers:
-            raise ValueError(f"offloaded AdamW: leaf {leaf.path!r} has no streamed layer {layer}")
-        return self.store.read(leaf.param_regions[layer], dtype=leaf.dtype).reshape(leaf.layer_shape)
+        return read_leaf_params(self.store, self.leaf(leaf), layer)
 
     def _grad_view(self, leaf: LeafLayout) -> np.ndarray:
         """The leaf's flat float32 gradient in the host buffer (fp32_grad_buffer only)."""
@@ -332,7 +349,8 @@ class OffloadedAdamState:
 
     # ------------------------------------------------------------------ the streamed step
     @_serialized
-    def step(self, hparams, *, skip: bool = False, put: Optional[Callable] = None, trace: Optional[list] = None):
+    def step(self, hparams, *, skip: bool = False, put: Optional[Callable] = None, trace: Optional[list] = None,
+             journal: Optional[dict] = None):
         """One AdamW update of the whole model; returns the new compute parameters as a pytree.
 
         ``hparams``: :class:`~jaxascend.optim.fused_adam.AdamHyperParams` (``count`` = updates applied
@@ -342,13 +360,14 @@ class OffloadedAdamState:
         arrived since the last step (sink or :meth:`write_grads`). ``put`` turns each filled host leaf into the returned array
         (default: ``jax.device_put`` to the default device; e.g. ``lambda x: jax.device_put(x,
         sharding)``); the host leaf is dropped right after. ``skip=True`` (an overflowed step) touches nothing, forgets the
-        received gradients and returns None.
+        received gradients and returns None. ``journal``: as :meth:`apply_update`'s.
         """
         if skip:
             # The skipped step's gradient writes land before the next step's can be queued: two
             # writes of one block in flight at once could land in either order.
             self.store.flush()
             self._forget_gradients()
+            self.records.record_step(self.records.step + 1, journal or {})  # durable: the files hold this step
             return None
         put = to_default_device if put is None else put
         new_leaves: list = [None] * len(self.layout.leaves)
@@ -356,14 +375,15 @@ class OffloadedAdamState:
         def on_leaf(leaf: LeafLayout, host: np.ndarray) -> None:
             new_leaves[leaf.index] = put(host)
 
-        self.apply_update(hparams, on_leaf, trace=trace)
+        self.apply_update(hparams, on_leaf, trace=trace, journal=journal)
         return self.layout.treedef.unflatten(new_leaves)
 
     @_serialized
     def apply_update(self, hparams, on_leaf: Callable[[LeafLayout, np.ndarray], None],
                      on_layer: Optional[Callable[[int], None]] = None,
                      outputs: Optional[dict[int, np.ndarray]] = None,
-                     trace: Optional[list] = None, handover: Optional[ParamSource] = None) -> StepStats:
+                     trace: Optional[list] = None, handover: Optional[ParamSource] = None,
+                     journal: Optional[dict] = None) -> StepStats:
         """The streamed step with numpy output: ``on_leaf(leaf, params)`` receives each leaf's new
         compute parameters (a fresh host array, leaf shape) as soon as its last chunk is done.
 
@@ -379,7 +399,8 @@ class OffloadedAdamState:
         disk; it was gated with ``handover=True``.
         ``trace``: a list to append ``(what, begin, end, leaf index, layer)`` to for every chunk
         (``what``: "io wait", the pipeline handing out the chunk; "kernel", the fused update),
-        in ``time.perf_counter`` seconds."""
+        in ``time.perf_counter`` seconds. ``journal``: with durable steps, the trainer's state once
+        this step is complete (what a resume goes on from)."""
         scalars = kernel_scalars(hparams, len(self.layout.leaves))
         self._check_open()
         if not self._initialized:
@@ -399,8 +420,10 @@ class OffloadedAdamState:
         kernel = ChunkKernel(scalars, self.layout.state, self.kernel_threads, self.rounding_seed,
                              self.updates_applied, self.partition_index)
         grad_view = self._grad_view if self.grad_buffer is not None else None
+        self.records.begin(scalars, self.updates_applied, journal)
         StreamedUpdate(self._plan, self.store, self.layout, kernel, grad_view, sink,
-                       UpdateOutputs(on_leaf, on_layer, outputs or {}, trace, handover)).run()
+                       UpdateOutputs(on_leaf, on_layer, outputs or {}, trace, handover), self.records).run()
+        self.records.end()
         self._broken = None
         seconds = time.perf_counter() - start
         self.last_step = StepStats.between(before, self.store.stats(), seconds, len(self._plan.chunks), flushed)
@@ -433,32 +456,8 @@ class OffloadedAdamState:
         decoded (bfloat16 widened, int8 codes times their block's scale). ``layer``: only that
         layer of a stacked leaf, or one block of rows of a table in blocks (its layer shape), so a
         reader never holds a whole stack."""
-        if which not in STATE_TENSORS:
-            raise ValueError(f"offloaded AdamW: which must be one of {STATE_TENSORS}, got {which!r}")
         self._check_open()
-        leaf = self.leaf(leaf)
-        if layer is not None and not (leaf.layers > 1 and 0 <= layer < leaf.layers):
-            raise ValueError(f"offloaded AdamW: leaf {leaf.path!r} has no layer {layer} "
-                             f"({leaf.layers if leaf.layers > 1 else 'not'} stacked or in blocks)")
-        first = 0 if layer is None else layer * leaf.layer_elements
-        out = np.empty(leaf.size if layer is None else leaf.layer_elements, np.float32)
-        fmt = self.layout.state
-        for ref in self._plan.chunks:
-            if ref.leaf.index != leaf.index or (layer is not None and ref.layer != layer):
-                continue
-            n = ref.count
-            raw = self.store.read(leaf.state_regions[ref.layer], offset=ref.state_offset, nbytes=ref.state_bytes,
-                                  dtype=np.uint8)
-            master, m, v, m_scale, v_scale = ref.record.views(raw)
-            if which == "master":  # a streamed leaf's bfloat16 master: in its params region
-                master = self.store.read(leaf.param_regions[ref.layer], offset=ref.grad_offset,
-                                         nbytes=ref.grad_bytes, dtype=np.uint16) if ref.record.state.master_elsewhere \
-                    else master
-                values = fmt.master_values(master, ref.record.companion(raw))
-            else:
-                values = fmt.decode(which, m if which == "m" else v, m_scale if which == "m" else v_scale)
-            out[ref.flat_start - first:ref.flat_start - first + n] = values
-        return out.reshape(leaf.shape if layer is None else leaf.layer_shape)
+        return read_leaf_state(self.store, self.layout.state, self.records.placed(), self.leaf(leaf), which, layer)
 
     @_serialized
     def read_grad(self, leaf: LeafRef) -> np.ndarray:
@@ -467,8 +466,7 @@ class OffloadedAdamState:
         leaf = self.leaf(leaf)
         if self.grad_buffer is not None:  # exact: the buffer holds widened compute-dtype values
             return self._grad_view(leaf).astype(leaf.dtype).reshape(leaf.shape)
-        layers = [self.store.read(region, dtype=leaf.dtype) for region in leaf.grad_regions]
-        return np.concatenate(layers).reshape(leaf.shape)
+        return read_leaf_grad(self.store, leaf)
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self, allow_broken: bool = False) -> None:
@@ -484,6 +482,7 @@ class OffloadedAdamState:
             self._sink.close()
         if self._source is not None:
             self._source.close()
+        self.records.close()
         for owned in self._owned:
             owned.close()
         self._owned = ()

@@ -8,7 +8,8 @@ so the journal is always one of its records, never a mix.
 
 A :class:`JournalRecord` says:
 
-* ``step``: the last step whose update is complete, ``rotations`` (one per slot ring,
+* ``step``: the last step whose update is complete (-1 while the files are being written from
+  scratch or from a checkpoint: they hold no step), ``updates`` the AdamW updates it has had, ``rotations`` (one per slot ring,
   :mod:`jaxascend.offload.slot_rings`) where its records are, and ``trainer``: what the trainer
   needs to go on after it (data position, loss scale, losses: the checkpoint meta's fields, as
   JSON);
@@ -72,10 +73,11 @@ class JournalRecord:
     """What the offload files hold (see the module docstring)."""
 
     layout: str  # fingerprint of the layout and slot rings the files were written under
-    step: int  # the last complete step (0: only the initial state)
+    step: int  # the last complete step (0: only the initial state; -1: the files hold none, being written)
     rotations: tuple[int, ...]
     trainer: dict
     update: Optional[UpdateInFlight] = None
+    updates: int = 0  # AdamW updates the files' state has had (a skipped step has none)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
@@ -86,7 +88,8 @@ class JournalRecord:
         update = d.get("update")
         if update is not None:
             update = UpdateInFlight(**{**update, "scalars_shape": tuple(update["scalars_shape"])})
-        return JournalRecord(d["layout"], int(d["step"]), tuple(d["rotations"]), d["trainer"], update)
+        return JournalRecord(d["layout"], int(d["step"]), tuple(d["rotations"]), d["trainer"], update,
+                             int(d.get("updates", 0)))
 
 
 def encode(record: JournalRecord, seq: int) -> bytes:

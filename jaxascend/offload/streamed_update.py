@@ -10,7 +10,9 @@ the new compute weights to :class:`UpdateOutputs` leaf by leaf and layer by laye
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import itertools
 import time
 from typing import Callable, Optional
@@ -69,7 +71,7 @@ class UpdatePlan:
         """The plan of ``layout``'s ``chunks``; ``regions``: the store's Region records by name."""
         grads_in_store, masters_read = layout.grads_in_store, layout.masters_in_params
         segments = [
-            [Segment(regions[c.leaf.state_regions[c.layer]], c.state_offset, c.state_bytes, read=True, write=True)] +
+            [Segment(regions[c.region], c.state_offset, c.state_bytes, read=True, write=True)] +
             ([Segment(regions[c.leaf.grad_regions[c.layer]], c.grad_offset, c.grad_bytes, read=True, write=False)]
              if grads_in_store else []) +
             # a streamed leaf's new compute weights go to SSD (same offsets as the gradient's); read
@@ -175,9 +177,15 @@ class StreamedUpdate:
     kernel has read it (None: none is open)."""
 
     def __init__(self, plan: UpdatePlan, store: SsdStore, layout: OffloadLayout, kernel: ChunkKernel,
-                 grad_view: Optional[Callable[[LeafLayout], np.ndarray]], sink, outputs: UpdateOutputs):
+                 grad_view: Optional[Callable[[LeafLayout], np.ndarray]], sink, outputs: UpdateOutputs,
+                 records=None, passes: Optional[list[list[int]]] = None):
         self.plan, self.store, self.layout, self.kernel = plan, store, layout, kernel
         self.grad_view, self.sink, self.out = grad_view, sink, outputs
+        # Where each record is read and written, and when a write counts (durable_records): None,
+        # in place. ``passes``: the plan's, or fewer chunks (a durable resume's roll-forward).
+        self.records = records
+        self.segments = plan.segments if records is None else records.segments()
+        self.passes = plan.passes if passes is None else passes
         self.hosts: dict[int, np.ndarray] = {}  # leaf index -> its new weights, being filled
         self.handed: dict[int, Optional[tuple]] = {}  # layer -> (slot, views) being filled for the handover
         self.durable: list[tuple[int, int]] = []  # the pass's (last chunk position, layer), until written back
@@ -185,8 +193,9 @@ class StreamedUpdate:
     def run(self) -> None:
         """Every pass of the plan; on a failure, the sink and the handover slots are released."""
         try:
-            for chunk_ids in self.plan.passes:
-                self._run_pass(chunk_ids)
+            for chunk_ids in self.passes:
+                if chunk_ids:
+                    self._run_pass(chunk_ids)
         finally:
             if self.sink is not None:
                 self.sink.release_all()  # after a failure the state is broken anyway; no arrival is refused
@@ -200,7 +209,9 @@ class StreamedUpdate:
         classes = self.layout.slot_classes + ([PARAM_SLOT_CLASS] if streamed else [])
         durable = self.durable = []
         trace = self.out.trace
-        with self.store.stream([self.plan.segments[i] for i in chunk_ids], classes) as stream:
+        progress = _PassProgress(chunk_ids, self.records)
+        with self.store.stream([self.segments[i] for i in chunk_ids], classes) as stream:
+            progress.stream = stream
             asked = time.perf_counter()
             for chunk in stream:
                 got = time.perf_counter()
@@ -218,8 +229,12 @@ class StreamedUpdate:
                     trace.append(("kernel", got, asked_next, ref.leaf.index, ref.layer))
                     asked = asked_next
                 self._chunk_done(index, ref, streamed, chunk.index)
+                if self.records is not None:  # before this chunk's write-back is issued
+                    self.records.before_write(progress.positions[chunk.index], progress)
         for _, layer in durable:  # the pass has finished: every write is on disk
             self.out.on_layer(layer)
+        if self.records is not None:
+            self.records.end_pass(progress.positions[-1])
 
     def _update_chunk(self, ref: ChunkRef, arrays: list, streamed: bool) -> np.ndarray:
         """Runs the kernel on the chunk in its slots; returns where its new weights went."""
@@ -252,10 +267,15 @@ class StreamedUpdate:
         (``position``: the chunk's in its pass)."""
         leaf = ref.leaf
         if self.sink is not None and ref.start + ref.count == leaf.layer_elements:
-            self.sink.release(leaf.index, ref.layer)  # this layer's gradient is read
+            # this layer's gradient is read (durable: and no longer needed to redo an update)
+            self._once_committed(index, functools.partial(self.sink.release, leaf.index, ref.layer))
         if self.out.on_layer is not None and index in self.plan.layer_done:
             layer = self.plan.layer_done[index]
-            if streamed:
+            if self.records is not None and self.records.durable:  # committed, so written
+                self._once_committed(index, functools.partial(self.out.on_layer, layer))
+                if streamed and self.out.handover is not None:
+                    self._hand_over(layer)
+            elif streamed:
                 self.durable.append((position, layer))
                 if self.out.handover is not None:
                     self._hand_over(layer)
@@ -264,6 +284,12 @@ class StreamedUpdate:
         if ref.last_of_leaf and not streamed:
             self.out.on_leaf(leaf, self.hosts.pop(leaf.index).reshape(leaf.shape))
 
+    def _once_committed(self, index: int, fn: Callable[[], None]) -> None:
+        if self.records is None:
+            fn()
+        else:
+            self.records.when_committed(self.records.position(index), fn)
+
     def _hand_over(self, layer: int) -> None:
         """Gives the next forward its in-memory copy of ``layer`` (or lets it read the layer from SSD)."""
         taken = self.handed.pop(layer)
@@ -271,3 +297,20 @@ class StreamedUpdate:
             self.out.handover.skip_handover(layer)
         else:
             self.out.handover.handover(layer, taken[0])
+
+
+class _PassProgress:
+    """A pass's write-back in step positions, for the records' commits (durable_records.PassProgress)."""
+
+    def __init__(self, chunk_ids: list[int], records):
+        self.positions = [records.position(i) if records is not None else i for i in chunk_ids]
+        self.stream = None
+
+    def written_through(self) -> int:
+        k = self.stream.written_through
+        return self.positions[k] if k >= 0 else self.positions[0] - 1  # earlier passes: all written
+
+    def wait_through(self, position: int) -> None:
+        local = bisect.bisect_right(self.positions, position) - 1
+        if local > self.stream.written_through:
+            self.stream.wait_written_through(local)

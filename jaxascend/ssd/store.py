@@ -119,7 +119,7 @@ class SsdStore:
         """The arena slots the store needs: ``staging_slots`` staging buffers of ``staging_bytes``."""
         return [SlotRequest(STAGING_SHAPE_CLASS, cfg.staging_bytes, cfg.staging_slots)]
 
-    def __init__(self, cfg: OffloadConfig, arena: HostArena):
+    def __init__(self, cfg: OffloadConfig, arena: HostArena, keep_files: bool = False):
         if cfg.dir is None:  # load_config fills in <train.out_dir>/offload; a bare OffloadConfig may not
             raise ValueError("offload.dir: not set; give the directory for the shard files")
         self.cfg = cfg
@@ -139,6 +139,8 @@ class SsdStore:
         options.direct_io = cfg.direct_io
         options.preallocate = cfg.preallocate
         options.drop_page_cache = cfg.drop_page_cache
+        # a resume from the files a run left (durable steps): add the regions as that run did
+        options.keep_files = bool(keep_files)
         self._native = _native.ShardStore.open(options, arena.native)
         self._regions: dict[str, Region] = {}
         if cfg.direct_io and not self._native.direct_io:
@@ -267,6 +269,10 @@ class SsdStore:
     def flush(self) -> None:
         """Waits for every queued request; raises the first deferred write error."""
         self._native.flush()
+
+    def sync(self) -> None:
+        """:meth:`flush`, then ``fdatasync`` of every shard file (what was written survives a power loss)."""
+        self._native.sync()
 
     def stats(self) -> dict:
         """Bytes, busy seconds, GB/s and request counts per direction, requests in flight."""

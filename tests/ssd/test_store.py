@@ -434,3 +434,37 @@ def test_offload_config_validates_the_engine_sizes():
         OffloadConfig(stream_depth=1)
     with pytest.raises(ConfigError, match=r"offload.staging_slots"):
         OffloadConfig(staging_slots=0)
+
+
+def test_kept_files_reopen_with_what_a_run_wrote_and_adopt_its_checksums(tmp_path):
+    """keep_files (durable steps): the same regions, added in the same order, read back what the
+    last store wrote; a block's crc32c is adopted on its first read, then checked as always."""
+    cfg = make_cfg(tmp_path / "offload")
+    sizes = {"a": 5 * BLOCK + 100, "b": 9 * BLOCK, "c": 3 * BLOCK + 7}  # across shards of 8 blocks
+    data = {name: random_bytes(n, seed=k) for k, (name, n) in enumerate(sizes.items())}
+    arena, s = open_store(cfg)
+    with s:
+        for name, n in sizes.items():
+            s.add_region(name, n)
+            s.write(name, data[name])
+        s.sync()
+    arena2 = HostArena(ArenaPlan().extend(SsdStore.arena_requests(cfg)), cfg)
+    with SsdStore(cfg, arena2, keep_files=True) as kept:
+        for name, n in sizes.items():
+            kept.add_region(name, n)
+        for name in sizes:
+            np.testing.assert_array_equal(kept.read(name), data[name])
+        kept.write("b", random_bytes(BLOCK, seed=9), offset=2 * BLOCK)
+        np.testing.assert_array_equal(kept.read("b", 2 * BLOCK, BLOCK), random_bytes(BLOCK, seed=9))
+        path = kept.region("a").extents[0].shard_path
+        with open(path, "r+b") as f:  # flip a byte of a block whose crc is now known
+            f.seek(kept.region("a").extents[0].file_offset + 10)
+            byte = f.read(1)
+            f.seek(kept.region("a").extents[0].file_offset + 10)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with pytest.raises(ChecksumError, match="crc32c mismatch"):
+            kept.read("a", 0, BLOCK)
+    arena3 = HostArena(ArenaPlan().extend(SsdStore.arena_requests(cfg)), cfg)
+    with SsdStore(cfg, arena3) as fresh:  # without keep_files: truncated, as a new run's
+        fresh.add_region("b", sizes["b"])
+        assert not fresh.read("b").any()

@@ -1,0 +1,279 @@
+"""Where an update reads and writes each state record, and when what it wrote counts: one part,
+chosen once for the state's owner (:class:`~jaxascend.offload.state.OffloadedAdamState`).
+
+* :class:`InPlaceRecords` (the default): a record is rewritten where it is. A crash inside an
+  update leaves some chunks updated and others not, and maybe one torn: the state is then only
+  good for a restore from a checkpoint.
+* :class:`DurableRecords` (durable steps): every record is written to a free slot of its ring
+  (:mod:`~jaxascend.offload.slot_rings`), and the journal (:mod:`~jaxascend.offload.step_journal`)
+  says which step the files hold and how far an update got, so the files are a resume point after
+  every step. An update:
+
+  1. ``begin``: the step's gradients are on disk (``fdatasync``); the journal records the update
+     in flight (its kernel scalars, the updates applied before it) and the trainer's state once it
+     is done.
+  2. For each chunk, before its write is issued (``before_write``): if the chunk W places earlier
+     in its ring is not committed yet, everything written so far is synced and committed (one
+     journal write naming the step position committed through). A gradient region goes back to
+     the sink, and a layer to the next forward, only once committed (``when_committed``): the
+     gradients are the redo log of the chunks not yet committed.
+  3. ``end``: the journal records the step complete, with the rings' new rotations.
+
+  A resume (:meth:`DurableRecords.reopen`) reads the journal: with an update in flight, the chunks
+  after the committed position are updated again from their old slots and the gradients, with the
+  journal's scalars, and the files hold exactly what an uninterrupted update wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Callable, Optional, Protocol, Sequence
+
+from jaxascend.kill_points import kill_point
+from jaxascend.offload.layout import ChunkRef, OffloadLayout
+from jaxascend.offload.slot_rings import SlotRings
+from jaxascend.offload.step_journal import JournalRecord, StepJournal, UpdateInFlight
+from jaxascend.ssd import Segment, SsdStore
+
+
+class PassProgress(Protocol):
+    """What a running pass tells the records about its write-back, in step positions."""
+
+    def written_through(self) -> int: ...  # every position up to this one is on disk
+
+    def wait_through(self, position: int) -> None: ...  # until every position up to this one is
+
+
+class InPlaceRecords:
+    """Records rewritten where they are (see the module docstring)."""
+
+    durable = False
+    step = 0
+
+    def __init__(self, chunks: list[ChunkRef], segments: list[list[Segment]]):
+        self._chunks, self._segments = chunks, segments
+
+    def placed(self) -> list[ChunkRef]:
+        """Every chunk with its record where it is now."""
+        return self._chunks
+
+    def segments(self) -> list[list[Segment]]:
+        """Per chunk, the segments of the next update."""
+        return self._segments
+
+    def position(self, chunk_index: int) -> int:
+        return chunk_index
+
+    def begin(self, scalars, updates_applied: int, trainer: Optional[dict]) -> None:
+        pass
+
+    def before_write(self, position: int, progress: PassProgress) -> None:
+        pass
+
+    def when_committed(self, position: int, fn: Callable[[], None]) -> None:
+        fn()
+
+    def end_pass(self, last_position: int) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def invalidate(self) -> None:
+        pass
+
+    def record_step(self, step: int, trainer: dict, updates: Optional[int] = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def layout_fingerprint(layout: OffloadLayout, rings: SlotRings, regions: Sequence[tuple[str, int]]) -> str:
+    """What the files were written under: the store's regions in order (names and sizes), the
+    chunks and the rings. Files written under another are never read as this layout's."""
+    described = {"regions": list(regions), "chunk_elements": layout.chunk_elements,
+                 "state": layout.state.describe(), "order": list(rings.order),
+                 "rings": [(r.nbytes, len(r.members), r.spares) for r in rings.rings]}
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
+
+
+class DurableRecords:
+    """Slot rings and the journal (see the module docstring). Made by the state's owner, which
+    adds :attr:`SlotRings.spare_regions` to the store before building its update plan."""
+
+    durable = True
+
+    def __init__(self, store: SsdStore, chunks: list[ChunkRef], segments: list[list[Segment]],
+                 rings: SlotRings, journal: StepJournal, fingerprint: str):
+        self.store, self.rings, self.journal, self.fingerprint = store, rings, journal, fingerprint
+        self._chunks, self._segments = chunks, segments
+        self._regions = {r.name: r for r in store.regions()}
+        self._needs = rings.commit_needs()
+        self._position = {i: p for p, i in enumerate(rings.order)}
+        self.rotations = rings.initial_rotations()
+        self.step = -1  # the last step the files hold (-1: none yet)
+        self.updates = 0  # AdamW updates it has had
+        self.trainer: dict = {}  # the trainer's state after it
+        self._update: Optional[UpdateInFlight] = None
+        self._committed = -1
+        self._pending: list[tuple[int, Callable[[], None]]] = []
+        self.commits = 0  # journal commits of the last update (bench and tests)
+
+    # ------------------------------------------------------------------ where records are
+    def placed(self) -> list[ChunkRef]:
+        """Every chunk with its record where it is now: between updates, at the rings' rotations;
+        inside an interrupted one, new up to the committed position and old after it."""
+        if self._update is None:
+            slots = [read for read, _ in self.rings.locations(self.rotations)]
+        else:
+            slots = self.rings.current(self.rotations, self._committed)
+        return [dataclasses.replace(c, state_region=s.region, state_offset=s.offset) for c, s in zip(self._chunks, slots)]
+
+    def segments(self) -> list[list[Segment]]:
+        """Per chunk, the next update's segments: its record read from its slot and written to the
+        slot the ring gives it; the gradient and the streamed weights as always."""
+        out = []
+        for segs, (read, write) in zip(self._segments, self.rings.locations(self.rotations)):
+            state = dataclasses.replace(segs[0], region=self._regions[read.region], offset=read.offset,
+                                        write_region=self._regions[write.region], write_offset=write.offset)
+            out.append([state] + list(segs[1:]))
+        return out
+
+    def position(self, chunk_index: int) -> int:
+        return self._position[chunk_index]
+
+    # ------------------------------------------------------------------ the journal
+    def invalidate(self) -> None:
+        """The files are about to be written whole (an init, a restore): until :meth:`record_step`
+        they hold no step. Every record goes back to its home slot."""
+        self.rotations = self.rings.initial_rotations()
+        self.record_step(-1, {}, 0)
+
+    def record_step(self, step: int, trainer: dict, updates: Optional[int] = None) -> None:
+        """The files hold ``step`` as they are (the initial state, a restore, an overflow skipped);
+        ``updates``: the AdamW updates it has had (default: as before)."""
+        if step >= 0:
+            kill_point("durable_sync")  # tests: a kill before what the step wrote is made durable
+            self.store.sync()
+        self.step, self.trainer, self._update, self._committed = int(step), dict(trainer), None, -1
+        self.updates = self.updates if updates is None else int(updates)
+        self._write()
+
+    def begin(self, scalars, updates_applied: int, trainer: Optional[dict]) -> None:
+        """The update of step ``self.step + 1`` starts; ``trainer``: the trainer's state once it is done."""
+        kill_point("durable_sync")
+        self.store.sync()  # the gradients, this update's redo log, are on disk
+        self._update = UpdateInFlight.of(scalars, updates_applied, trainer or {})
+        self._committed, self._pending, self.commits = -1, [], 0
+        self._write()
+
+    def resume_update(self, update: UpdateInFlight) -> None:
+        """Takes up an interrupted update (:meth:`reopen`): positions after ``committed_through`` remain."""
+        self._update, self._committed, self._pending = update, update.committed_through, []
+
+    def before_write(self, position: int, progress: PassProgress) -> None:
+        """Commits what is written before ``position``'s write may reuse a slot (module docstring)."""
+        need = self._needs[position]
+        if need > self._committed:
+            progress.wait_through(need)
+            self._commit(max(need, progress.written_through()))
+
+    def when_committed(self, position: int, fn: Callable[[], None]) -> None:
+        if position <= self._committed:
+            fn()
+        else:
+            self._pending.append((position, fn))
+
+    def end_pass(self, last_position: int) -> None:
+        """A pass has finished: everything it wrote is on disk; commit it."""
+        if last_position > self._committed:
+            self._commit(last_position)
+
+    def end(self) -> None:
+        """The update is complete: the step is the files' and the rings have turned."""
+        trainer = self._update.trainer
+        self.rotations = self.rings.advanced(self.rotations)
+        self.record_step(self.step + 1, trainer, self.updates + 1)
+
+    def _commit(self, through: int) -> None:
+        kill_point("durable_sync")
+        self.store.sync()
+        self._committed = through
+        self._update = dataclasses.replace(self._update, committed_through=through)
+        self._write()
+        self.commits += 1
+        due = [fn for p, fn in self._pending if p <= through]
+        self._pending = [(p, fn) for p, fn in self._pending if p > through]
+        for fn in due:
+            fn()
+
+    def _write(self) -> None:
+        self.journal.write(JournalRecord(self.fingerprint, self.step, tuple(self.rotations), self.trainer,
+                                         self._update, self.updates))
+
+    def close(self) -> None:
+        self.journal.close()
+
+    # ------------------------------------------------------------------ reopening
+    def reopen(self) -> Optional[UpdateInFlight]:
+        """Takes the journal's record as the files' state: returns the update to roll forward
+        (None when the files hold a whole step). Raises ValueError when the journal is missing or
+        was written under another layout."""
+        record = self.journal.record
+        if record is None:
+            raise ValueError(f"durable steps: no journal in {self.journal.path.parent}")
+        if record.layout != self.fingerprint:
+            raise ValueError(f"durable steps: the offload files in {self.journal.path.parent} were written under "
+                             f"another layout (model shape, state format, offload sizes or processes differ)")
+        if record.step < 0:
+            raise ValueError(f"durable steps: the offload files in {self.journal.path.parent} were being written "
+                             f"from scratch or from a checkpoint when the run stopped; they hold no step")
+        self.step, self.trainer, self.rotations = record.step, dict(record.trainer), tuple(record.rotations)
+        self.updates = record.updates
+        if record.update is not None:
+            self.resume_update(record.update)
+        return record.update
+
+
+def make_records(store: SsdStore, layout: OffloadLayout, chunks: list[ChunkRef], segments: list[list[Segment]],
+                 durable_spares: Optional[int]):
+    """The records part of a state: :class:`InPlaceRecords`, or with ``durable_spares`` (W, spare
+    records per ring) :class:`DurableRecords`, whose spare regions this adds to ``store`` (after
+    every other region, so a reopened store finds them where they were) and whose journal it opens."""
+    if not durable_spares:
+        return InPlaceRecords(chunks, segments)
+    if layout.masters_in_params:
+        raise ValueError("durable steps: a bfloat16 master of streamed weights is rewritten in place in its params "
+                         "region, which slot rings do not cover yet; use optimizer.master_dtype: float32 or "
+                         "offload.params: resident")
+    if layout.grad_store != "ssd":
+        raise ValueError(f"durable steps: the gradients are the redo log of an interrupted update and must be on SSD "
+                         f"(offload.gradients: ssd), not {layout.grad_store}")
+    rings = SlotRings.plan(chunks, layout.step_order(chunks), durable_spares, layout.block_bytes)
+    for name, nbytes in rings.spare_regions:
+        store.add_region(name, nbytes)
+    fingerprint = layout_fingerprint(layout, rings, [(r.name, r.nbytes) for r in store.regions()])
+    return DurableRecords(store, chunks, segments, rings, StepJournal(store.cfg.dir, create=True), fingerprint)
+
+
+def roll_forward(records, plan, store: SsdStore, layout: OffloadLayout, kernel: Callable) -> int:
+    """Takes a reopened store's journal (:meth:`DurableRecords.reopen`) and, for an update it
+    names in flight, updates the chunks after its committed position again: from their old slots
+    and the gradients, with the journal's scalars (``kernel(scalars=, updates_applied=)`` makes
+    the :class:`ChunkKernel`), committing as any update does. Returns the AdamW updates the files
+    then hold."""
+    from jaxascend.offload.streamed_update import StreamedUpdate, UpdateOutputs
+
+    if not records.durable:
+        raise ValueError("durable steps: this state was not made with durable_spares; nothing to recover")
+    update = records.reopen()
+    if update is not None:
+        left = [[i for i in chunk_ids if records.position(i) > update.committed_through] for chunk_ids in plan.passes]
+        chunk_kernel = kernel(scalars=update.kernel_scalars(), updates_applied=update.updates_applied)
+        StreamedUpdate(plan, store, layout, chunk_kernel, None, None,
+                       UpdateOutputs(lambda leaf, params: None), records, left).run()
+        records.end()
+    return records.updates
