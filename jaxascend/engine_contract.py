@@ -120,6 +120,10 @@ class Engine(Protocol):
     def step(self, batch: "TokenBatch", optimizer: bool = True) -> StepResult:
         """One optimizer step over the micro-batches ``[A, ...]`` of ``batch``."""
 
+    def resume_state(self, trainer: dict) -> None:
+        """What the run needs to go on once the next step is complete (its data position), for an
+        engine whose files are a resume point after every step (durable steps); others ignore it."""
+
     def evaluate(self, batches: Iterable["TokenBatch"]) -> tuple[float, int]:
         """``(sum of the counted targets' losses, their count)``, forward only."""
 

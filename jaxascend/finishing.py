@@ -27,6 +27,7 @@ from jaxascend.hf import param_plan
 from jaxascend.metrics import peak_rss_bytes
 from jaxascend.run_outputs import (OutputsDue, Provenance, TrainResult, last_record, outputs_due, write_samples,
                                    write_summary, write_weights)
+from jaxascend.offload.step_journal import JOURNAL_NAME
 from jaxascend.ssd import LOCK_FILE
 
 SHARD_GLOB = "shard-*.bin"  # the offload files of a store (ffi/ssd_shard_store_layout.cc)
@@ -43,9 +44,10 @@ def remove_offload_files(cfg: Config, shard_files: list[str], step: int) -> str:
     rebuilds them from it), unless ``offload.keep_files``; what became of them, for the summary."""
     if cfg.offload.keep_files:
         return f"kept in {cfg.offload.dir} (offload.keep_files)"
+    directory = Path(cfg.offload.dir)
+    (directory / JOURNAL_NAME).unlink(missing_ok=True)  # first: a journal never names files that are gone
     for path in shard_files:
         Path(path).unlink(missing_ok=True)
-    directory = Path(cfg.offload.dir)
     (directory / LOCK_FILE).unlink(missing_ok=True)  # the store is closed: nothing holds it
     with contextlib.suppress(OSError):
         directory.rmdir()  # only when nothing else is in it

@@ -58,6 +58,9 @@ class InMemoryEngine:
         graphdef, rest = self.graphdef, self.rest
         self._eval = jax.jit(lambda params, batch: loss_sum_and_count(nnx.merge(graphdef, params, rest), batch))
 
+    def resume_state(self, trainer: dict) -> None:
+        pass  # resumes from checkpoints only
+
     def step(self, tokens, optimizer: bool = True) -> StepResult:
         """Dispatches one step over ``tokens`` (a :class:`TokenBatch` ``[A, ...]``, or plain rows
         ``int32 [A, B, T+1]``) asynchronously; the loss and norm are device scalars (no sync here)."""

@@ -17,6 +17,7 @@ from typing import Optional
 
 from jaxascend.checkpoint import check_resume_partition, default_directory, read_meta, resume_target
 from jaxascend.config import Config
+from jaxascend.offload.step_journal import JOURNAL_NAME, StepJournal
 from jaxascend.optim import unfinished_warmup_note
 
 
@@ -25,8 +26,9 @@ class ResumePoint:
     """The step a run starts after (0: a fresh start) and that checkpoint's record."""
 
     step: int
-    directory: Path  # the checkpoint directory
+    directory: Path  # the checkpoint directory (from_files: the offload directory)
     record: Optional[dict] = None  # the step's meta record (read_meta): config, meta
+    from_files: bool = False  # durable steps: the offload files hold the step (their journal's record)
 
     @property
     def meta(self) -> dict:
@@ -55,7 +57,8 @@ class ResumePoint:
         state = self.meta.get("data_state", {})
         position = ", ".join(f"{key} {state[key]}" for key in ("epoch", "document", "token", "example")
                              if key in state)
-        return f"resuming from checkpoint step {self.step} in {self.directory}{when}; data position: {position or 'start'}"
+        what = "step {} held by the offload files" if self.from_files else "checkpoint step {}"
+        return f"resuming from {what.format(self.step)} in {self.directory}{when}; data position: {position or 'start'}"
 
     def finished_line(self, last: int, steps: int, epochs: Optional[float] = None) -> str:
         """The line of a run with nothing left to do; ``epochs``: the run's length was train.epochs."""
@@ -85,6 +88,24 @@ def resume_point(cfg: Config, processes: int) -> ResumePoint:
         return ResumePoint(0, directory)
     check_resume_partition(cfg.checkpoint, cfg, start, processes)
     return ResumePoint(start, directory, read_meta(directory / str(start)))
+
+
+def files_point(cfg: Config, checkpoint: ResumePoint, last: int) -> ResumePoint:
+    """With durable steps (``offload.durable``, ``train.resume: auto``): the step the offload files
+    hold, where it is newer than ``checkpoint`` and before the run's ``last`` step (a run found at
+    its end finishes from its checkpoint); else ``checkpoint``. An update the journal names in
+    flight is counted done: the engine rolls it forward from its gradients."""
+    journal = Path(cfg.offload.dir or "") / JOURNAL_NAME
+    if not (cfg.offload.enabled and cfg.offload.durable and cfg.train.resume == "auto" and journal.exists()):
+        return checkpoint
+    with StepJournal(journal.parent, create=False) as opened:
+        record = opened.record
+    if record is None or record.step < 0:
+        return checkpoint
+    step, trainer = (record.step + 1, record.update.trainer) if record.update else (record.step, record.trainer)
+    if not checkpoint.step < step < last:
+        return checkpoint
+    return ResumePoint(step, journal.parent, {"meta": trainer}, from_files=True)
 
 
 def with_schedule(cfg: Config, point: ResumePoint) -> tuple[Config, tuple[str, ...]]:

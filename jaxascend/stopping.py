@@ -37,12 +37,13 @@ def signal_name(signum: int) -> str:
 
 
 class RunStopped(Exception):
-    """The run stopped on ``signum`` after step ``step``, whose checkpoint is saved in ``where``."""
+    """The run stopped on ``signum`` after step ``step``, whose checkpoint is saved in ``where`` (``files``:
+    durable steps, the offload files in ``where`` hold it and nothing was saved)."""
 
-    def __init__(self, signum: int, step: int, where: str, speaks: bool = True):
+    def __init__(self, signum: int, step: int, where: str, speaks: bool = True, files: bool = False):
         self.signum, self.step, self.where, self.speaks = signum, step, where, speaks
-        super().__init__(f"stopped by {signal_name(signum)} at step {step}: checkpoint {step} saved in {where}; "
-                         "the same command resumes")
+        held = f"the offload files in {where} hold step {step}" if files else f"checkpoint {step} saved in {where}"
+        super().__init__(f"stopped by {signal_name(signum)} at step {step}: {held}; the same command resumes")
 
     @property
     def exit_status(self) -> int:

@@ -38,7 +38,7 @@ from jaxascend.preparation import PreparedRun, prepare_run
 from jaxascend.provenance import RunStack
 from jaxascend.provenance import collect as collect_stack
 from jaxascend.reporting import Reporter
-from jaxascend.resuming import resume_point, with_schedule
+from jaxascend.resuming import files_point, resume_point, with_schedule
 from jaxascend.finishing import finish_from_checkpoint, remove_offload_files, stopped_line
 from jaxascend.run_outputs import Provenance, TrainResult, write_samples, write_summary, write_weights
 from jaxascend.stopping import StopSignals
@@ -51,12 +51,14 @@ MasterReader = Callable[[tuple, Optional[int]], np.ndarray]
 
 
 def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, plan: StepPlan,
-                 master: Optional[MasterReader] = None) -> Engine:
+                 master: Optional[MasterReader] = None, from_files: bool = False) -> Engine:
     """The offloaded engine (state on SSD) or the in-memory baseline, per ``plan.engine``;
-    ``master`` reads the checkpoint's own values for the offloaded fp32 master weights. The
-    offloaded engine takes typed settings, built here from ``cfg``."""
+    ``master`` reads the checkpoint's own values for the offloaded fp32 master weights;
+    ``from_files``: the offload files a durable run left are the state. The offloaded engine
+    takes typed settings, built here from ``cfg``."""
     if plan.engine == "offload":
-        return PlannedOffloadEngine(model, model_cfg, plan, EngineSettings.of(cfg, model_cfg, model), master=master)
+        return PlannedOffloadEngine(model, model_cfg, plan, EngineSettings.of(cfg, model_cfg, model), master=master,
+                                    from_files=from_files)
     return InMemoryEngine(cfg, model)
 
 
@@ -74,6 +76,8 @@ class _Run:
     stack: Optional[RunStack] = None  # what made the run (versions, CPU, kernel, devices)
     devices: str = ""  # the run's first line: backend, devices, their memory (process 0's)
     num_params: int = 0
+    from_files: bool = False  # durable steps: resumed from the offload files, not a checkpoint
+    resumed_meta: Optional[dict] = None  # the resumed step's record (data position, losses)
 
     @property
     def last(self) -> int:
@@ -105,14 +109,16 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
     # run starts: the checkpoint to resume from (checked), or nothing left to do. A run that
     # cannot fit or run stops here, naming the part; nothing is written before.
     prepared = prepare_run(cfg, JobShape(group.count, group.index, jax.local_device_count()))
-    point = resume_point(prepared.cfg, group.count)
     last = prepared.cfg.train.stop_at_step or prepared.cfg.train.steps  # train.steps counted from train.epochs
+    # durable steps: the offload files' step, where newer than the checkpoint's
+    point = files_point(prepared.cfg, resume_point(prepared.cfg, group.count), last)
     if point.step >= last:  # nothing left to train; outputs a kill left unwritten are written
         return finish_from_checkpoint(prepared, point, last, group.is_main, stack.to_dict())
     prepared.resources.check()
     cfg, schedule_notes = with_schedule(prepared.cfg, point)  # a resumed run keeps its recorded schedule
     samples = SamplePrompts.from_config(cfg, prepared.tokenizer, prepared.sized)
-    r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, point.step, group=group, stack=stack)
+    r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, point.step, group=group, stack=stack,
+             from_files=point.from_files, resumed_meta=point.meta)
     devices = DeviceMonitor()
     if r.main:  # the backend, the devices and their memory (process 0 speaks for the job); then every
         r.devices = backend_line()  # choice the user did not ask for, and where the run starts
@@ -198,7 +204,8 @@ def _build(r: _Run) -> Engine:
         loaded = load_model(prepared.step_plan, model_cfg, prepared.sized, cfg.train.seed, source=source)
         r.num_params = count_params(loaded.model)
         # The engine holds what it needs (compute params; master weights on SSD).
-        return build_engine(cfg, loaded.model, model_cfg, prepared.step_plan, master=loaded.master)
+        return build_engine(cfg, loaded.model, model_cfg, prepared.step_plan, master=loaded.master,
+                            from_files=r.from_files)
 
 
 def _restore(r: _Run, engine: Engine, ckpt: Checkpointer) -> tuple[Any, list[float]]:
@@ -206,7 +213,7 @@ def _restore(r: _Run, engine: Engine, ckpt: Checkpointer) -> tuple[Any, list[flo
     (``train.resume: auto`` picks the newest), or from the beginning."""
     if not r.start:
         return r.prepared.stream, []
-    meta = engine.restore_checkpoint(ckpt, r.start)
+    meta = r.resumed_meta if r.from_files else engine.restore_checkpoint(ckpt, r.start)
     stream = make_batch_stream(r.cfg.data, r.prepared.tokenizer, state=meta["data_state"])
     if r.cfg.train.resume != "auto":
         ckpt.discard_after(r.start)  # an explicit earlier step replaces the later ones
@@ -216,7 +223,8 @@ def _restore(r: _Run, engine: Engine, ckpt: Checkpointer) -> tuple[Any, list[flo
 def _loop_settings(r: _Run, ckpt: Checkpointer) -> LoopSettings:
     return LoopSettings(r.cfg, r.start, r.last, r.main, r.prepared.held_out, r.origin.to_dict(),
                         agree=lambda values: _agree(values, r.group), checkpoint_dir=str(ckpt.directory),
-                        stack=r.stack.to_dict(), micro_batches=r.prepared.step_plan.grad_accum)
+                        stack=r.stack.to_dict(), micro_batches=r.prepared.step_plan.grad_accum,
+                        durable_dir=r.cfg.offload.dir if r.prepared.step_plan.durable else None)
 
 
 def _agree(values: list[int], group) -> list[int]:

@@ -68,6 +68,7 @@ class LoopSettings:
     checkpoint_dir: str
     stack: dict  # what made the run (jaxascend.provenance): in its first record and every checkpoint
     micro_batches: int  # A, the step plan's grad_accum: the batches each step's layers run in turn
+    durable_dir: Optional[str] = None  # durable steps: the offload files are the resume point (a stop saves nothing)
 
 
 class TrainingLoop:
@@ -95,6 +96,7 @@ class TrainingLoop:
         try:
             for step in range(self.s.start + 1, self.s.last + 1):
                 batch = step_batch([next(stream) for _ in range(self.s.micro_batches)])
+                self.engine.resume_state({"data_state": stream.state()})  # durable steps: where this step leaves the data
                 pending.append(self.engine.step(batch))
                 throughput.add(tokens_per_step(cfg, self.s.micro_batches))
                 if step == self.s.start + 1:  # SYNC: this step compiled; the summary's tokens/s starts after it
@@ -104,7 +106,7 @@ class TrainingLoop:
                 stopping, clock_due = self._boundary()
                 evaluating = bool(held_out) and (step == self.s.last or (cfg.eval.every_steps > 0
                                                                          and step % cfg.eval.every_steps == 0))
-                saving = self.ckpt.should_save(step, self.s.last) or stopping or clock_due
+                saving = self.ckpt.should_save(step, self.s.last) or (stopping and not self.s.durable_dir) or clock_due
                 if step % cfg.train.log_every and step != self.s.last and not saving and not evaluating:
                     progress.update(1)
                     continue
@@ -125,6 +127,8 @@ class TrainingLoop:
                     self._save(step, stream, losses)
                     stopping = stopping or self._boundary(clock=False)[0]  # a signal during the save
                 if stopping and step < self.s.last:  # at the last step the run finishes as it would
+                    if self.s.durable_dir and not saving:  # the update of this step completes on the way out
+                        raise RunStopped(self.signals.requested, step, self.s.durable_dir, self.s.main, files=True)
                     raise RunStopped(self.signals.requested, step, self.s.checkpoint_dir, speaks=self.s.main)
         finally:
             progress.close()

@@ -271,6 +271,13 @@ class OffloadConfig:
     # Keep the offload files after a finished run. False: they are removed once the final
     # checkpoint is complete (a resume rebuilds them from it); they hold the whole optimizer state.
     keep_files: bool = False
+    # Every step a resume point: each state record is written to a free slot of its ring and a
+    # journal in offload.dir names the step the files hold, so a run killed anywhere resumes from
+    # its last complete step without a checkpoint (docs/architecture.md, "Durable steps"). Needs
+    # the gradients on SSD (offload.gradients ssd or auto); off, in a note, with a bfloat16 master
+    # of weights on SSD.
+    durable: bool = False
+    durable_spares: int = 4  # spare records per slot ring (at least stream_depth: commits wait for no I/O)
 
     def __post_init__(self):
         if self.arena_bytes is not None:
@@ -285,6 +292,7 @@ class OffloadConfig:
         check_range("offload.io_threads", self.io_threads, lo=1, hi=64)
         check_range("offload.staging_slots", self.staging_slots, lo=1, hi=64)
         check_range("offload.stream_depth", self.stream_depth, lo=2, hi=64)
+        check_range("offload.durable_spares", self.durable_spares, lo=1, hi=1024)
         check_range("offload.kernel_threads", self.kernel_threads, lo=1, hi=256)
         if self.params not in PARAM_PLACEMENTS:
             raise ConfigError(f"offload.params: {self.params!r} is not one of {', '.join(PARAM_PLACEMENTS)}")

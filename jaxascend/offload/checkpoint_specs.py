@@ -17,7 +17,8 @@ from jaxascend.offload.layout import STATE_TENSORS, ChunkRef, LeafLayout, Offloa
 from jaxascend.optim import StateFormat
 
 
-def specs_for_offload_layout(layout: OffloadLayout, pieces: Optional[Sequence[Piece]] = None) -> list[ArraySpec]:
+def specs_for_offload_layout(layout: OffloadLayout, pieces: Optional[Sequence[Piece]] = None,
+                             placed: Optional[Sequence[ChunkRef]] = None) -> list[ArraySpec]:
     """Array specs for ``layout``'s state regions: per leaf ``"master/<leaf path>"`` (float32, or
     bfloat16 with ``optimizer.master_dtype``, whose compensated rounding adds ``"master_comp/..."``)
     and ``"m/..."``, ``"v/..."`` in the layout's state format (float32, bfloat16, or uint8
@@ -27,10 +28,11 @@ def specs_for_offload_layout(layout: OffloadLayout, pieces: Optional[Sequence[Pi
     layer). A leaf whose compute weights are streamed from SSD adds ``"params/<leaf path>"`` in
     its dtype. ``pieces`` (one per leaf): where each leaf sits in the whole tensor (a
     data-parallel process's slices), so that a restore can re-partition; the scales of int8
-    state belong to their process's slices and record none."""
+    state belong to their process's slices and record none. ``placed``: the layout's chunks with their
+    records where they are now (durable steps move them, ``OffloadedAdamState.records.placed()``)."""
     pieces = list(pieces) if pieces is not None else [None] * len(layout.leaves)
     chunks: dict[int, list[ChunkRef]] = {leaf.index: [] for leaf in layout.leaves}
-    for ref in layout.chunks():  # leaf by leaf, layer by layer, in order
+    for ref in (layout.chunks() if placed is None else placed):  # leaf by leaf, layer by layer, in order
         chunks[ref.leaf.index].append(ref)
     specs = []
     for leaf, piece in zip(layout.leaves, pieces):

@@ -51,6 +51,7 @@ class InPlaceRecords:
 
     durable = False
     step = 0
+    staged: dict = {}
 
     def __init__(self, chunks: list[ChunkRef], segments: list[list[Segment]]):
         self._chunks, self._segments = chunks, segments
@@ -67,6 +68,9 @@ class InPlaceRecords:
         return chunk_index
 
     def begin(self, scalars, updates_applied: int, trainer: Optional[dict]) -> None:
+        pass
+
+    def stage(self, trainer: dict) -> None:
         pass
 
     def before_write(self, position: int, progress: PassProgress) -> None:
@@ -118,6 +122,7 @@ class DurableRecords:
         self.updates = 0  # AdamW updates it has had
         self.trainer: dict = {}  # the trainer's state after it
         self._update: Optional[UpdateInFlight] = None
+        self.staged: dict = {}  # the trainer's state once the next step is complete (stage)
         self._committed = -1
         self._pending: list[tuple[int, Callable[[], None]]] = []
         self.commits = 0  # journal commits of the last update (bench and tests)
@@ -162,11 +167,17 @@ class DurableRecords:
         self.updates = self.updates if updates is None else int(updates)
         self._write()
 
+    def stage(self, trainer: dict) -> None:
+        """The trainer's state once the next step is complete: what :meth:`begin` (or a skipped
+        step's :meth:`record_step`) records when given none."""
+        self.staged = dict(trainer)
+
     def begin(self, scalars, updates_applied: int, trainer: Optional[dict]) -> None:
-        """The update of step ``self.step + 1`` starts; ``trainer``: the trainer's state once it is done."""
+        """The update of step ``self.step + 1`` starts; ``trainer``: the trainer's state once it is
+        done (None: the staged one)."""
         kill_point("durable_sync")
         self.store.sync()  # the gradients, this update's redo log, are on disk
-        self._update = UpdateInFlight.of(scalars, updates_applied, trainer or {})
+        self._update = UpdateInFlight.of(scalars, updates_applied, self.staged if trainer is None else trainer)
         self._committed, self._pending, self.commits = -1, [], 0
         self._write()
 

@@ -84,11 +84,13 @@ class PlannedOffloadEngine:
     name = "offload"
 
     def __init__(self, model: nnx.Module, model_cfg: ModelConfig, plan: StepPlan, settings: EngineSettings,
-                 master: Optional[MasterReader] = None):
+                 master: Optional[MasterReader] = None, from_files: bool = False):
         """``plan``: the step's strategy (:meth:`StepPlan.resolve`). ``master``: where the fp32
         master weights start, as a reader ``read(path, layer)`` of one layer at a time (e.g.
         :class:`~jaxascend.hf.load.HFParamReader` over the checkpoint the run fine-tunes, whose
-        values the compute copy in ``model`` only approximates); None: from ``model``'s parameters."""
+        values the compute copy in ``model`` only approximates); None: from ``model``'s parameters.
+        ``from_files`` (durable steps): the state is the offload files a run left, recovered
+        (an interrupted update rolled forward), not written from the model."""
         self.plan = plan
         if plan.engine != "offload":
             raise ValueError("OffloadEngine: the plan is the in-memory engine's (offload.enabled: false)")
@@ -101,10 +103,11 @@ class PlannedOffloadEngine:
         table = TableLayout.of(params, model_cfg)
         routing = leaf_routes(plan, self.placement, params, model_cfg, table)
         full_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, DTYPES[model_cfg.dtype]), params)
-        self.state = self._create_state(full_spec, model_cfg, table, routing, settings.state)
+        self.state = self._create_state(full_spec, model_cfg, table, routing, settings.state, from_files)
         try:
             paths = param_paths(params)  # our parameter path of every leaf, in the layout's leaf order
-            leaves = self._init_state(params, master, paths, model_cfg)
+            leaves = self._recover_state(params, model_cfg) if from_files else \
+                self._init_state(params, master, paths, model_cfg)
             del params
             self.weights = ComputeWeights(plan, self.state, leaves, [x.shape for x in jax.tree.leaves(full_spec)],
                                           self.placement,
@@ -116,6 +119,11 @@ class PlannedOffloadEngine:
             self.updates: UpdateRunner = runner(self.state, self.weights, self.settings)
             self.readers = self.placement.readers(WeightReaders(self.state, self.weights, paths, self.finish_update))
             self.loss_scale = self.loss_scaling.initial()
+            if from_files and "loss_scale" in self.state.records.trainer:
+                self.loss_scale = LossScaleState.from_dict(self.state.records.trainer["loss_scale"])
+            # durable steps: the trainer's state (data position, losses so far) for the next step's journal
+            self._resume_state: dict = {"losses": list(self.state.records.trainer.get("losses", []))} \
+                if from_files else {}
             self._steps = 0
             self._last_timeline: Optional[StepTimeline] = None  # of the last step that ran an update
             # SSD traffic of the steps (each step's, from one step's end to the next's: the
@@ -129,7 +137,7 @@ class PlannedOffloadEngine:
             raise
 
     def _create_state(self, full_spec, model_cfg: ModelConfig, table: TableLayout, routing: LeafRoutes,
-                      options: StateOptions) -> OffloadedAdamState:
+                      options: StateOptions, reopen: bool) -> OffloadedAdamState:
         """The arena, the store and the layout of this process's state (a job's: its slices)."""
         row_blocks = table.row_blocks
         spec = self.placement.local_spec(full_spec, routing.is_stacked, row_blocks)  # a job's: its slices
@@ -140,7 +148,9 @@ class PlannedOffloadEngine:
         return OffloadedAdamState.create(spec, options.offload, **layout.keywords(),
                                          kernel_threads=options.offload.kernel_threads, extra_requests=extra,
                                          rounding_seed=options.rounding_seed,
-                                         partition_index=self.placement.partition.index)
+                                         partition_index=self.placement.partition.index,
+                                         durable_spares=options.offload.durable_spares if self.plan.durable else None,
+                                         reopen=reopen)
 
     def _init_state(self, params, master: Optional[MasterReader], paths: list, model_cfg: ModelConfig) -> list:
         """Writes the initial state (fp32 master weights from ``master`` or ``params``, zero
@@ -161,6 +171,21 @@ class PlannedOffloadEngine:
         copy = (lambda x: x.astype(dtype)) if fmt.master == "float32" else \
             (lambda x: x if x.dtype == dtype else jnp.asarray(master_weights(np.asarray(x), fmt)))
         return [None if leaf.streamed else copy(x) for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
+
+    def _recover_state(self, params, model_cfg: ModelConfig) -> list:
+        """Durable steps: the offload files' step (an interrupted update rolled forward); returns
+        the compute copy in leaf order, from the master weights (None for the streamed leaves)."""
+        self.state.recover()
+        fmt, dtype = self.state.layout.state, DTYPES[model_cfg.dtype]
+        compute = (lambda x: x.astype(dtype)) if fmt.master == "float32" else \
+            (lambda x: jnp.asarray(master_weights(x, fmt)))  # a bfloat16 master's weights are its high half
+        return [None if leaf.streamed else compute(self.state.read_state(leaf))
+                for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
+
+    def resume_state(self, trainer: dict) -> None:
+        """With durable steps, what the run needs to go on once the next step is complete (its data
+        position): the journal keeps it with the losses so far and the loss scale."""
+        self._resume_state.update(trainer)
 
     @property
     def params(self):
@@ -201,6 +226,11 @@ class PlannedOffloadEngine:
         grad_norm = math.sqrt(float(sumsq)) / scale
         max_norm = self.grad_clip_norm
         clip = max_norm / grad_norm if max_norm is not None and not skip and grad_norm > max_norm else 1.0
+        if self.plan.durable:  # what a resume from the offload files goes on with, once this step is
+            losses = self._resume_state.get("losses", []) + [float(loss)]
+            self._resume_state["losses"] = losses
+            self.state.records.stage({**self._resume_state, "losses": losses, "saved_at": time.time(),
+                                      "loss_scale": self.loss_scale.to_dict()})
         if optimizer:
             self.updates.run(clip / scale, skip, timing, timeline)
         else:
@@ -287,7 +317,8 @@ class PlannedOffloadEngine:
         part = self.placement.partition
         pieces = [Piece(part.index, part.count, self.weights.full_shapes[leaf.index], leaf.stacked, leaf.row_blocks)
                   for leaf in self.state.leaves]
-        return SsdArrays(self.state.store, specs_for_offload_layout(self.state.layout, pieces=pieces),
+        return SsdArrays(self.state.store, specs_for_offload_layout(self.state.layout, pieces=pieces,
+                                                                    placed=self.state.records.placed()),
                          slot_class=self._checkpoint_slots, attributes={"state": self.state.layout.state.describe()})
 
     def save_checkpoint(self, ckpt: Checkpointer, step: int, meta: dict) -> None:
@@ -308,10 +339,15 @@ class PlannedOffloadEngine:
     def restore_checkpoint(self, ckpt: Checkpointer, step: int) -> dict:
         """Rebuilds the SSD shards from checkpoint ``step`` (so a kill during an optimizer step can
         never poison a resume) and restores the compute params; returns the checkpoint's meta."""
+        self.state.records.invalidate()  # durable steps: until restored, the files hold no step
         restored = ckpt.restore(step, params_like=self.readers.local_params(), ssd=self._ssd_arrays())
         self.weights.restore(jax.tree.leaves(restored.params, is_leaf=lambda x: x is None))
         self.state.restored(int(restored.meta["updates_applied"]))
         self.loss_scale = LossScaleState.from_dict(restored.meta["loss_scale"])
+        self._resume_state = {"losses": list(restored.meta["losses"])}
+        self.state.records.record_step(step, {"data_state": restored.meta["data_state"], **self._resume_state,
+                                              "loss_scale": restored.meta["loss_scale"], "saved_at": time.time()},
+                                       int(restored.meta["updates_applied"]))
         self._io_mark = self._io_counters()
         return restored.meta
 

@@ -367,7 +367,7 @@ class OffloadedAdamState:
             # writes of one block in flight at once could land in either order.
             self.store.flush()
             self._forget_gradients()
-            self.records.record_step(self.records.step + 1, journal or {})  # durable: the files hold this step
+            self.records.record_step(self.records.step + 1, self.records.staged if journal is None else journal)
             return None
         put = to_default_device if put is None else put
         new_leaves: list = [None] * len(self.layout.leaves)

@@ -53,6 +53,7 @@ class StepPlan:
     local_devices: int = 1  # the devices of each process the rows are split over
     notes: tuple[str, ...] = ()  # the choices the user did not ask for, one line each
     host_callbacks: bool = False  # the native side through host callbacks (native.host_callbacks), not FFI targets
+    durable: bool = False  # every step a resume point: the state's records in slot rings, a journal (offload.durable)
 
     @classmethod
     def resolve(cls, cfg: Config, model_cfg: ModelConfig, job: JobShape = JobShape(),
@@ -75,11 +76,20 @@ class StepPlan:
             refused = overlap_refusal(cfg)
             if refused:
                 notes.append(f"offload.overlap is off, the optimizer step runs after the forward/backward: {refused}")
+        durable = cfg.offload.enabled and cfg.offload.durable
+        if durable and grad_store(cfg) != "ssd":
+            raise ConfigError("offload.durable: an interrupted update is redone from the step's gradients on SSD; set "
+                              "offload.gradients: ssd or auto (not host, nor fp32_grad_buffer), or durable: false")
+        if durable and weights == "ssd" and cfg.optimizer.master_dtype == "bfloat16":
+            durable = False
+            notes.append("offload.durable is off: a bfloat16 master of weights on SSD is rewritten in place, which the "
+                         "slot rings do not cover yet (optimizer.master_dtype: float32 or offload.params: resident "
+                         "keep it)")
         return cls(engine="offload" if cfg.offload.enabled else "in-memory", weights=weights, gradients=gradients,
                    grad_store=grad_store(cfg),
                    grad_accum=cfg.train.grad_accum, overlap=cfg.offload.enabled and cfg.offload.overlap and not refused,
                    overlap_refused=refused, partition=partition, local_devices=local_devices, notes=tuple(notes),
-                   host_callbacks=host_callbacks())
+                   host_callbacks=host_callbacks(), durable=durable)
 
     @property
     def partitioned(self) -> bool:

@@ -303,12 +303,16 @@ def _resolve_gradients(cfg: Config, model_cfg: ModelConfig, params: str, gbps: f
         variant = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, gradients=where))
         return _plan(variant, model_cfg, params, gbps, runtime, levers=False, processes=processes)
 
-    host = planned("host")
-    grads = host.host["gradients"]
-    if host.limit is None or host.host_peak <= host.limit.nbytes:
+    host = None if cfg.offload.durable else planned("host")
+    if host is None:
+        plan, choice = planned("ssd"), ("offload.gradients: auto chose ssd (offload.durable: an interrupted update is "
+                                        "redone from them)")
+    elif host.limit is None or host.host_peak <= host.limit.nbytes:
+        grads = host.host["gradients"]
         plan, choice = host, (f"offload.gradients: auto chose host (the gradients wait in RAM: {format_bytes(grads)} "
                               f"of host memory for {format_bytes(2 * grads)} less SSD traffic a step)")
     else:
+        grads = host.host["gradients"]
         plan = planned("ssd")
         against = "the budget" if host.limit.source == BUDGET else f"the {host.limit.describe()}"
         choice = (f"offload.gradients: auto chose ssd (in RAM they would need {format_bytes(grads)} more host "

@@ -1,0 +1,89 @@
+"""Durable steps through the CLI (``offload.durable``): with no checkpoint but the final one, a
+chain of SIGKILLs (in a backward, inside an update, at a journal write, at a store sync) each
+resumes from the step the offload files hold, and the run ends bit-identical to a straight one;
+a stop signal saves nothing and the same command goes on."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests._corpus import write_word_corpus
+from tests.test_resume import SMALL, _assert_bitwise_equal, _final_state
+
+DURABLE = ["offload.enabled=true", "model.dtype=bfloat16", "offload.durable=true", "checkpoint.every_steps=0",
+           "offload.durable_spares=2"]
+MODES = {  # the tiny shapes: the update is 2 passes of a few chunks each
+    "resident-sequential": ["model.remat=none"],
+    "resident-overlap": ["model.remat=dots"],
+    "ssd-overlap": ["model.remat=dots", "offload.params=ssd"],
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_word_corpus(tmp_path_factory.mktemp("corpus"), docs=4, words_per_doc=300)
+
+
+def _cli(out, corpus, mode, kill_at=None, signal_at=None, durable=True):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAXASCEND_KILL_AT", "JAXASCEND_SIGNAL_AT")}
+    if kill_at:
+        env["JAXASCEND_KILL_AT"] = kill_at
+    if signal_at:
+        env["JAXASCEND_SIGNAL_AT"] = signal_at
+    args = [sys.executable, "-m", "jaxascend.train", "--config", "configs/tiny.yaml"]
+    overrides = SMALL + DURABLE + MODES[mode] + [f"data.paths=[{corpus}]", "data.include=['*.txt']",
+                                                 f"train.out_dir={out}", f"offload.dir={out}/offload"]
+    if not durable:
+        overrides.append("offload.durable=false")
+    for o in overrides:
+        args += ["--set", o]
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _losses(out):
+    return json.loads((out / "summary.json").read_text())["losses"]
+
+
+@pytest.mark.parametrize("mode, kills", [
+    ("resident-sequential", ["optimizer_chunk:9", "backward:2", "journal_write:4", "durable_sync:3"]),
+    ("resident-overlap", ["optimizer_chunk:14", "journal_fsync:5", "backward:3", "durable_sync:4"]),
+    ("ssd-overlap", ["optimizer_chunk:11", "backward:2", "journal_write:6", "durable_sync:2"]),
+])
+def test_a_chain_of_kills_resumes_from_the_files_bit_identically(tmp_path, corpus, mode, kills):
+    straight = _cli(tmp_path / "straight", corpus, mode)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = tmp_path / "killed"
+    resumed = []
+    for kill_at in kills:
+        proc = _cli(out, corpus, mode, kill_at=kill_at)
+        assert proc.returncode == -9, f"{kill_at}: expected SIGKILL, got {proc.returncode}: {proc.stderr[-3000:]}"
+        resumed += [line for line in proc.stderr.splitlines() + proc.stdout.splitlines() if "resuming from" in line]
+    final = _cli(out, corpus, mode)
+    assert final.returncode == 0, final.stderr[-3000:]
+    resumed += [line for line in final.stderr.splitlines() + final.stdout.splitlines() if "resuming from" in line]
+    assert resumed and all("held by the offload files" in line for line in resumed), resumed
+    assert not (out / "checkpoints" / "2").exists()  # no checkpoint but the final one was ever written
+    _assert_bitwise_equal(_final_state(tmp_path / "straight"), _final_state(out))
+    assert _losses(out) == _losses(tmp_path / "straight")
+    if mode == "resident-overlap":  # and durable steps are the plain ones, bit for bit
+        plain = _cli(tmp_path / "plain", corpus, mode, durable=False)
+        assert plain.returncode == 0, plain.stderr[-3000:]
+        _assert_bitwise_equal(_final_state(tmp_path / "plain"), _final_state(out))
+        assert _losses(tmp_path / "plain") == _losses(out)
+
+
+def test_a_stop_signal_saves_nothing_and_the_same_command_goes_on(tmp_path, corpus):
+    out = tmp_path / "run"
+    stopped = _cli(out, corpus, "resident-overlap", signal_at="step_end:3:SIGTERM")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert f"stopped by SIGTERM at step 3: the offload files in {out}/offload hold step 3" in stopped.stderr
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    final = _cli(out, corpus, "resident-overlap")
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "resuming from step 3 held by the offload files" in final.stderr + final.stdout
+    straight = _cli(tmp_path / "straight", corpus, "resident-overlap")
+    assert _losses(out) == _losses(tmp_path / "straight")
