@@ -27,7 +27,7 @@ from jaxascend.hf import param_plan
 from jaxascend.metrics import peak_rss_bytes
 from jaxascend.run_outputs import (OutputsDue, Provenance, TrainResult, last_record, outputs_due, write_samples,
                                    write_summary, write_weights)
-from jaxascend.offload.step_journal import JOURNAL_NAME
+from jaxascend.offload import JOURNAL_NAME
 from jaxascend.ssd import LOCK_FILE
 
 SHARD_GLOB = "shard-*.bin"  # the offload files of a store (ffi/ssd_shard_store_layout.cc)

@@ -17,7 +17,7 @@ from typing import Optional
 
 from jaxascend.checkpoint import check_resume_partition, default_directory, read_meta, resume_target
 from jaxascend.config import Config
-from jaxascend.offload.step_journal import JOURNAL_NAME, StepJournal
+from jaxascend.offload import JOURNAL_NAME, StepJournal
 from jaxascend.optim import unfinished_warmup_note
 
 

@@ -9,12 +9,11 @@ Contenders, each in its own process, in a rotating order every round:
     SSD as they are computed: that is part of the backward);
   * ``overlap_ssd``: overlapped, with the layer stack's weights on SSD too (``offload.params:
     ssd``: less memory, 4 B/param more SSD traffic, the forward's copy handed over in memory);
-  * ``overlap_master16``, ``overlap_host_grads``, ``overlap_ssd_compact`` and
-    ``overlap_ssd_compact_host`` (only when ``--contenders`` names them): ``overlap`` with a
-    bfloat16 compensated master, or with the gradients in RAM (``offload.gradients: host``), and
-    ``overlap_ssd`` with a compensated master and int8 moments, with the gradients on SSD or in
-    RAM (19.5 and 15.5 B/param a step at 7B, from 33.1); each contender's own SSD floor is its
-    measured bytes per step at the round's raw disk speeds;
+  * only when ``--contenders`` names them: ``overlap_master16``/``overlap_host_grads`` (``overlap``
+    with a bfloat16 compensated master / the gradients in RAM), ``overlap_ssd_compact``(``_host``)
+    (``overlap_ssd`` with a compensated master and int8 moments, gradients on SSD / in RAM: 19.5
+    and 15.5 B/param a step at 7B), ``overlap``(``_ssd``)``_durable`` (``offload.durable``); each
+    its own SSD floor: its measured bytes per step at the round's raw disk speeds;
   * ``deepspeed``: ``../shared/peers/zero_infinity/zinf_train.py`` with the lean settings
     (``sub_group_size`` 1e8, buckets 5e7, max live params 1e8), optimizer state on NVMe, when
     ``/tmp/peer/venv`` exists (``--peer off`` to skip);
@@ -29,16 +28,13 @@ raw speeds the same round measured, one direction at a time:
 ``params * (14 B / read GB/s + 14 B / write GB/s)`` (fp32 master+m+v and the 16-bit gradient,
 read and written: 28 B/param). Ratios are medians over rounds with their ranges.
 
-``--grad-accum 1,4,16`` runs every contender at each number of micro-batches per step (A
-micro-batches of ``--batch`` rows: jaxascend's ``train.grad_accum``, vertical; DeepSpeed's
-``gradient_accumulation_steps`` through ``scripts/zinf_accum.py``, which also times its
-forward/backward alone). Per A it reports s/step, tokens/s, peak RSS, SSD bytes per step and the
-overlap fraction, and across A the ratios the large-batch issue names (``accumulation``).
+``--grad-accum 1,4,16`` runs every contender at each A (jaxascend's ``train.grad_accum``;
+DeepSpeed's ``gradient_accumulation_steps`` through ``scripts/zinf_accum.py``, which also times
+its forward/backward alone): s/step, tokens/s, peak RSS, SSD bytes a step, overlap fraction.
 
     python scripts/bench_step.py                      # 0.54B Llama shape, 3 rounds (~40 min)
     python scripts/bench_step.py --shape small --rounds 1 --peer off    # a smoke run (~2 min)
-    python scripts/bench_step.py --grad-accum 1,4,8,16 --contenders overlap,compute,deepspeed --io-size 0
-"""
+    python scripts/bench_step.py --grad-accum 1,4,8,16 --contenders overlap,compute,deepspeed --io-size 0"""
 
 from __future__ import annotations
 
@@ -71,7 +67,8 @@ COMPACT_STATE = ["optimizer.master_dtype=bfloat16", "optimizer.state_dtype=int8"
 MASTER16 = {"overlap_master16": ["optimizer.master_dtype=bfloat16"],
             "overlap_host_grads": ["offload.gradients=host"],
             "overlap_ssd_compact": COMPACT_STATE,  # 19.5 B/param a step at 7B, from 33.1
-            "overlap_ssd_compact_host": [*COMPACT_STATE, "offload.gradients=host"]}  # 15.5 B/param
+            "overlap_ssd_compact_host": [*COMPACT_STATE, "offload.gradients=host"],  # 15.5 B/param
+            "overlap_durable": ["offload.durable=true"], "overlap_ssd_durable": ["offload.durable=true"]}
 JAX_MODES = ("overlap", "sequential", "compute", "overlap_ssd", *MASTER16)
 
 
@@ -158,6 +155,7 @@ def child_main(args) -> int:
         engine.finish_update()
         timeline = engine.timeline()
         report = engine.report()
+        journal = engine.state.records.figures()  # durable steps: the journal's writes, the spare slots' disk
     periods = [b - a for a, b in zip(returns, returns[1:])]
     measured = records[args.warmup:] or records[-1:]
     result = {"mode": args.child, "params": n_params, "periods": periods[args.warmup - 1:] if args.warmup else periods,
@@ -167,7 +165,7 @@ def child_main(args) -> int:
               "overlap_fraction": [r["overlap_fraction"] for r in measured if r.get("overlap_fraction") is not None],
               "tokens_per_step": int(args.grad_accum) * args.batch * args.seq_len,
               "records": records, "timeline": timeline, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-              "arena_capacity_bytes": report.arena_capacity_bytes, "io_mode": report.io_engine or ""}
+              "arena_capacity_bytes": report.arena_capacity_bytes, "io_mode": report.io_engine or "", **journal}
     print("BENCH_STEP_JSON " + json.dumps(result))
     return 0
 
@@ -282,11 +280,11 @@ def summarize(rounds: list[dict], args) -> dict:
         ostep = statistics.median(o["periods"])
         pairs = {"overlap_vs_sequential": "sequential", "overlap_vs_deepspeed": "deepspeed",
                  "overlap_vs_compute": "compute", "overlap_vs_overlap_master16": "overlap_master16",
-                 "overlap_vs_overlap_host_grads": "overlap_host_grads"}
+                 "overlap_vs_overlap_host_grads": "overlap_host_grads", "overlap_vs_overlap_durable": "overlap_durable"}
         for name, other in pairs.items():
             if other in r:
                 ratios.setdefault(name, []).append(ostep / statistics.median(r[other]["periods"]))
-        for compact in ("overlap_ssd_compact", "overlap_ssd_compact_host"):  # on SSD: float32 / compact
+        for compact in ("overlap_ssd_compact", "overlap_ssd_compact_host", "overlap_ssd_durable"):  # on SSD
             if "overlap_ssd" in r and compact in r:
                 ratios.setdefault(f"overlap_ssd_vs_{compact}", []).append(
                     statistics.median(r["overlap_ssd"]["periods"]) / statistics.median(r[compact]["periods"]))

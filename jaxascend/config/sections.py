@@ -274,10 +274,12 @@ class OffloadConfig:
     # Every step a resume point: each state record is written to a free slot of its ring and a
     # journal in offload.dir names the step the files hold, so a run killed anywhere resumes from
     # its last complete step without a checkpoint (docs/architecture.md, "Durable steps"). Needs
-    # the gradients on SSD (offload.gradients ssd or auto); off, in a note, with a bfloat16 master
-    # of weights on SSD.
+    # the gradients on SSD (offload.gradients ssd or auto); off, in a note, in a job of several
+    # processes and with a bfloat16 master of weights on SSD.
     durable: bool = False
-    durable_spares: int = 4  # spare records per slot ring (at least stream_depth: commits wait for no I/O)
+    # Spare records per slot ring (at least stream_depth: a commit waits for no I/O; each commits
+    # about spares - 2 chunks): spares x the largest record of disk (chunk_bytes x 3 at fp32 state).
+    durable_spares: int = 8
 
     def __post_init__(self):
         if self.arena_bytes is not None:

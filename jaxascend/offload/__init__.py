@@ -22,7 +22,9 @@ What the rest of jaxascend (and its users) take from here:
 * :func:`ssd_adamw` -- AdamW on SSD as an optax ``GradientTransformation``;
 * :func:`offload_on_backward` / :func:`sink_gradient` / :func:`fetch_layer` -- the instant
   gradient offload inside a backward pass and the parameter source's fetch inside a layer scan;
-* :func:`write_timeline_png` -- one step's timeline (which thread did what, when) as a picture.
+* :func:`write_timeline_png` -- one step's timeline (which thread did what, when) as a picture;
+* :class:`StepJournal` / :data:`JOURNAL_NAME` / :func:`durable_disk_bytes` -- durable steps: the
+  journal that names the step the offload files hold, and the disk the spare records take.
 
 Everything else (the sinks, the parameter source, the overlapped update, the partitions of a
 job, the ablation paths) is the engine's own, in the modules named in docs/architecture.md.
@@ -45,9 +47,12 @@ from jaxascend.offload.ssd_adamw import ssd_adamw
 from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.state_layout import job_state_layout, state_arena_plan
 from jaxascend.offload.timeline import write_timeline_png
+from jaxascend.offload.slot_rings import durable_disk_bytes
+from jaxascend.offload.step_journal import JOURNAL_NAME, StepJournal
 
 __all__ = [
-    "EngineSettings", "JobShape", "OffloadEngine", "PlannedOffloadEngine", "OffloadLayout", "OffloadedAdamState", "STATE_SLOT_CLASS", "StepPlan",
+    "EngineSettings", "JOURNAL_NAME", "JobShape", "OffloadEngine", "PlannedOffloadEngine", "OffloadLayout", "OffloadedAdamState", "STATE_SLOT_CLASS", "StepPlan",
     "fetch_layer", "job_state_layout", "load_model", "offload_on_backward", "overlap_refusal", "sink_gradient",
-    "specs_for_offload_layout", "ssd_adamw", "state_arena_plan", "streaming_refusal", "write_timeline_png",
+    "specs_for_offload_layout", "ssd_adamw", "state_arena_plan", "StepJournal", "streaming_refusal",
+    "durable_disk_bytes", "write_timeline_png",
 ]

@@ -91,6 +91,9 @@ class InPlaceRecords:
     def record_step(self, step: int, trainer: dict, updates: Optional[int] = None) -> None:
         pass
 
+    def figures(self) -> dict:
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -224,6 +227,11 @@ class DurableRecords:
     def _write(self) -> None:
         self.journal.write(JournalRecord(self.fingerprint, self.step, tuple(self.rotations), self.trainer,
                                          self._update, self.updates))
+
+    def figures(self) -> dict:
+        """The journal's writes and bytes so far, the last update's commits and the spares' disk."""
+        return {"journal_writes": self.journal.writes, "journal_bytes": self.journal.bytes_written,
+                "commits_last_update": self.commits, "spare_bytes": self.rings.spare_bytes}
 
     def close(self) -> None:
         self.journal.close()

@@ -153,3 +153,12 @@ class SlotRings:
             needs.append(position[ring.members[k - ring.spares]] if k >= ring.spares else -1)
         return needs
 
+
+
+def durable_disk_bytes(layout, spares: int) -> int:
+    """What durable steps add to ``layout``'s offload files: the rings' spare records (``spares``
+    a ring at most) and the journal's two slots."""
+    from jaxascend.offload.step_journal import SLOT_BYTES
+
+    chunks = layout.chunks()
+    return SlotRings.plan(chunks, layout.step_order(chunks), spares, layout.block_bytes).spare_bytes + 2 * SLOT_BYTES

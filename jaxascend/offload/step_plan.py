@@ -80,7 +80,11 @@ class StepPlan:
         if durable and grad_store(cfg) != "ssd":
             raise ConfigError("offload.durable: an interrupted update is redone from the step's gradients on SSD; set "
                               "offload.gradients: ssd or auto (not host, nor fp32_grad_buffer), or durable: false")
-        if durable and weights == "ssd" and cfg.optimizer.master_dtype == "bfloat16":
+        if durable and job.processes > 1:
+            durable = False
+            notes.append(f"offload.durable is off in a job of {job.processes} processes: the processes do not agree "
+                         "on the step their files hold yet; checkpoints are the resume points")
+        elif durable and weights == "ssd" and cfg.optimizer.master_dtype == "bfloat16":
             durable = False
             notes.append("offload.durable is off: a bfloat16 master of weights on SSD is rewritten in place, which the "
                          "slot rings do not cover yet (optimizer.master_dtype: float32 or offload.params: resident "

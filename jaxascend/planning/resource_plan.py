@@ -52,7 +52,8 @@ import psutil
 from jaxascend.config import Config, ModelConfig
 from jaxascend.devices import device_capacity
 from jaxascend.models import DTYPES
-from jaxascend.offload import OffloadLayout, job_state_layout, overlap_refusal, state_arena_plan, streaming_refusal
+from jaxascend.offload import (OffloadLayout, durable_disk_bytes, job_state_layout, overlap_refusal, state_arena_plan,
+                               streaming_refusal)
 from jaxascend.planning.disk_plan import disk_use, run_disk_parts
 from jaxascend.planning.machine_limits import available_host_memory
 from jaxascend.planning.plan_figures import BUDGET, HostLimit, PlanError, ResourcePlan, format_bytes  # noqa: F401 (the package's face)
@@ -185,7 +186,10 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     device = {"resident params": resident, "activations + temps": sum(step.values())}
     grads = layout.grad_bytes if layout.grad_store == "ssd" else 0
     streamed = layout.streamed_param_bytes
-    ssd_bytes = layout.state_bytes + grads + streamed
+    # durable steps: one ring's W spare records per record size, and the journal's two slots
+    spares = durable_disk_bytes(layout, cfg.offload.durable_spares) \
+        if cfg.offload.durable and not layout.masters_in_params else 0
+    ssd_bytes = layout.state_bytes + grads + streamed + spares
     # Per step: the optimizer reads master/m/v (+ grads) and writes master/m/v (+ the new
     # streamed weights); the backward writes the gradients; the source reads every streamed
     # layer twice (forward, and the backward's recomputation).

@@ -25,6 +25,7 @@ def test_a_record_round_trips_exactly():
     np.testing.assert_array_equal(back.update.kernel_scalars().view(np.uint32),
                                   (np.arange(30, dtype=np.float32).reshape(3, 10) / 7).view(np.uint32))
     raw = bytearray(encode(rec, 12))
+    assert len(raw) == 4096  # whole pages, not the slot
     raw[40] ^= 1
     assert decode(bytes(raw)) is None  # a flipped payload bit: not a record
     assert decode(b"\0" * SLOT_BYTES) is None

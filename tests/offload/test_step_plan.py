@@ -111,3 +111,30 @@ def test_the_plan_records_the_platform_path(monkeypatch):
     assert _plan().host_callbacks is False  # the FFI targets on the CPU
     monkeypatch.setenv("JAXASCEND_HOST_CALLBACKS", "1")
     assert _plan().host_callbacks is True and _plan().describe()["host_callbacks"] is True
+
+
+def test_durable_steps_are_decided_once_with_a_note_where_they_are_off():
+    assert _plan("model.remat=full", "offload.durable=true").durable
+    assert not _plan("model.remat=full").durable  # off unless asked
+    job = _plan("model.remat=full", "offload.durable=true", job=JOB)
+    assert not job.durable and any("offload.durable is off in a job of 2 processes" in n for n in job.notes)
+    master16 = _plan("model.remat=full", "offload.params=ssd", "offload.durable=true", "optimizer.master_dtype=bfloat16")
+    assert not master16.durable and any("a bfloat16 master of weights on SSD" in n for n in master16.notes)
+    assert not _plan("offload.enabled=false", "offload.durable=true").durable
+    with pytest.raises(ConfigError, match="offload.durable: an interrupted update is redone from the step's gradients"):
+        _plan("model.remat=full", "offload.durable=true", "offload.gradients=host")
+
+
+def test_the_run_planner_counts_the_spare_records_and_keeps_durable_gradients_on_ssd(tmp_path):
+    from jaxascend.planning import plan_resources
+
+    def planned(*extra):
+        cfg = load_config("configs/tiny.yaml", SMALL + [f"train.out_dir={tmp_path}", *extra])
+        return plan_resources(cfg, dataclasses.replace(cfg.model, vocab_size=259))
+
+    _, plain = planned()
+    cfg, durable = planned("offload.durable=true", "offload.durable_spares=2")
+    files = lambda plan: next(p.nbytes for fs in plan.disk for p in fs.parts if p.name == "offload files")  # noqa: E731
+    assert files(durable) > files(plain) + 2 * (1 << 20)  # spares and the journal's two slots
+    assert cfg.offload.gradients == "ssd"
+    assert any("offload.gradients: auto chose ssd (offload.durable" in c for c in durable.choices)
