@@ -33,7 +33,8 @@ from jaxascend.generation import SamplePrompts
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.metrics import MetricsLog, describe_rate, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.models import count_params
-from jaxascend.offload import EngineSettings, JobShape, PlannedOffloadEngine, StepPlan, load_model, write_timeline_png
+from jaxascend.offload import (EngineSettings, JobShape, PlannedOffloadEngine, StepJournal, StepPlan, load_model,
+                               write_timeline_png)
 from jaxascend.preparation import PreparedRun, prepare_run
 from jaxascend.provenance import RunStack
 from jaxascend.provenance import collect as collect_stack
@@ -134,7 +135,9 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
             moved = prepared.source.resume_note(saved_source, point.step) if prepared.source else None
             if moved:  # a hub id that now resolves to another snapshot than the checkpoint's
                 console.note(moved)
-    with StopSignals(cfg.train.stop_signals, newest=lambda: _newest_checkpoint(point.directory)) as signals:
+    newest = (lambda: _newest_in_files(cfg)) if prepared.step_plan.durable else \
+        (lambda: _newest_checkpoint(point.directory))  # what a second SIGINT's line names
+    with StopSignals(cfg.train.stop_signals, newest=newest) as signals:
         engine = _build(r)
         with engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
                 Reporter(cfg.train.report_to, r.out_dir, run_config=cfg.to_dict(), resumed_from=point.step,
@@ -238,6 +241,16 @@ def _agree(values: list[int], group) -> list[int]:
 def _newest_checkpoint(directory: Path) -> str:
     steps = complete_steps(directory) if directory.exists() else []
     return f"checkpoint {steps[-1]} in {directory}" if steps else f"no checkpoint in {directory} (a fresh start)"
+
+
+def _newest_in_files(cfg: Config) -> str:
+    """Durable steps: the step the offload files hold (what the same command resumes from)."""
+    with StepJournal(cfg.offload.dir, create=False) as journal:
+        record = journal.record
+    # an update in flight is rolled forward on resume: its step counts
+    step = -1 if record is None else record.step + (record.update is not None and record.step >= 0)
+    return f"step {step} held by the offload files in {cfg.offload.dir}" if step > 0 else \
+        f"no step in the offload files in {cfg.offload.dir} (a fresh start)"
 
 
 def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts], reporter: Reporter) -> None:

@@ -87,3 +87,15 @@ def test_a_stop_signal_saves_nothing_and_the_same_command_goes_on(tmp_path, corp
     assert "resuming from step 3 held by the offload files" in final.stderr + final.stdout
     straight = _cli(tmp_path / "straight", corpus, "resident-overlap")
     assert _losses(out) == _losses(tmp_path / "straight")
+
+
+def test_a_second_sigint_abandons_the_step_and_the_files_resume_it(tmp_path, corpus):
+    out = tmp_path / "run"
+    abandoned = _cli(out, corpus, "resident-overlap", signal_at="backward:3:SIGINT,optimizer_chunk:+1:SIGINT")
+    assert abandoned.returncode == 130, abandoned.stderr[-3000:]
+    assert "held by the offload files" in abandoned.stderr, abandoned.stderr[-2000:]
+    final = _cli(out, corpus, "resident-overlap")
+    assert final.returncode == 0, final.stderr[-3000:]
+    straight = _cli(tmp_path / "straight", corpus, "resident-overlap")
+    assert _losses(out) == _losses(tmp_path / "straight")
+    _assert_bitwise_equal(_final_state(tmp_path / "straight"), _final_state(out))
