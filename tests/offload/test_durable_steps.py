@@ -147,4 +147,5 @@ def test_a_kill_anywhere_resumes_from_the_files_bit_identically(tmp_path, fmt, s
         finally:
             state.close()
     # the kills landed before, inside and after updates: resumed from several steps
+    print(f"kill matrix {kills}: " + ", ".join(f"{p}:{n} -> {s}" for (p, n), s in resumed_from.items()))
     assert len(set(resumed_from.values())) >= 2, resumed_from
