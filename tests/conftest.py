@@ -25,10 +25,12 @@ from collections import defaultdict
 # the runs they make (trainings through the CLI or an engine, jobs of processes: seconds to tens
 # of seconds each, mostly compiling), to be replaced by the figures of the summary below.
 SLOW_FIRST = (
+    "tests/test_durable_resume.py",  # about 300 s: 27 CLI trainings of the small shape, chains of kills
     "tests/test_train_distributed.py",  # 184 s: 20 trainings, jobs of 1-2 processes through jaxascend.launch
     "tests/test_workflow.py",  # 178 s: 18 trainings through the CLI, exports
     "tests/offload/test_streamed_params.py",  # 83 s: a SIGKILL test of 6 CLI runs is half
     "tests/offload/test_overlap.py",  # 72 s
+    "tests/offload/test_durable_steps.py",  # 70 s: 24 killed children of the state's owner
     "tests/test_signals.py",
     "tests/models/test_models.py",  # with test_gemma3: 130 s under load
     "tests/test_run_end.py",
