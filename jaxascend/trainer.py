@@ -80,6 +80,12 @@ class _Run:
     from_files: bool = False  # durable steps: resumed from the offload files, not a checkpoint
     resumed_meta: Optional[dict] = None  # the resumed step's record (data position, losses)
 
+    @classmethod
+    def of(cls, cfg: Config, prepared: PreparedRun, group, stack: RunStack, point) -> "_Run":
+        """The run of ``cfg`` in ``group``, starting where ``point`` (a ResumePoint) says."""
+        return cls(cfg, prepared, Path(cfg.train.out_dir), group.is_main, point.step, group=group, stack=stack,
+                   from_files=point.from_files, resumed_meta=point.meta)
+
     @property
     def last(self) -> int:
         return self.cfg.train.stop_at_step or self.cfg.train.steps
@@ -111,15 +117,13 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
     # cannot fit or run stops here, naming the part; nothing is written before.
     prepared = prepare_run(cfg, JobShape(group.count, group.index, jax.local_device_count()))
     last = prepared.cfg.train.stop_at_step or prepared.cfg.train.steps  # train.steps counted from train.epochs
-    # durable steps: the offload files' step, where newer than the checkpoint's
-    point = files_point(prepared.cfg, resume_point(prepared.cfg, group.count), last)
+    point = files_point(prepared.cfg, resume_point(prepared.cfg, group.count), last)  # durable: the files' step
     if point.step >= last:  # nothing left to train; outputs a kill left unwritten are written
         return finish_from_checkpoint(prepared, point, last, group.is_main, stack.to_dict())
     prepared.resources.check()
     cfg, schedule_notes = with_schedule(prepared.cfg, point)  # a resumed run keeps its recorded schedule
     samples = SamplePrompts.from_config(cfg, prepared.tokenizer, prepared.sized)
-    r = _Run(cfg, prepared, Path(cfg.train.out_dir), group.is_main, point.step, group=group, stack=stack,
-             from_files=point.from_files, resumed_meta=point.meta)
+    r = _Run.of(cfg, prepared, group, stack, point)
     devices = DeviceMonitor()
     if r.main:  # the backend, the devices and their memory (process 0 speaks for the job); then every
         r.devices = backend_line()  # choice the user did not ask for, and where the run starts
@@ -135,9 +139,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
             moved = prepared.source.resume_note(saved_source, point.step) if prepared.source else None
             if moved:  # a hub id that now resolves to another snapshot than the checkpoint's
                 console.note(moved)
-    newest = (lambda: _newest_in_files(cfg)) if prepared.step_plan.durable else \
-        (lambda: _newest_checkpoint(point.directory))  # what a second SIGINT's line names
-    with StopSignals(cfg.train.stop_signals, newest=newest) as signals:
+    with StopSignals(cfg.train.stop_signals, newest=_what_resumes(cfg, prepared.step_plan, point)) as signals:
         engine = _build(r)
         with engine, Checkpointer(cfg.checkpoint, run_config=cfg) as ckpt, \
                 Reporter(cfg.train.report_to, r.out_dir, run_config=cfg.to_dict(), resumed_from=point.step,
@@ -241,6 +243,12 @@ def _agree(values: list[int], group) -> list[int]:
 def _newest_checkpoint(directory: Path) -> str:
     steps = complete_steps(directory) if directory.exists() else []
     return f"checkpoint {steps[-1]} in {directory}" if steps else f"no checkpoint in {directory} (a fresh start)"
+
+
+def _what_resumes(cfg: Config, plan: StepPlan, point) -> Callable[[], str]:
+    """What the line of a second SIGINT names: the step the offload files hold (durable steps),
+    else the newest complete checkpoint."""
+    return (lambda: _newest_in_files(cfg)) if plan.durable else (lambda: _newest_checkpoint(point.directory))
 
 
 def _newest_in_files(cfg: Config) -> str:
