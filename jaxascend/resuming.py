@@ -100,9 +100,7 @@ def files_point(cfg: Config, checkpoint: ResumePoint, last: int) -> ResumePoint:
         return checkpoint
     with StepJournal(journal.parent, create=False) as opened:
         record = opened.record
-    if record is None or record.step < 0:
-        return checkpoint
-    step, trainer = (record.step + 1, record.update.trainer) if record.update else (record.step, record.trainer)
+    step, trainer = record.held() if record is not None else (-1, {})
     if not checkpoint.step < step < last:
         return checkpoint
     return ResumePoint(step, journal.parent, {"meta": trainer}, from_files=True)

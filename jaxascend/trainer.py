@@ -254,9 +254,7 @@ def _what_resumes(cfg: Config, plan: StepPlan, point) -> Callable[[], str]:
 def _newest_in_files(cfg: Config) -> str:
     """Durable steps: the step the offload files hold (what the same command resumes from)."""
     with StepJournal(cfg.offload.dir, create=False) as journal:
-        record = journal.record
-    # an update in flight is rolled forward on resume: its step counts
-    step = -1 if record is None else record.step + (record.update is not None and record.step >= 0)
+        step = journal.record.held()[0] if journal.record is not None else -1
     return f"step {step} held by the offload files in {cfg.offload.dir}" if step > 0 else \
         f"no step in the offload files in {cfg.offload.dir} (a fresh start)"
 

@@ -119,7 +119,6 @@ class DurableRecords:
         self._chunks, self._segments = chunks, segments
         self._regions = {r.name: r for r in store.regions()}
         self._needs = rings.commit_needs()
-        self._position = {i: p for p, i in enumerate(rings.order)}
         self.rotations = rings.initial_rotations()
         self.step = -1  # the last step the files hold (-1: none yet)
         self.updates = 0  # AdamW updates it has had
@@ -151,7 +150,7 @@ class DurableRecords:
         return out
 
     def position(self, chunk_index: int) -> int:
-        return self._position[chunk_index]
+        return self.rings.position[chunk_index]
 
     # ------------------------------------------------------------------ the journal
     def invalidate(self) -> None:

@@ -106,7 +106,7 @@ class PlannedOffloadEngine:
         self.state = self._create_state(full_spec, model_cfg, table, routing, settings.state, from_files)
         try:
             paths = param_paths(params)  # our parameter path of every leaf, in the layout's leaf order
-            leaves = self._recover_state(params, model_cfg) if from_files else \
+            leaves = self._recover_state(model_cfg) if from_files else \
                 self._init_state(params, master, paths, model_cfg)
             del params
             self.weights = ComputeWeights(plan, self.state, leaves, [x.shape for x in jax.tree.leaves(full_spec)],
@@ -172,15 +172,14 @@ class PlannedOffloadEngine:
             (lambda x: x if x.dtype == dtype else jnp.asarray(master_weights(np.asarray(x), fmt)))
         return [None if leaf.streamed else copy(x) for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
 
-    def _recover_state(self, params, model_cfg: ModelConfig) -> list:
+    def _recover_state(self, model_cfg: ModelConfig) -> list:
         """Durable steps: the offload files' step (an interrupted update rolled forward); returns
         the compute copy in leaf order, from the master weights (None for the streamed leaves)."""
         self.state.recover()
         fmt, dtype = self.state.layout.state, DTYPES[model_cfg.dtype]
         compute = (lambda x: x.astype(dtype)) if fmt.master == "float32" else \
             (lambda x: jnp.asarray(master_weights(x, fmt)))  # a bfloat16 master's weights are its high half
-        return [None if leaf.streamed else compute(self.state.read_state(leaf))
-                for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
+        return [None if leaf.streamed else compute(self.state.read_state(leaf)) for leaf in self.state.leaves]
 
     def resume_state(self, trainer: dict) -> None:
         """With durable steps, what the run needs to go on once the next step is complete (its data

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from jaxascend.offload.layout import ChunkRef
+from jaxascend.offload.step_journal import SLOT_BYTES
 
 SPARE_PREFIX = "durable/spare"
 
@@ -81,6 +82,7 @@ class SlotRings:
     rings: tuple[SlotRing, ...]
     order: tuple[int, ...]  # chunk indices in the step's order: position p -> chunk
     ring_of: tuple[tuple[int, int], ...]  # per chunk index: (ring index, member k)
+    position: tuple[int, ...]  # per chunk index: its place in ``order``
     spare_regions: tuple[tuple[str, int], ...]  # (region name, bytes) to add to the store
 
     @classmethod
@@ -110,7 +112,10 @@ class SlotRings:
         if any(x is None for x in ring_of):
             missing = next(i for i, x in enumerate(ring_of) if x is None)
             raise ValueError(f"durable steps: chunk {missing} is not in the step order")
-        return cls(tuple(rings), tuple(order), tuple(ring_of), tuple(regions))
+        position = [0] * len(chunks)
+        for p, i in enumerate(order):
+            position[i] = p
+        return cls(tuple(rings), tuple(order), tuple(ring_of), tuple(position), tuple(regions))
 
     @property
     def spare_bytes(self) -> int:
@@ -137,20 +142,18 @@ class SlotRings:
     def current(self, rotations: Sequence[int], committed_through: int) -> list[Slot]:
         """Per chunk index: where its record is now, in an update at ``rotations`` interrupted
         after committing step positions ``0 .. committed_through`` (-1: none)."""
-        position = {i: p for p, i in enumerate(self.order)}
-        return [read if position[i] > committed_through else write
+        return [read if self.position[i] > committed_through else write
                 for i, (read, write) in enumerate(self.locations(rotations))]
 
     def commit_needs(self) -> list[int]:
         """Per step position p: the position that must be committed before p's write is issued
         (that of the chunk ``W`` places earlier in its ring), or -1 when its write goes to a free
         slot. The same in every update (the rotation moves slots, not the order)."""
-        position = {i: p for p, i in enumerate(self.order)}
         needs = []
         for i in self.order:
             r, k = self.ring_of[i]
             ring = self.rings[r]
-            needs.append(position[ring.members[k - ring.spares]] if k >= ring.spares else -1)
+            needs.append(self.position[ring.members[k - ring.spares]] if k >= ring.spares else -1)
         return needs
 
 
@@ -158,7 +161,5 @@ class SlotRings:
 def durable_disk_bytes(layout, spares: int) -> int:
     """What durable steps add to ``layout``'s offload files: the rings' spare records (``spares``
     a ring at most) and the journal's two slots."""
-    from jaxascend.offload.step_journal import SLOT_BYTES
-
     chunks = layout.chunks()
     return SlotRings.plan(chunks, layout.step_order(chunks), spares, layout.block_bytes).spare_bytes + 2 * SLOT_BYTES

@@ -79,6 +79,13 @@ class JournalRecord:
     update: Optional[UpdateInFlight] = None
     updates: int = 0  # AdamW updates the files' state has had (a skipped step has none)
 
+    def held(self) -> tuple[int, dict]:
+        """The step a resume goes on from and the trainer's state after it: an update in flight
+        counts as done (the resume rolls it forward); (-1, {}) while the files hold no step."""
+        if self.step < 0:
+            return -1, {}
+        return (self.step + 1, self.update.trainer) if self.update is not None else (self.step, self.trainer)
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 

@@ -178,13 +178,13 @@ class StreamedUpdate:
 
     def __init__(self, plan: UpdatePlan, store: SsdStore, layout: OffloadLayout, kernel: ChunkKernel,
                  grad_view: Optional[Callable[[LeafLayout], np.ndarray]], sink, outputs: UpdateOutputs,
-                 records=None, passes: Optional[list[list[int]]] = None):
+                 records, passes: Optional[list[list[int]]] = None):
         self.plan, self.store, self.layout, self.kernel = plan, store, layout, kernel
         self.grad_view, self.sink, self.out = grad_view, sink, outputs
-        # Where each record is read and written, and when a write counts (durable_records): None,
-        # in place. ``passes``: the plan's, or fewer chunks (a durable resume's roll-forward).
+        # Where each record is read and written, and when a write counts (durable_records: in
+        # place, or slot rings). ``passes``: the plan's, or fewer chunks (a durable roll-forward).
         self.records = records
-        self.segments = plan.segments if records is None else records.segments()
+        self.segments = records.segments()
         self.passes = plan.passes if passes is None else passes
         self.hosts: dict[int, np.ndarray] = {}  # leaf index -> its new weights, being filled
         self.handed: dict[int, Optional[tuple]] = {}  # layer -> (slot, views) being filled for the handover
@@ -229,12 +229,10 @@ class StreamedUpdate:
                     trace.append(("kernel", got, asked_next, ref.leaf.index, ref.layer))
                     asked = asked_next
                 self._chunk_done(index, ref, streamed, chunk.index)
-                if self.records is not None:  # before this chunk's write-back is issued
-                    self.records.before_write(progress.positions[chunk.index], progress)
+                self.records.before_write(progress.positions[chunk.index], progress)  # before its write-back
         for _, layer in durable:  # the pass has finished: every write is on disk
             self.out.on_layer(layer)
-        if self.records is not None:
-            self.records.end_pass(progress.positions[-1])
+        self.records.end_pass(progress.positions[-1])
 
     def _update_chunk(self, ref: ChunkRef, arrays: list, streamed: bool) -> np.ndarray:
         """Runs the kernel on the chunk in its slots; returns where its new weights went."""
@@ -271,7 +269,7 @@ class StreamedUpdate:
             self._once_committed(index, functools.partial(self.sink.release, leaf.index, ref.layer))
         if self.out.on_layer is not None and index in self.plan.layer_done:
             layer = self.plan.layer_done[index]
-            if self.records is not None and self.records.durable:  # committed, so written
+            if self.records.durable:  # committed, so written
                 self._once_committed(index, functools.partial(self.out.on_layer, layer))
                 if streamed and self.out.handover is not None:
                     self._hand_over(layer)
@@ -285,10 +283,7 @@ class StreamedUpdate:
             self.out.on_leaf(leaf, self.hosts.pop(leaf.index).reshape(leaf.shape))
 
     def _once_committed(self, index: int, fn: Callable[[], None]) -> None:
-        if self.records is None:
-            fn()
-        else:
-            self.records.when_committed(self.records.position(index), fn)
+        self.records.when_committed(self.records.position(index), fn)
 
     def _hand_over(self, layer: int) -> None:
         """Gives the next forward its in-memory copy of ``layer`` (or lets it read the layer from SSD)."""
@@ -303,7 +298,7 @@ class _PassProgress:
     """A pass's write-back in step positions, for the records' commits (durable_records.PassProgress)."""
 
     def __init__(self, chunk_ids: list[int], records):
-        self.positions = [records.position(i) if records is not None else i for i in chunk_ids]
+        self.positions = [records.position(i) for i in chunk_ids]
         self.stream = None
 
     def written_through(self) -> int:
