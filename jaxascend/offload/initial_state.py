@@ -3,7 +3,8 @@
 :meth:`~jaxascend.offload.state.OffloadedAdamState.init` (from arrays) and
 :meth:`~jaxascend.offload.state.OffloadedAdamState.init_from` (from a reader of one layer at a
 time) check their input here and run :func:`write_initial_state`: one write-only pass over every
-chunk's record through the arena, a streamed leaf's compute weights written beside it.
+chunk's record through the arena, a streamed leaf's compute weights written beside it, its
+progress on the terminal and its bytes and seconds returned (:mod:`~jaxascend.offload.init_progress`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Callable, Optional
 import ml_dtypes
 import numpy as np
 
+from jaxascend.offload.init_progress import InitialWrite, InitProgress
 from jaxascend.offload.layout import STATE_SLOT_CLASS, ChunkRef, LeafLayout, OffloadLayout
 from jaxascend.optim import StateFormat, master_codes
 from jaxascend.ssd import Segment, SsdStore
@@ -51,11 +53,20 @@ def checked_reader(read: Reader) -> Reader:
     return checked
 
 
+def initial_bytes(chunks: list[ChunkRef]) -> int:
+    """What the init pass writes: every chunk's state record, every layer of a streamed leaf's
+    compute weights."""
+    streamed = {c.leaf.index: c.leaf for c in chunks if c.leaf.streamed}
+    return sum(c.state_bytes for c in chunks) + sum(leaf.layers * leaf.grad_layer_bytes for leaf in streamed.values())
+
+
 def write_initial_state(store: SsdStore, chunks: list[ChunkRef], segments: list[list[Segment]], source: Callable,
-                        whole_leaves: bool, compute: Callable) -> None:
+                        whole_leaves: bool, compute: Callable, report: bool = True) -> InitialWrite:
     """The init pass: every chunk's master weights from ``source(leaf, layer)`` (the whole leaf
     when ``whole_leaves``, else one layer), zero m and v; a streamed leaf's compute weights from
-    ``compute(leaf, values)``, layer by layer. Returns once every write is on disk."""
+    ``compute(leaf, values)``, layer by layer. Returns once every write is on disk, with the bytes
+    written and the seconds taken; ``report``: its progress on the terminal (:class:`InitProgress`)."""
+    progress = InitProgress(initial_bytes(chunks), enabled=report)
     values = None
     with store.stream(segments, STATE_SLOT_CLASS) as stream:
         for chunk in stream:
@@ -65,7 +76,7 @@ def write_initial_state(store: SsdStore, chunks: list[ChunkRef], segments: list[
                 values = np.asarray(source(ref.leaf, ref.layer)).reshape(-1)
                 if ref.leaf.streamed:  # a bfloat16 master there: its high half is the compute weights
                     weights = (lambda leaf, x: master_weights(x, fmt)) if fmt.master_elsewhere else compute
-                    _write_compute_params(store, ref.leaf, values, weights, whole_leaves, ref.layer)
+                    progress.add(_write_compute_params(store, ref.leaf, values, weights, whole_leaves, ref.layer))
             start = ref.flat_start if whole_leaves else ref.start
             n = ref.count
             raw = chunk.arrays[0]
@@ -77,7 +88,9 @@ def write_initial_state(store: SsdStore, chunks: list[ChunkRef], segments: list[
                 ref.record.companion(raw)[:] = comp
             if ref.last_of_leaf:
                 values = None
+            progress.add(ref.state_bytes)  # the stream writes the record once the next is asked for
     store.flush()  # the compute weights' writes are on disk (or their error raises here)
+    return progress.finish()
 
 
 def master_parts(values: np.ndarray, fmt: StateFormat) -> tuple[np.ndarray, Optional[np.ndarray]]:
@@ -106,11 +119,14 @@ def master_weights(values, fmt: StateFormat, block: int = 1 << 22) -> np.ndarray
 
 
 def _write_compute_params(store: SsdStore, leaf: LeafLayout, values: np.ndarray, compute: Callable,
-                          whole_leaf: bool, layer: int) -> None:
+                          whole_leaf: bool, layer: int) -> int:
     """Writes a streamed leaf's compute weights: every layer of ``values`` (the whole leaf) or
-    layer ``layer`` (one layer's values)."""
+    layer ``layer`` (one layer's values); returns the bytes written."""
     layers = range(leaf.layers) if whole_leaf else (layer,)
+    written = 0
     for i in layers:
         part = values[i * leaf.layer_elements:(i + 1) * leaf.layer_elements] if whole_leaf else values
         weights = np.ascontiguousarray(compute(leaf, part.reshape(leaf.layer_shape)), dtype=leaf.dtype)
         store.write(leaf.param_regions[i], weights.reshape(-1), wait=False)
+        written += weights.nbytes
+    return written

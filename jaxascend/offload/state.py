@@ -52,7 +52,7 @@ import numpy as np
 
 from jaxascend.config import OffloadConfig
 from jaxascend.offload.gradient_intake import GradientSink, arrival_problems, make_gradient_sink
-from jaxascend.offload.initial_state import (check_init_params, checked_reader, initial_segments,
+from jaxascend.offload.initial_state import (InitialWrite, check_init_params, checked_reader, initial_segments,
                                              write_initial_state)
 from jaxascend.offload.durable_records import make_records, roll_forward
 from jaxascend.offload.layout import LeafLayout, OffloadLayout, StackedSpec
@@ -157,6 +157,7 @@ class OffloadedAdamState:
         self.state_id = next(_owner_ids)  # what an optax state names to find this owner
         self.updates_applied = 0  # AdamW updates the SSD state has had since init (or restore)
         self.last_step: Optional[StepStats] = None
+        self.initial_write: Optional[InitialWrite] = None  # the last init pass's bytes and seconds
         check_step_slots(self.layout, store)
         grads_in_store, grads_in_ram = self.layout.grads_in_store, self.layout.grad_store == "host"
         for leaf in self.layout.leaves:
@@ -242,7 +243,8 @@ class OffloadedAdamState:
         self._check_open(allow_broken=True)
         self._broken = "init() was interrupted; call init(params) again"
         self.records.invalidate()  # every record at home, as the init pass writes them
-        write_initial_state(self.store, self._plan.chunks, self._init_segments, source, whole_leaves, compute)
+        self.initial_write = write_initial_state(self.store, self._plan.chunks, self._init_segments, source,
+                                                 whole_leaves, compute, report=self.partition_index == 0)
         self.records.record_step(0, {}, 0)
         self._broken = None
         self._initialized = True
