@@ -124,6 +124,10 @@ class Engine(Protocol):
         """What the run needs to go on once the next step is complete (its data position), for an
         engine whose files are a resume point after every step (durable steps); others ignore it."""
 
+    def end_training(self) -> int:
+        """The run trains no more step: disk that only the steps needed (the offloaded gradients)
+        is freed for the outputs written next; returns the bytes freed."""
+
     def evaluate(self, batches: Iterable["TokenBatch"]) -> tuple[float, int]:
         """``(sum of the counted targets' losses, their count)``, forward only."""
 

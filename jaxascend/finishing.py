@@ -51,6 +51,9 @@ def remove_offload_files(cfg: Config, shard_files: list[str], step: int) -> str:
     (directory / LOCK_FILE).unlink(missing_ok=True)  # the store is closed: nothing holds it
     with contextlib.suppress(OSError):
         directory.rmdir()  # only when nothing else is in it
+    if not cfg.checkpoint.final and (cfg.checkpoint.every_steps <= 0 or step % cfg.checkpoint.every_steps):
+        return (f"removed from {cfg.offload.dir} (checkpoint.final: false: no checkpoint holds the state of step "
+                f"{step}; the run's outputs hold its weights; offload.keep_files keeps them)")
     return (f"removed from {cfg.offload.dir} (the checkpoint of step {step} holds the state; "
             "offload.keep_files keeps them)")
 

@@ -61,6 +61,9 @@ class InMemoryEngine:
     def resume_state(self, trainer: dict) -> None:
         pass  # resumes from checkpoints only
 
+    def end_training(self) -> int:
+        return 0  # no files to free
+
     def step(self, tokens, optimizer: bool = True) -> StepResult:
         """Dispatches one step over ``tokens`` (a :class:`TokenBatch` ``[A, ...]``, or plain rows
         ``int32 [A, B, T+1]``) asynchronously; the loss and norm are device scalars (no sync here)."""

@@ -195,8 +195,9 @@ def _build(r: _Run) -> Engine:
     cfg, prepared = r.cfg, r.prepared
     model_cfg = prepared.model_cfg
     folder = prepared.model_folder  # model.path's folder (a hub id's snapshot in the Hugging Face cache)
+    weights = prepared.weights_folder  # None: a random init (from scratch, or model.init: random)
     # The checkpoint's tensors (names, shapes, dtypes) are checked when the reader opens.
-    with HFParamReader(folder, model_cfg) if folder else contextlib.nullcontext() as source:
+    with HFParamReader(weights, model_cfg) if weights else contextlib.nullcontext() as source:
         r.origin = Provenance(prepared.sized, tokenizer_folder(cfg.data.tokenizer, folder), folder,
                               source.source_dtype if source else model_cfg.param_dtype)
         r.out_dir.mkdir(parents=True, exist_ok=True)
@@ -263,6 +264,7 @@ def _save_and_sample(r: _Run, engine: Engine, samples: Optional[SamplePrompts], 
     """The run's weights (``params.safetensors``, an export) and its answers to ``eval.sample_prompts``
     (``samples.json``, the terminal, and TensorBoard / W&B as text)."""
     cfg = r.cfg
+    engine.end_training()  # the gradients' disk space is free for what is written next
     if cfg.export.save_params or cfg.export.enabled:  # fp32 master weights, one tensor at a time
         with engine.exported_weights() as weights:  # a job's other processes serve their slices
             if weights is not None:

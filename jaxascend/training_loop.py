@@ -106,7 +106,7 @@ class TrainingLoop:
                 stopping, clock_due = self._boundary()
                 evaluating = bool(held_out) and (step == self.s.last or (cfg.eval.every_steps > 0
                                                                          and step % cfg.eval.every_steps == 0))
-                saving = self.ckpt.should_save(step, self.s.last) or (stopping and not self.s.durable_dir) or clock_due
+                saving = self.ckpt.should_save(step, self.s.last, cfg.train.steps) or (stopping and not self.s.durable_dir) or clock_due
                 if step % cfg.train.log_every and step != self.s.last and not saving and not evaluating:
                     progress.update(1)
                     continue

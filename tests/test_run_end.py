@@ -119,3 +119,24 @@ def test_a_run_records_what_made_it_and_a_resume_says_what_changed(tmp_path, cor
     notes = [line for line in capsys.readouterr().err.splitlines() if "changed since checkpoint" in line]
     assert notes == [f"note: the software or machine changed since checkpoint step 2: jax {jax.__version__} -> 0.0.1; "
                      "results may differ in the last bits"]
+
+
+def test_a_run_without_a_final_checkpoint_writes_its_outputs_in_the_gradients_space(tmp_path, corpus, straight):
+    """checkpoint.final: false: no checkpoint at the end (every_steps 3 saves step 3 only), the same
+    outputs byte for byte; the offloaded gradients' blocks are freed before the export is written
+    (a kill in the export finds them punched out of the shard files)."""
+    out = tmp_path / "run"
+    no_final = [*SAMPLED, "checkpoint.final=false", "checkpoint.every_steps=3", "offload.gradients=ssd"]
+    killed = train(out, corpus, *no_final, kill_at="export_tensor:2")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    shards = list((out / "offload").glob("shard-*.bin"))
+    allocated = sum(p.stat().st_blocks * 512 for p in shards)
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["disk"][0]["shared_at_end"] > 0
+    assert allocated <= sum(p.stat().st_size for p in shards) - plan["disk"][0]["shared_at_end"]
+    done = train(tmp_path / "again", corpus, *no_final)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert checkpoints(tmp_path / "again") == [3]
+    assert _digests(tmp_path / "again") == _digests(straight)
+    summary = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert "checkpoint.final: false" in summary["offload_files"]

@@ -137,10 +137,13 @@ class Checkpointer:
     def step_directory(self, step: int) -> Path:
         return self.directory / str(int(step))
 
-    def should_save(self, step: int, last_step: int) -> bool:
-        """True every ``checkpoint.every_steps`` steps and at ``last_step``."""
+    def should_save(self, step: int, last_step: int, steps: Optional[int] = None) -> bool:
+        """True every ``checkpoint.every_steps`` steps and at ``last_step``, but for the run's end
+        (``steps``: train.steps; a stop before it is a resume point) with ``checkpoint.final: false``."""
         every = self.cfg.every_steps
-        return step == last_step or (every > 0 and step % every == 0)
+        if every > 0 and step % every == 0:
+            return True
+        return step == last_step and (self.cfg.final or step != steps)
 
     def resume_step(self, resume: Union[str, int]) -> Optional[int]:
         """The step ``train.resume`` asks for: ``"none"`` -> None; ``"auto"`` -> the newest

@@ -322,6 +322,9 @@ class CheckpointConfig:
     every_steps: int = 0  # 0: only at the end
     every_minutes: float = 0.0  # also once this many minutes of training passed since the last save; 0: off
     keep_last: int = 2  # complete checkpoints kept (older ones are deleted)
+    # false: no checkpoint at the end of the run (unless every_steps falls there): its outputs
+    # (params.safetensors, the export) hold the trained weights, and the disk of a state copy is saved.
+    final: bool = True
     async_save: bool = True  # small items (params, meta) are written in the background
     compression: Literal["none", "zstd"] = "none"  # of the streamed optimizer-state arrays
     cleanup_partial: bool = True  # remove half-written saves (Orbax tmp dirs) when opening dir

@@ -304,6 +304,15 @@ class PlannedOffloadEngine:
         """Waits for the optimizer step running in the background (overlap); raises its error."""
         self.updates.finish()
 
+    def end_training(self) -> int:
+        """The run trains no more step: the last update is waited for and the gradients' disk
+        blocks go back to the filesystem (with ``offload.gradients: ssd``), for the outputs the
+        run writes next. Returns the bytes freed."""
+        self.finish_update()
+        if self.plan.grad_store != "ssd" or self.state.store.cfg.keep_files:  # kept files stay as they are
+            return 0
+        return self.state.store.release([r for leaf in self.state.leaves for r in leaf.grad_regions])
+
     def _io_counters(self) -> tuple[int, int]:
         """(bytes read, bytes written) by the store since it was opened."""
         c = self.state.store.stats()

@@ -32,6 +32,8 @@ class DiskPart:
     folder: str
     nbytes: int
     reused: int = 0  # bytes of it already on disk (free for this run)
+    frees_at_end: int = 0  # bytes it gives back once the last step is done (the offloaded gradients)
+    at_end: bool = False  # written once the last step is done (params.safetensors, the export)
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,14 @@ class FilesystemUse:
     parts: tuple[DiskPart, ...]
 
     @property
+    def shared_at_end(self) -> int:
+        """Bytes of the end-of-run outputs that land in the space freed at the end (on this filesystem)."""
+        return min(sum(p.frees_at_end for p in self.parts), sum(p.nbytes for p in self.parts if p.at_end))
+
+    @property
     def need(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+        """The high-water mark: every part, less what the outputs reuse of the space freed at the end."""
+        return sum(p.nbytes for p in self.parts) - self.shared_at_end
 
     @property
     def short(self) -> int:
@@ -57,11 +65,12 @@ def checkpoints_kept(cfg: Config) -> int:
     also saves by the clock (``every_minutes``) may save at any step."""
     every, steps = cfg.checkpoint.every_steps, cfg.train.steps
     if steps is None:  # train.epochs, the data not read yet (the planner): the most a run keeps
-        return cfg.checkpoint.keep_last + 1 if every > 0 or cfg.checkpoint.every_minutes > 0 else 1
+        return cfg.checkpoint.keep_last + 1 if every > 0 or cfg.checkpoint.every_minutes > 0 else int(cfg.checkpoint.final)
+    final = {steps} if cfg.checkpoint.final else set()
     if cfg.checkpoint.every_minutes > 0:
         saves = steps
     else:
-        saves = len({s for s in range(every, steps + 1, every)} | {steps}) if every > 0 else 1
+        saves = len({s for s in range(every, steps + 1, every)} | final) if every > 0 else len(final)
     return min(cfg.checkpoint.keep_last + 1, saves)
 
 
@@ -81,20 +90,24 @@ def _saved_steps(directory: str) -> int:
 
 
 def run_disk_parts(cfg: Config, offload_bytes: int, checkpoint_bytes: int, weights_bytes: int,
-                   export_bytes: int) -> list[DiskPart]:
-    """The run's files: offload shards, the checkpoints kept, ``params.safetensors``, the export."""
+                   export_bytes: int, grad_bytes: int = 0) -> list[DiskPart]:
+    """The run's files: offload shards, the checkpoints kept, ``params.safetensors``, the export.
+    ``grad_bytes``: the offloaded gradients' part of the shards, freed when the last step is done
+    (unless ``offload.keep_files``), where the end-of-run outputs may land."""
     out_dir = str(cfg.train.out_dir)
     offload_dir = str(cfg.offload.dir or os.path.join(out_dir, "offload"))
     checkpoint_dir = str(cfg.checkpoint.dir or os.path.join(out_dir, "checkpoints"))
     kept = checkpoints_kept(cfg)
     saved = min(_saved_steps(checkpoint_dir), kept)
+    frees = 0 if cfg.offload.keep_files else grad_bytes
     parts = [DiskPart("offload files", "offload.dir", offload_dir, offload_bytes,
-                      min(_shard_bytes(offload_dir), offload_bytes)) if offload_bytes else None,
+                      min(_shard_bytes(offload_dir), offload_bytes), frees) if offload_bytes else None,
              DiskPart(f"checkpoints ({kept} kept at once)", "checkpoint.dir", checkpoint_dir,
                       kept * checkpoint_bytes, saved * checkpoint_bytes),
-             DiskPart("params.safetensors", "train.out_dir", out_dir, weights_bytes) if cfg.export.save_params else None,
-             DiskPart("export", "export.dir", str(cfg.export.dir or os.path.join(out_dir, "hf")), export_bytes)
-             if cfg.export.enabled else None]
+             DiskPart("params.safetensors", "train.out_dir", out_dir, weights_bytes, at_end=True)
+             if cfg.export.save_params else None,
+             DiskPart("export", "export.dir", str(cfg.export.dir or os.path.join(out_dir, "hf")), export_bytes,
+                      at_end=True) if cfg.export.enabled else None]
     return [p for p in parts if p is not None and p.nbytes > 0]
 
 

@@ -138,7 +138,7 @@ class ResourcePlan:
                "step_floor_seconds": self.step_floor_seconds, "host_limit": self.host_limit,
                "device_peak": self.device_peak,
                "problems": self.problems()}
-        out["disk"] = [{"folder": fs.folder, "free": fs.free, "need": fs.need,
+        out["disk"] = [{"folder": fs.folder, "free": fs.free, "need": fs.need, "shared_at_end": fs.shared_at_end,
                         "parts": {p.name: p.nbytes for p in fs.parts}} for fs in self.disk]
         return out
 
@@ -159,8 +159,7 @@ class ResourcePlan:
         for part, nbytes in {**self.device, **({"total": self.device_peak} if device else {})}.items():
             lines.append(f"  {part:<20} {format_bytes(nbytes):>12}")
         for fs in self.disk:
-            parts = " + ".join(f"{p.name} {format_bytes(p.nbytes)}" for p in fs.parts)
-            lines.append(f"disk: {parts} on {fs.folder} ({format_bytes(fs.free)} free)")
+            lines.append(f"disk: {_disk_parts(fs)} on {fs.folder} ({format_bytes(fs.free)} free)")
         lines.append(f"SSD: offload files {format_bytes(self.ssd_bytes)} on {self.ssd_dir}; "
                      f"each checkpoint {format_bytes(self.checkpoint_bytes)}")
         lines.append(f"SSD per step: read {format_bytes(self.ssd_read_step)}, "
@@ -187,12 +186,22 @@ def _lever_text(levers: tuple) -> str:
                                     f"{format_bytes(lever.needs)})" for lever in levers)
 
 
-def _disk_problem(fs: FilesystemUse, levers: tuple) -> str:
+def _disk_parts(fs: FilesystemUse) -> str:
+    """The parts on one filesystem, and what the end-of-run outputs reuse of the gradients' space."""
     parts = " + ".join(f"{p.name} {format_bytes(p.nbytes)}" for p in fs.parts)
+    if fs.shared_at_end:
+        parts += (f" - {format_bytes(fs.shared_at_end)} (the outputs written at the end reuse the offloaded "
+                  f"gradients' space, freed once the last step is done) = {format_bytes(fs.need)}")
+    return parts
+
+
+def _disk_problem(fs: FilesystemUse, levers: tuple) -> str:
+    parts = _disk_parts(fs)
     by_field: dict[str, int] = {}
     for part in fs.parts:
         by_field[part.field] = by_field.get(part.field, 0) + part.nbytes
     move = " or ".join(f"{name} (needs {format_bytes(nbytes)})" for name, nbytes in by_field.items())
-    return (f"disk: {', '.join(by_field)}: {parts} = {format_bytes(fs.need)} on {fs.folder}, "
+    total = "" if fs.shared_at_end else f" = {format_bytes(fs.need)}"  # else _disk_parts gave it
+    return (f"disk: {', '.join(by_field)}: {parts}{total} on {fs.folder}, "
             f"{format_bytes(fs.short)} more than the {format_bytes(fs.free)} free there" + _lever_text(levers)
             + f"; or put {move} on a filesystem with that much free")

@@ -200,7 +200,7 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     # A job's checkpoint is one directory: every process's slices, the compute params once.
     checkpoint = int(sum(whole.record_format(leaf).bytes_per_element * leaf.size for leaf in whole.leaves)) \
         + whole.streamed_param_bytes + whole.resident_param_bytes
-    disk = disk_use(run_disk_parts(cfg, ssd_bytes, checkpoint, 4 * n, _export_itemsize(cfg, model_cfg) * n))
+    disk = disk_use(run_disk_parts(cfg, ssd_bytes, checkpoint, 4 * n, _export_itemsize(cfg, model_cfg) * n, grads))
     mine = layout.num_parameters
     master = "" if fmt.master == "float32" else f", a {fmt.master} {fmt.master_rounding} master"
     notes = (f"optimizer state: {fmt.dtype} moments{master}, {layout.state_bytes / mine:.2f} B/param on SSD; "

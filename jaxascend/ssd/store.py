@@ -27,7 +27,10 @@ with :func:`injected_faults` or ``JAXASCEND_FAULT="write:3:ENOSPC"``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
+import os
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
@@ -265,6 +268,16 @@ class SsdStore:
             dtypes = [np.dtype(dtypes or np.uint8)] * n_seg
         return SsdStream(native_pass, [np.dtype(d) for d in dtypes])
 
+    # ------------------------------------------------------------------ freeing space
+    def release(self, regions: Sequence[RegionRef]) -> int:
+        """Gives the disk blocks of ``regions`` back to the filesystem (``fallocate`` punching
+        holes; the shard files keep their size) once nothing will read them again: the end of a
+        run frees its gradients' space for the outputs it writes next. Returns the bytes freed
+        (0 where the filesystem cannot punch holes, or for in-memory regions)."""
+        self.flush()  # no write to them is still queued
+        extents = [e for ref in regions for e in self.region(ref).extents]
+        return punch_holes(extents)
+
     # ------------------------------------------------------------------ lifetime
     def flush(self) -> None:
         """Waits for every queued request; raises the first deferred write error."""
@@ -298,6 +311,30 @@ class SsdStore:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("O_DIRECT" if self.direct_io else "buffered") + ", " + self.io_engine
         return f"SsdStore(dir={self.cfg.dir!r}, {state}, regions={self._native.num_regions})"
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def punch_holes(extents: Sequence[Extent]) -> int:
+    """Frees ``extents``' blocks in their shard files; the bytes freed (0 where unsupported)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    freed = 0
+    for path in sorted({e.shard_path for e in extents}):
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            for e in (e for e in extents if e.shard_path == path):
+                if libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, e.file_offset, e.disk_bytes):
+                    err = ctypes.get_errno()
+                    if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+                        return freed
+                    raise OSError(err, f"freeing {e.disk_bytes} bytes at {e.file_offset} of {path}: "
+                                       f"{os.strerror(err)}")
+                freed += e.disk_bytes
+        finally:
+            os.close(fd)
+    return freed
 
 
 def _as_bytes(data, writable: bool = False) -> np.ndarray:

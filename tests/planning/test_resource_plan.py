@@ -437,9 +437,34 @@ def test_the_gradients_are_a_lever_for_host_memory_and_for_disk(tmp_path, roomy,
     assert levers["offload.gradients: ssd"] == 2 * host.num_params
     monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "1TiB")
     usage = namedtuple("usage", "total used free")
-    ssd = plan_run(_cfg(tmp_path, *overrides, "offload.gradients=ssd"), model_cfg, runtime_bytes=0)
+    # no outputs at the end: they would reuse the gradients' space (host gradients would then save less)
+    quiet = ("export.save_params=false", "export.enabled=false")
+    ssd = plan_run(_cfg(tmp_path, *overrides, *quiet, "offload.gradients=ssd"), model_cfg, runtime_bytes=0)
     [fs] = ssd.disk
     monkeypatch.setattr(disk_plan.shutil, "disk_usage", lambda path: usage(2**40, 0, fs.need - 1))
-    full = plan_run(_cfg(tmp_path, *overrides, "offload.gradients=ssd"), model_cfg, runtime_bytes=0)
+    full = plan_run(_cfg(tmp_path, *overrides, *quiet, "offload.gradients=ssd"), model_cfg, runtime_bytes=0)
     [(_, disk)] = full.disk_levers
     assert {lever.setting: lever.saves for lever in disk}["offload.gradients: host"] == 2 * host.num_params
+
+
+def test_no_final_checkpoint_and_outputs_in_the_gradients_space(tmp_path, monkeypatch):
+    """checkpoint.final: false counts only the checkpoints every_steps makes; the end-of-run
+    outputs land in the offloaded gradients' space (freed once the last step is done), so the
+    high-water mark is the larger of the two, not their sum; offload.keep_files frees nothing."""
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, "1TiB")
+    cfg = _cfg(tmp_path, "train.steps=10", "checkpoint.final=false", "offload.gradients=ssd", "export.enabled=true")
+    model_cfg = _model(cfg)
+    assert disk_plan.checkpoints_kept(cfg) == 0
+    every = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, every_steps=4))
+    assert disk_plan.checkpoints_kept(every) == 2  # steps 4 and 8, not 10
+    plan = plan_run(cfg, model_cfg, runtime_bytes=0)
+    [fs] = plan.disk
+    assert [p.name for p in fs.parts] == ["offload files", "params.safetensors", "export"]
+    outputs = fs.parts[1].nbytes + fs.parts[2].nbytes
+    grads = fs.parts[0].frees_at_end
+    assert grads > 0 and fs.shared_at_end == min(grads, outputs)
+    assert fs.need == sum(p.nbytes for p in fs.parts) - fs.shared_at_end
+    assert "reuse the offloaded gradients' space" in plan.format()
+    kept = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, keep_files=True))
+    [fs_kept] = plan_run(kept, model_cfg, runtime_bytes=0).disk
+    assert fs_kept.shared_at_end == 0 and fs_kept.need == sum(p.nbytes for p in fs_kept.parts)
