@@ -11,19 +11,24 @@ is there (:func:`read_available_inputs`): ``config.json`` alone is enough. Witho
 the vocabulary is config.json's; without the data the runtime part is estimated; each such
 assumption is one line of ``prepared.assumed``. Both read the first record of every data file
 first, with no tokenizer (:func:`resolve_data`): ``data.format: auto`` is resolved into
-``prepared.cfg`` there, and a wrong field is the same error from both.
+``prepared.cfg`` there, and a wrong field is the same error from both. With ``model.init: random``
+neither reads the folder's weights (:func:`with_random_init`: the model starts from a random
+initialization of config.json's shape, and the tokenizer is the byte one when the folder has none).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from jaxascend import console
 from jaxascend.config import Config, ConfigError, DataConfig, ModelConfig
 from jaxascend.data import (EpochCount, eval_batches, has_tokenizer_files, load_tokenizer, make_batch_stream,
                             missing_paths, read_data_format, tokenizer_folder, with_epoch_steps)
-from jaxascend.hf import ModelSource, check_hf_weights, locate_model, model_config_from_hf, param_plan
+from jaxascend.hf import CONFIG_FILE, ModelSource, check_hf_weights, locate_model, model_config_from_hf, param_plan
 from jaxascend.models import TokenBatch, token_batch
 from jaxascend.offload import JobShape, StepPlan
 from jaxascend.planning import ResourcePlan, plan_resources
@@ -83,7 +88,53 @@ def replaced_fields_note(asked: ModelConfig, resolved: ModelConfig) -> Optional[
         return None
     pairs = ", ".join(f"{name} {getattr(asked, name)!r} -> {getattr(resolved, name)!r}" for name in replaced)
     return (f"model: {pairs}: {resolved.path}/config.json decides the architecture (with model.path, the model "
-            "section sets only dtype, param_dtype, remat, attention, loss and init_std)")
+            "section sets only dtype, param_dtype, remat, attention, loss, init_std and init)")
+
+
+def _safetensors_in(folder: str) -> list[str]:
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(os.path.expanduser(folder), "*.safetensors")))
+
+
+def pretrained_weights(folder: str, model_cfg: ModelConfig) -> str:
+    """:func:`check_hf_weights` of ``model.path``'s folder (the checkpoint's dtype); a folder that
+    holds no safetensors file is refused in one line that names ``model.init: random``."""
+    try:
+        return check_hf_weights(folder, model_cfg)
+    except ValueError as err:
+        if _safetensors_in(folder):
+            raise
+        raise ConfigError(f"model.path: {console.first_line(err)}; set model.init: random to train from its "
+                          f"{CONFIG_FILE} alone (a random initialization)") from None
+
+
+def random_init_note(cfg: Config, model_cfg: ModelConfig) -> str:
+    """The ``note:`` of ``model.init: random`` with ``model.path``: where the weights start, and
+    that the folder's safetensors (if any) are not read."""
+    found = _safetensors_in(model_cfg.path)
+    unread = (f"the folder's {', '.join(found[:2])}{' ...' if len(found) > 2 else ''} "
+              f"{'is' if len(found) == 1 else 'are'} not read") if found else "no safetensors are read"
+    return (f"model.init: random: the weights start from a random initialization (std {model_cfg.init_std:g}, "
+            f"train.seed {cfg.train.seed}) of {os.path.join(model_cfg.path, CONFIG_FILE)}'s shape; {unread}")
+
+
+def with_random_init(cfg: Config, model_cfg: ModelConfig) -> tuple[Config, tuple[str, ...]]:
+    """``cfg`` and its notes for ``model.init: random`` with ``model.path`` (none otherwise): where
+    the weights start (:func:`random_init_note`); from a folder that holds no tokenizer files,
+    ``data.tokenizer: auto`` is the byte tokenizer (a note; the vocabulary stays config.json's) and
+    ``model`` is refused."""
+    folder = cfg.model.path
+    if folder is None or cfg.model.init != "random":
+        return cfg, ()
+    notes = (random_init_note(cfg, model_cfg),)
+    if has_tokenizer_files(folder) or cfg.data.tokenizer not in ("auto", "model"):
+        return cfg, notes
+    if cfg.data.tokenizer == "model":
+        raise ConfigError(f"data.tokenizer: 'model': {folder} holds no tokenizer files (model.init: random reads "
+                          "its config.json alone); set data.tokenizer to auto or byte (the byte tokenizer), or a "
+                          "tokenizer folder")
+    notes += (f"data.tokenizer: auto is the byte tokenizer: {folder} holds no tokenizer files (model.init: random); "
+              f"the vocabulary stays {CONFIG_FILE}'s ({model_cfg.vocab_size})",)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer="byte")), notes
 
 
 def vocabulary_size(cfg: Config, model_cfg: ModelConfig, tokenizer) -> int:
@@ -152,11 +203,15 @@ def read_inputs(cfg: Config) -> RunInputs:
     """Every input of the run (the trainer's): config.json, the weights' safetensors headers
     (checked against the model, no tensor data read), the tokenizer, the data index, the held-out
     data. Raises ``ValueError``/``OSError`` naming what is missing or malformed."""
-    cfg = with_model_folder(cfg)  # a hub id: its snapshot in the Hugging Face cache, from here on
+    # A hub id: its snapshot in the Hugging Face cache, from here on (model.init: random: no weights).
+    cfg = with_model_folder(cfg, weights=cfg.model.init == "pretrained")
     model_cfg = resolve_model_config(cfg)
-    cfg, notes = resolve_data(cfg)  # before the weights and the tokenizer, as the planner reads it
-    if cfg.model.path is not None:  # a truncated file or a missing tensor stops the run here
-        notes += master_notes(cfg, check_hf_weights(cfg.model.path, model_cfg))
+    cfg, notes = with_random_init(cfg, model_cfg)  # model.init: random: no weights; the tokenizer it reads
+    cfg, format_notes = resolve_data(cfg)  # before the weights and the tokenizer, as the planner reads it
+    notes += format_notes
+    if cfg.model.path is not None and cfg.model.init == "pretrained":
+        # a folder without safetensors, a truncated file or a missing tensor stops the run here
+        notes += master_notes(cfg, pretrained_weights(cfg.model.path, model_cfg))
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     return RunInputs(model_cfg, tokenizer, make_batch_stream(cfg.data, tokenizer), held_out_batches(cfg, tokenizer),
                      data=cfg.data, notes=notes)
@@ -167,10 +222,11 @@ def read_available_inputs(cfg: Config) -> RunInputs:
     the tokenizer, the data and the held-out data are read when present, else assumed."""
     cfg = with_model_folder(cfg, weights=False)  # a hub id: config.json and the tokenizer from the cache
     model_cfg = resolve_model_config(cfg)
+    cfg, notes = with_random_init(cfg, model_cfg)  # model.init: random: the tokenizer the trainer reads
     missing = missing_paths(list(cfg.data.paths))
-    notes: tuple[str, ...] = ()
     if not missing:  # the format and the first records, checked as the trainer checks them
-        cfg, notes = resolve_data(cfg)
+        cfg, format_notes = resolve_data(cfg)
+        notes += format_notes
     data = None if missing else cfg.data
     folder = tokenizer_folder(cfg.data.tokenizer, cfg.model.path)
     if folder is not None and not has_tokenizer_files(folder):
@@ -181,7 +237,7 @@ def read_available_inputs(cfg: Config) -> RunInputs:
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.path)
     if missing:
         return RunInputs(model_cfg, tokenizer, None, [], (
-            f"no data read (data.paths: {', '.join(missing)} not found): runtime part estimated",))
+            f"no data read (data.paths: {', '.join(missing)} not found): runtime part estimated",), notes=notes)
     stream = make_batch_stream(cfg.data, tokenizer)
     missing = missing_paths(list(cfg.eval.paths or []))
     if missing:
@@ -212,6 +268,12 @@ class PreparedRun:
     def model_folder(self) -> Optional[str]:
         """The folder the model is read from (a hub id's snapshot in the cache); None: from scratch."""
         return self.model_cfg.path
+
+    @property
+    def weights_folder(self) -> Optional[str]:
+        """The folder whose safetensors start the weights; None: a random init (from scratch, or
+        ``model.init: random``, which reads the model folder's config.json and tokenizer alone)."""
+        return self.model_cfg.path if self.model_cfg.init == "pretrained" else None
 
     @property
     def source(self) -> Optional[ModelSource]:

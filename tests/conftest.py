@@ -44,6 +44,7 @@ SLOW_FIRST = (
     "tests/data/test_format_auto.py",  # 70 s: 3 trainings of a tiny Qwen2 by configs/qwen2.5-0.5b.yaml
     "tests/hf/test_hub.py",  # 43 s: 2 CLI trainings from a hub id in a temporary cache (a resume), a refusal, a plan
     "tests/test_train.py",
+    "tests/test_model_init.py",  # 38 s: 6 CLI trainings of the small shape (model.init: random, from scratch)
     "tests/offload/test_host_callbacks.py",
     "tests/models/test_decode.py",  # 81 s under load
     "tests/models/test_blocked_loss.py",  # 79 s

@@ -13,6 +13,7 @@ from jaxascend.config.values import AttentionImpl, ConfigError, LossImpl, DType,
 
 LAYER_TYPES = ("sliding_attention", "full_attention")  # Hugging Face's layer_types entries
 GEMMA3_FIELDS = ("layer_types", "rope_local_theta", "query_pre_attn_scalar", "final_logit_softcapping")
+INIT_MODES = ("pretrained", "random")  # model.init
 ROPE_TYPES = (None, "default", "linear", "dynamic", "yarn", "longrope", "llama3")
 # A Hugging Face hub id as model.path: org/name (hub's rules: letters, digits, "-", "_", ".", not at
 # either end of a part, at most 96 characters each), then optionally @revision (a branch, tag or commit).
@@ -96,7 +97,12 @@ class ModelConfig:
     attention: AttentionImpl = "auto"
     # "auto": the head and loss in blocks (the logits never whole) for large batch x length x vocabulary.
     loss: LossImpl = "auto"
-    init_std: float = 0.02  # standard deviation of the random init (runs from scratch)
+    # With model.path, where the weights start: "pretrained", the folder's safetensors; "random", a random
+    # init of its config.json's shape (init_std, train.seed), like transformers' from_config: the folder may
+    # hold config.json alone (any safetensors there are not read), and data.tokenizer auto is the byte
+    # tokenizer when it holds no tokenizer files. Without model.path the model starts random either way.
+    init: Literal["pretrained", "random"] = "pretrained"
+    init_std: float = 0.02  # standard deviation of the random init (runs from scratch, model.init: random)
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -117,6 +123,8 @@ class ModelConfig:
         self.rope_scaling = validate_rope_scaling(self.rope_scaling)
         check_range("model.partial_rotary_factor", self.partial_rotary_factor, lo=0, hi=1, lo_open=True)
         check_range("model.init_std", self.init_std, lo=0, lo_open=True)
+        if self.init not in INIT_MODES:
+            raise ConfigError(f"model.init: {self.init!r} is not supported (allowed: {', '.join(map(repr, INIT_MODES))})")
         if self.attention not in typing.get_args(AttentionImpl):
             allowed = ", ".join(map(repr, typing.get_args(AttentionImpl)))
             raise ConfigError(f"model.attention: {self.attention!r} is not supported (allowed: {allowed})")

@@ -49,7 +49,7 @@ DEFAULT_ROPE_THETA = 10000.0
 
 # ModelConfig fields that describe numerics and training, not the architecture: they come from
 # the user's config even when the shape comes from config.json.
-RUN_FIELDS = ("dtype", "param_dtype", "remat", "attention", "loss", "init_std")
+RUN_FIELDS = ("dtype", "param_dtype", "remat", "attention", "loss", "init_std", "init")
 
 
 def read_hf_config(folder: str | os.PathLike) -> dict:
@@ -89,7 +89,7 @@ def model_config_from_hf(folder: str | os.PathLike, base: Optional[ModelConfig] 
     """The :class:`ModelConfig` of the Hugging Face model in ``folder``.
 
     Architecture fields (sizes, RoPE, norms, tying, vocab_size) come from ``config.json``; the run
-    fields ``dtype``, ``param_dtype``, ``remat``, ``attention``, ``loss`` and ``init_std`` come from ``base``
+    fields ``dtype``, ``param_dtype``, ``remat``, ``attention``, ``loss``, ``init_std`` and ``init`` come from ``base``
     (defaults when None). ``path`` is set to ``folder``.
     """
     hf = read_hf_config(folder)

@@ -98,4 +98,4 @@ def test_a_model_field_that_config_json_replaces_is_one_note(tmp_path, qwen_7b, 
     notes = [line for line in capsys.readouterr().out.splitlines() if "decides the architecture" in line]
     assert notes == [f"note: model: hidden_size 1024 -> 3584, max_position_embeddings 4096 -> 131072: {qwen_7b}/"
                      "config.json decides the architecture (with model.path, the model section sets only dtype, "
-                     "param_dtype, remat, attention, loss and init_std)"]
+                     "param_dtype, remat, attention, loss, init_std and init)"]
