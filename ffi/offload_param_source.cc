@@ -98,6 +98,24 @@ void ParamSource::AddLeaf(const std::vector<int32_t>& regions, int64_t layer_byt
   ready_.assign(regions.size(), 1);
 }
 
+void ParamSource::SetLayerRegion(int64_t leaf, int64_t layer, int32_t region) {
+  CheckLayer(layer, "set_layer_region");
+  const std::string what = "ParamSource.set_layer_region(" + std::to_string(leaf) + ", " + std::to_string(layer) + ")";
+  std::shared_ptr<ShardStore> store = Store();
+  if (!store) throw nb::value_error((what + ": the shard store is closed").c_str());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (leaf < 0 || leaf >= static_cast<int64_t>(leaves_.size()) || leaves_[leaf].host != nullptr) {
+    throw nb::value_error((what + ": no such region leaf (" + std::to_string(leaves_.size()) + " leaves)").c_str());
+  }
+  const StoreRegion* r = store->region(region);
+  if (!r || r->nbytes != leaves_[leaf].layer_bytes) {
+    throw nb::value_error((what + ": region id " + std::to_string(region) + " is not one of " +
+                           std::to_string(leaves_[leaf].layer_bytes) + " bytes")
+                              .c_str());
+  }
+  leaves_[leaf].regions[layer] = region;
+}
+
 void ParamSource::Gate(bool expect_handover) {
   std::lock_guard<std::mutex> lock(mu_);
   std::fill(ready_.begin(), ready_.end(), 0);

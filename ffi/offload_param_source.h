@@ -67,6 +67,10 @@ class ParamSource {
   // Adds one leaf of the layer stack: one region per layer, each `layer_bytes` long.
   void AddLeaf(const std::vector<int32_t>& regions, int64_t layer_bytes, const std::string& dtype_name);
 
+  // Layer `layer` of leaf `leaf` is now read from region `region` (durable steps move a bfloat16
+  // master's layer to another slot once its update is committed); from the next read of it on.
+  void SetLayerRegion(int64_t leaf, int64_t layer, int32_t region);
+
   // The optimizer of the previous step is about to update every layer: none is ready.
   void Gate(bool expect_handover);
 

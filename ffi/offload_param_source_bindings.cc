@@ -36,6 +36,8 @@ void BindParamSource(nb::module_& m) {
       .def("mark_ready", &ParamSource::MarkReady, nb::arg("layer"), "Layer `layer` holds its new weights.")
       .def("fail", &ParamSource::Fail, nb::arg("message"), "Fails every fetch waiting for an update.")
       .def("ready", &ParamSource::ready, nb::arg("layer"))
+      .def("set_layer_region", &ParamSource::SetLayerRegion, nb::arg("leaf"), nb::arg("layer"), nb::arg("region"),
+           "Layer `layer` of region leaf `leaf` is read from region id `region` from now on.")
       .def("add_leaf", &ParamSource::AddLeaf, nb::arg("regions"), nb::arg("layer_bytes"), nb::arg("dtype"),
            "Adds one leaf of the stack: one region id per layer, each layer_bytes long.")
       .def("begin", &ParamSource::Begin, nb::arg("order"), nb::arg("depth"),

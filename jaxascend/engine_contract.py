@@ -96,6 +96,7 @@ class EngineReport:
     data_parallel_processes: int = 1
     data_parallel_devices: int = 1
     early_gradient_arrivals: Optional[int] = None
+    initial_write: Optional[dict] = None  # the initial state's write: bytes, seconds, GB/s (None: not written)
     param_source_fetches: Optional[int] = None  # the parameter source's counters, when it runs
     param_source_misses: Optional[int] = None
     param_source_bytes_read: Optional[int] = None

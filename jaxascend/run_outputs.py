@@ -74,6 +74,7 @@ class TrainResult:
     # What train.epochs came to (jaxascend.data.EpochCount.to_dict(): epochs, unit, per_epoch,
     # covered, batches, grad_accum, steps); None: the run's length was train.steps.
     epochs: Optional[dict] = None
+    initial_write: Optional[dict] = None  # the offload files' initial state: bytes, seconds, GB/s (None: not written)
     devices: str = ""  # the run's first line: "backend: gpu, 1 device: NVIDIA H200 (139.8 GiB)"
     # The largest peak of device memory over the local devices (None: not reported, the CPU
     # backend without JAXASCEND_DEVICE_MEM_BYTES); jaxascend.devices.

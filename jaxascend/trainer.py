@@ -180,7 +180,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
                          state_dtype=report.state_dtype or "float32", steps_this_run=r.last - start,
                          offload_files=offload_files, stop_at_step=r.last if r.stopped else None,
                          stack=stack.to_dict(), devices=r.devices, peak_device_mem_bytes=devices.peak(),
-                         epochs=prepared.epochs.to_dict() if prepared.epochs else None)
+                         epochs=prepared.epochs.to_dict() if prepared.epochs else None, initial_write=report.initial_write)
     if r.main:
         write_summary(r.out_dir, result)  # last: with its step, it says the run's outputs are complete
         print(_summary(result, report, describe_rate(steady, start + 1), stack.one_line()))
@@ -318,6 +318,10 @@ def _summary(r: TrainResult, report: EngineReport, rate: str, stack: str) -> str
             ("SSD written this run (endurance)", format_bytes(r.ssd_bytes_written_run)),
             ("offload files", r.offload_files),
         ]
+        if r.initial_write:  # the offload files' initial state (not written when resumed from them)
+            w = r.initial_write
+            rows.append(("initial state written", f"{format_bytes(w['bytes'])} in {w['seconds']:.1f} s "
+                                                  f"({w['gbps']:.2f} GB/s)"))
     rows.append(("outputs", r.out_dir))
     rows.append(("made by", stack))
     return summary_table(rows)

@@ -275,7 +275,7 @@ class OffloadConfig:
     # journal in offload.dir names the step the files hold, so a run killed anywhere resumes from
     # its last complete step without a checkpoint (docs/architecture.md, "Durable steps"). Needs
     # the gradients on SSD (offload.gradients ssd or auto); off, in a note, in a job of several
-    # processes and with a bfloat16 master of weights on SSD.
+    # processes.
     durable: bool = False
     # Spare records per slot ring (at least stream_depth: a commit waits for no I/O; each commits
     # about spares - 2 chunks): spares x the largest record of disk (chunk_bytes x 3 at fp32 state).

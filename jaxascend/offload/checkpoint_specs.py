@@ -48,7 +48,7 @@ def _leaf_specs(fmt: StateFormat, leaf: LeafLayout, chunks: Sequence[ChunkRef],
         region, base, record = ref.region, ref.state_offset, ref.record
         moment_bytes = fmt.moment_itemsize * record.count
         if fmt.master_elsewhere:  # a streamed leaf's bfloat16 master: its params region
-            spans["master"].append(Span(leaf.param_regions[ref.layer], ref.grad_offset, ref.grad_bytes))
+            spans["master"].append(Span(ref.params_at, ref.grad_offset, ref.grad_bytes))
         else:
             spans["master"].append(Span(region, base, fmt.master_itemsize * record.count))
         if fmt.companion_itemsize:
@@ -69,6 +69,6 @@ def _leaf_specs(fmt: StateFormat, leaf: LeafLayout, chunks: Sequence[ChunkRef],
         for name in SCALE_ARRAYS:
             specs.append(ArraySpec(f"{name}/{leaf.path}", shape, np.float32, tuple(spans[name])))
     if leaf.streamed and not fmt.master_elsewhere:  # offload.params: ssd: the compute weights live on SSD too
-        param_spans = tuple(Span(leaf.param_regions[ref.layer], ref.grad_offset, ref.grad_bytes) for ref in chunks)
+        param_spans = tuple(Span(ref.params_at, ref.grad_offset, ref.grad_bytes) for ref in chunks)
         specs.append(ArraySpec(f"params/{leaf.path}", leaf.shape, leaf.dtype, param_spans, piece))
     return specs

@@ -33,7 +33,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from jaxascend.kill_points import kill_point
 from jaxascend.offload.layout import ChunkRef, OffloadLayout
-from jaxascend.offload.slot_rings import SlotRings
+from jaxascend.offload.slot_rings import PARAM_SPARES, ParamRings, SlotRings
 from jaxascend.offload.step_journal import JournalRecord, StepJournal, UpdateInFlight
 from jaxascend.ssd import Segment, SsdStore
 
@@ -67,6 +67,13 @@ class InPlaceRecords:
     def position(self, chunk_index: int) -> int:
         return chunk_index
 
+    def param_region(self, leaf, layer: int) -> str:
+        """Where a streamed leaf's layer of weights is: its home."""
+        return leaf.param_regions[layer]
+
+    def watch(self, fn: Callable[[int, int, str], None]) -> None:
+        pass  # layers never move
+
     def begin(self, scalars, updates_applied: int, trainer: Optional[dict]) -> None:
         pass
 
@@ -98,12 +105,15 @@ class InPlaceRecords:
         pass
 
 
-def layout_fingerprint(layout: OffloadLayout, rings: SlotRings, regions: Sequence[tuple[str, int]]) -> str:
+def layout_fingerprint(layout: OffloadLayout, rings: SlotRings, regions: Sequence[tuple[str, int]],
+                       params: Optional[ParamRings] = None) -> str:
     """What the files were written under: the store's regions in order (names and sizes), the
     chunks and the rings. Files written under another are never read as this layout's."""
     described = {"regions": list(regions), "chunk_elements": layout.chunk_elements,
                  "state": layout.state.describe(), "order": list(rings.order),
                  "rings": [(r.nbytes, len(r.members), r.spares) for r in rings.rings]}
+    if params is not None:
+        described["params"] = [list(ring) for ring in params.slots]
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -114,12 +124,23 @@ class DurableRecords:
     durable = True
 
     def __init__(self, store: SsdStore, chunks: list[ChunkRef], segments: list[list[Segment]],
-                 rings: SlotRings, journal: StepJournal, fingerprint: str):
+                 rings: SlotRings, journal: StepJournal, fingerprint: str, params: Optional[ParamRings] = None):
         self.store, self.rings, self.journal, self.fingerprint = store, rings, journal, fingerprint
         self._chunks, self._segments = chunks, segments
         self._regions = {r.name: r for r in store.regions()}
-        self._needs = rings.commit_needs()
-        self.rotations = rings.initial_rotations()
+        # a bfloat16 master of streamed weights: its layers' rings, the last position of each
+        # (leaf, layer), and who reads the layers (the parameter source)
+        self.params = params
+        self._param_k = {i: k for k, i in enumerate(params.leaves)} if params else {}
+        self._leaves = {c.leaf.index: c.leaf for c in chunks}
+        self._param_last: dict[tuple[int, int], int] = {}
+        for i, c in enumerate(chunks):
+            if c.leaf.index in self._param_k:
+                key = (c.leaf.index, c.layer)
+                self._param_last[key] = max(self._param_last.get(key, -1), rings.position[i])
+        self._watchers: list[Callable[[int, int, str], None]] = []
+        self._needs = self._commit_needs()
+        self.rotations = self._initial_rotations()
         self.step = -1  # the last step the files hold (-1: none yet)
         self.updates = 0  # AdamW updates it has had
         self.trainer: dict = {}  # the trainer's state after it
@@ -130,23 +151,83 @@ class DurableRecords:
         self.commits = 0  # journal commits of the last update (bench and tests)
 
     # ------------------------------------------------------------------ where records are
+    def _initial_rotations(self) -> tuple[int, ...]:
+        """Every record and layer at home: the state rings' rotations, then the params rings' one."""
+        return self.rings.initial_rotations() + ((0,) if self.params else ())
+
+    def _advanced(self) -> tuple[int, ...]:
+        params = (self.params.advanced(self.rotations[-1]),) if self.params else ()
+        return self.rings.advanced(self.rotations[:len(self.rings.rings)]) + params
+
+    def _commit_needs(self) -> list[int]:
+        """:meth:`SlotRings.commit_needs`, and for a chunk of a rotating streamed layer ``l``, the
+        last position of layer ``l - W`` of its leaf (whose old slot it writes)."""
+        needs = self.rings.commit_needs()
+        w = self.params.spares if self.params else 0
+        for i, c in enumerate(self._chunks):
+            if c.leaf.index in self._param_k and c.layer >= w:
+                p, need = self.rings.position[i], self._param_last[(c.leaf.index, c.layer - w)]
+                if need >= p:
+                    raise ValueError(f"durable steps: layer {c.layer} of {c.leaf.path!r} is updated before layer "
+                                     f"{c.layer - w}, whose slot it takes; the step's order must go up the stack")
+                needs[p] = max(needs[p], need)
+        return needs
+
+    def _param_at(self, leaf_index: int, layer: int, new: bool) -> str:
+        k, rotation = self._param_k[leaf_index], self.rotations[-1]
+        return (self.params.write_region if new else self.params.read_region)(k, layer, rotation)
+
+    def param_region(self, leaf, layer: int) -> str:
+        """Where a streamed leaf's layer of weights is now (whole layers: between updates, or a
+        layer whose chunks an interrupted update committed all or none of)."""
+        if leaf.index not in self._param_k:
+            return leaf.param_regions[layer]
+        new = self._update is not None and self._param_last[(leaf.index, layer)] <= self._committed
+        return self._param_at(leaf.index, layer, new)
+
+    def watch(self, fn: Callable[[int, int, str], None]) -> None:
+        """``fn(leaf index, layer, region)`` is told where every rotating layer is now, and again
+        whenever one moves: once its update is committed, or the files are rewritten."""
+        self._watchers.append(fn)
+        self._announce(self._param_last)
+
+    def _announce(self, keys) -> None:
+        for leaf, layer in keys:
+            where = self.param_region(self._leaves[leaf], layer)
+            for fn in self._watchers:
+                fn(leaf, layer, where)
+
     def placed(self) -> list[ChunkRef]:
-        """Every chunk with its record where it is now: between updates, at the rings' rotations;
-        inside an interrupted one, new up to the committed position and old after it."""
+        """Every chunk with its record (and a rotating streamed chunk its weights) where it is
+        now: between updates, at the rings' rotations; inside an interrupted one, new up to the
+        committed position and old after it."""
         if self._update is None:
             slots = [read for read, _ in self.rings.locations(self.rotations)]
         else:
             slots = self.rings.current(self.rotations, self._committed)
-        return [dataclasses.replace(c, state_region=s.region, state_offset=s.offset) for c, s in zip(self._chunks, slots)]
+        out = []
+        for i, (c, s) in enumerate(zip(self._chunks, slots)):
+            c = dataclasses.replace(c, state_region=s.region, state_offset=s.offset)
+            if c.leaf.index in self._param_k:
+                new = self._update is not None and self.rings.position[i] <= self._committed
+                c = dataclasses.replace(c, param_region=self._param_at(c.leaf.index, c.layer, new))
+            out.append(c)
+        return out
 
     def segments(self) -> list[list[Segment]]:
         """Per chunk, the next update's segments: its record read from its slot and written to the
-        slot the ring gives it; the gradient and the streamed weights as always."""
+        slot the ring gives it; the gradient as always; the streamed weights likewise where a
+        bfloat16 master is them (their layer's ring), else in place."""
         out = []
-        for segs, (read, write) in zip(self._segments, self.rings.locations(self.rotations)):
+        for c, segs, (read, write) in zip(self._chunks, self._segments, self.rings.locations(self.rotations)):
             state = dataclasses.replace(segs[0], region=self._regions[read.region], offset=read.offset,
                                         write_region=self._regions[write.region], write_offset=write.offset)
-            out.append([state] + list(segs[1:]))
+            rest = list(segs[1:])
+            if c.leaf.index in self._param_k:
+                rest[-1] = dataclasses.replace(rest[-1], region=self._regions[self._param_at(c.leaf.index, c.layer, False)],
+                                               write_region=self._regions[self._param_at(c.leaf.index, c.layer, True)],
+                                               write_offset=rest[-1].offset)
+            out.append([state] + rest)
         return out
 
     def position(self, chunk_index: int) -> int:
@@ -156,8 +237,9 @@ class DurableRecords:
     def invalidate(self) -> None:
         """The files are about to be written whole (an init, a restore): until :meth:`record_step`
         they hold no step. Every record goes back to its home slot."""
-        self.rotations = self.rings.initial_rotations()
+        self.rotations = self._initial_rotations()
         self.record_step(-1, {}, 0)
+        self._announce(self._param_last)
 
     def record_step(self, step: int, trainer: dict, updates: Optional[int] = None) -> None:
         """The files hold ``step`` as they are (the initial state, a restore, an overflow skipped);
@@ -208,16 +290,19 @@ class DurableRecords:
     def end(self) -> None:
         """The update is complete: the step is the files' and the rings have turned."""
         trainer = self._update.trainer
-        self.rotations = self.rings.advanced(self.rotations)
+        self.rotations = self._advanced()
         self.record_step(self.step + 1, trainer, self.updates + 1)
+        self._announce(self._param_last)  # every layer where the update wrote it (told at its commit)
 
     def _commit(self, through: int) -> None:
         kill_point("durable_sync")
         self.store.sync()
-        self._committed = through
+        before, self._committed = self._committed, through
         self._update = dataclasses.replace(self._update, committed_through=through)
         self._write()
         self.commits += 1
+        if self._watchers:  # layers now whole in their new slots: read there from now on
+            self._announce([key for key, last in self._param_last.items() if before < last <= through])
         due = [fn for p, fn in self._pending if p <= through]
         self._pending = [(p, fn) for p, fn in self._pending if p > through]
         for fn in due:
@@ -230,7 +315,8 @@ class DurableRecords:
     def figures(self) -> dict:
         """The journal's writes and bytes so far, the last update's commits and the spares' disk."""
         return {"journal_writes": self.journal.writes, "journal_bytes": self.journal.bytes_written,
-                "commits_last_update": self.commits, "spare_bytes": self.rings.spare_bytes}
+                "commits_last_update": self.commits,
+                "spare_bytes": self.rings.spare_bytes + (self.params.spare_bytes if self.params else 0)}
 
     def close(self) -> None:
         self.journal.close()
@@ -263,18 +349,17 @@ def make_records(store: SsdStore, layout: OffloadLayout, chunks: list[ChunkRef],
     every other region, so a reopened store finds them where they were) and whose journal it opens."""
     if not durable_spares:
         return InPlaceRecords(chunks, segments)
-    if layout.masters_in_params:
-        raise ValueError("durable steps: a bfloat16 master of streamed weights is rewritten in place in its params "
-                         "region, which slot rings do not cover yet; use optimizer.master_dtype: float32 or "
-                         "offload.params: resident")
     if layout.grad_store != "ssd":
         raise ValueError(f"durable steps: the gradients are the redo log of an interrupted update and must be on SSD "
                          f"(offload.gradients: ssd), not {layout.grad_store}")
     rings = SlotRings.plan(chunks, layout.step_order(chunks), durable_spares, layout.block_bytes)
-    for name, nbytes in rings.spare_regions:
+    # a bfloat16 master of streamed weights is those weights: their layers rotate too
+    params = ParamRings.plan(layout.streamed_leaves, PARAM_SPARES) if layout.masters_in_params else None
+    for name, nbytes in rings.spare_regions + (params.spare_regions if params else ()):
         store.add_region(name, nbytes)
-    fingerprint = layout_fingerprint(layout, rings, [(r.name, r.nbytes) for r in store.regions()])
-    return DurableRecords(store, chunks, segments, rings, StepJournal(store.cfg.dir, create=True), fingerprint)
+    fingerprint = layout_fingerprint(layout, rings, [(r.name, r.nbytes) for r in store.regions()], params)
+    return DurableRecords(store, chunks, segments, rings, StepJournal(store.cfg.dir, create=True), fingerprint,
+                          params)
 
 
 def roll_forward(records, plan, store: SsdStore, layout: OffloadLayout, kernel: Callable) -> int:

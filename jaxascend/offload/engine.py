@@ -405,7 +405,8 @@ class PlannedOffloadEngine:
             gradients=self.plan.grad_store, grad_bytes=state.layout.grad_bytes, overlap=self.plan.overlap, overlap_refused=self.plan.overlap_refused,
             data_parallel_processes=self.plan.processes,
             data_parallel_devices=self.placement.devices,
-            early_gradient_arrivals=state.early_gradient_arrivals, **source)
+            early_gradient_arrivals=state.early_gradient_arrivals,
+            initial_write=state.initial_write.to_dict() if state.initial_write else None, **source)
 
     def shard_files(self) -> list[str]:
         return sorted({e.shard_path for r in self.state.store.regions() for e in r.extents})

@@ -126,11 +126,17 @@ class ChunkRef:
     record: StateRecord
     state_bytes: int
     state_region: Optional[str] = None
+    param_region: Optional[str] = None  # a streamed leaf's weights when not in their home region (durable steps)
 
     @property
     def region(self) -> str:
         """The store region the state record is in."""
         return self.state_region or self.leaf.state_regions[self.layer]
+
+    @property
+    def params_at(self) -> str:
+        """The store region holding a streamed chunk's weights (at :attr:`grad_offset`)."""
+        return self.param_region or self.leaf.param_regions[self.layer]
 
     @property
     def grad_offset(self) -> int:

@@ -52,10 +52,12 @@ PARAM_SOURCE_ERRORS = ((_PREFIX, ParamSourceError),)
 class ParamSource:
     """Owns one native parameter source over the streamed leaves of an offloaded state."""
 
-    def __init__(self, store, leaves: Sequence[LeafLayout], depth: int,
+    def __init__(self, store, leaves: Sequence[LeafLayout], depth: int, records=None,
                  host: Optional[Sequence[np.ndarray]] = None):
         """``host``: one flat array per leaf (every layer, in the compute dtype) to serve instead
-        of the leaves' SSD regions: the resident weights of an overlapped step."""
+        of the leaves' SSD regions: the resident weights of an overlapped step. ``records``: the
+        state's records part, which says where each layer is (``param_region``) and tells the
+        source when a layer moves (``watch``: durable steps rotate a bfloat16 master's layers)."""
         if not leaves:
             raise ValueError("param source: no leaves to serve")
         self.leaves = tuple(leaves)
@@ -75,9 +77,15 @@ class ParamSource:
                 if not leaf.streamed:
                     raise ValueError(f"param source: leaf {leaf.path!r} has no SSD weights (offload.params is not "
                                      f"'ssd'); pass host= buffers")
-                self._native.add_leaf([store.region(name).id for name in leaf.param_regions],
-                                      leaf.grad_layer_bytes, leaf.dtype.name)
+                names = [records.param_region(leaf, layer) if records is not None else name
+                         for layer, name in enumerate(leaf.param_regions)]
+                self._native.add_leaf([store.region(name).id for name in names], leaf.grad_layer_bytes,
+                                      leaf.dtype.name)
         self._handle = _native.register_param_source(self._native)
+        if host is None and records is not None:
+            position = {leaf.index: k for k, leaf in enumerate(self.leaves)}
+            records.watch(lambda leaf, layer, name: self._native.set_layer_region(
+                position[leaf], layer, store.region(name).id) if not self.closed else None)
         # What one fetch returns: one layer of every streamed leaf, in leaf order.
         self.specs = tuple(jax.ShapeDtypeStruct(leaf.layer_shape, leaf.dtype) for leaf in self.leaves)
 

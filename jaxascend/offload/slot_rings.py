@@ -38,6 +38,7 @@ from jaxascend.offload.layout import ChunkRef
 from jaxascend.offload.step_journal import SLOT_BYTES
 
 SPARE_PREFIX = "durable/spare"
+PARAM_SPARES = 1  # spare layers per streamed leaf whose bfloat16 master is its weights (ParamRings)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,67 @@ class SlotRings:
 
 def durable_disk_bytes(layout, spares: int) -> int:
     """What durable steps add to ``layout``'s offload files: the rings' spare records (``spares``
-    a ring at most) and the journal's two slots."""
+    a ring at most), a bfloat16 master's spare layers of streamed weights (:data:`PARAM_SPARES`
+    each) and the journal's two slots."""
     chunks = layout.chunks()
-    return SlotRings.plan(chunks, layout.step_order(chunks), spares, layout.block_bytes).spare_bytes + 2 * SLOT_BYTES
+    params = ParamRings.plan(layout.streamed_leaves, PARAM_SPARES).spare_bytes if layout.masters_in_params else 0
+    return SlotRings.plan(chunks, layout.step_order(chunks), spares, layout.block_bytes).spare_bytes + params \
+        + 2 * SLOT_BYTES
+
+
+PARAM_SPARE_PREFIX = "durable/param"
+
+
+@dataclass(frozen=True)
+class ParamRings:
+    """Where each streamed leaf's layers of weights are while steps are durable and a bfloat16
+    master *is* those weights (its params regions, which the forward streams): written in place,
+    a torn layer would leave neither the old master (to redo the update) nor the new one. So
+    they rotate too, a whole layer at a time: leaf i's ``L`` home regions and ``W`` spare ones
+    (``M = L + W``) and one rotation ``r`` for all leaves (they have the same layers)::
+
+        layer l is read from    slots[i][(l + r) % M]
+        and written to          slots[i][(l + r - W) % M]    (layer l - W's old slot)
+        after the step          r = (r - W) % M
+
+    A chunk of layer l may be written only once every chunk of layer l - W of its leaf is
+    committed (:meth:`DurableRecords.commit_needs`), and the forward reads a layer from its new
+    slot once it is committed (the parameter source is told, :meth:`DurableRecords.watch`)."""
+
+    leaves: tuple[int, ...]  # the streamed leaves' indices
+    slots: tuple[tuple[str, ...], ...]  # per leaf (in ``leaves``' order): its L home regions, then W spares
+    spares: int  # W
+    layer_bytes: tuple[int, ...]  # per leaf: one layer's bytes
+
+    @classmethod
+    def plan(cls, leaves, spares: int) -> "ParamRings":
+        """The rings of ``leaves`` (the layout's streamed leaves) with ``spares`` spare layers each."""
+        if spares < 1:
+            raise ValueError(f"durable steps: a params ring needs >= 1 spare layer, got {spares}")
+        w = min(spares, min((leaf.layers for leaf in leaves), default=1))
+        slots = tuple(tuple(leaf.param_regions) + tuple(f"{PARAM_SPARE_PREFIX}/{leaf.index}/{j}" for j in range(w))
+                      for leaf in leaves)
+        return cls(tuple(leaf.index for leaf in leaves), slots, w, tuple(leaf.grad_layer_bytes for leaf in leaves))
+
+    @property
+    def spare_regions(self) -> tuple[tuple[str, int], ...]:
+        """(region name, bytes) to add to the store: each spare layer is a region of its own."""
+        return tuple((name, nbytes) for ring, nbytes in zip(self.slots, self.layer_bytes)
+                     for name in ring[len(ring) - self.spares:])
+
+    @property
+    def spare_bytes(self) -> int:
+        return sum(n for _, n in self.spare_regions)
+
+    def read_region(self, k: int, layer: int, rotation: int) -> str:
+        """Where leaf ``leaves[k]``'s layer is before an update at ``rotation``."""
+        ring = self.slots[k]
+        return ring[(layer + rotation) % len(ring)]
+
+    def write_region(self, k: int, layer: int, rotation: int) -> str:
+        """Where the update at ``rotation`` writes that layer."""
+        ring = self.slots[k]
+        return ring[(layer + rotation - self.spares) % len(ring)]
+
+    def advanced(self, rotation: int) -> int:
+        return (rotation - self.spares) % len(self.slots[0]) if self.slots else rotation

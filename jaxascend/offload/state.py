@@ -322,13 +322,13 @@ class OffloadedAdamState:
     def param_source(self, host: Optional[dict[int, np.ndarray]] = None) -> ParamSource:
         """The parameter source over the layer stack (created once, closed with this owner): the
         layer scan reads its weights through it. Without ``host``, the streamed leaves' SSD
-        regions (``offload.params: ssd``); with ``host`` (leaf index -> flat array of that
-        stacked leaf's compute weights), those buffers, which :meth:`apply_update` fills in
-        place when given them as ``outputs`` (the resident weights of an overlapped step)."""
+        regions (``offload.params: ssd``; where the records part places them); with ``host`` (leaf
+        index -> flat array of that stacked leaf's compute weights), those buffers, which
+        :meth:`apply_update` fills in place as ``outputs`` (an overlapped step's resident weights)."""
         self._check_open()
         if self._source is None or self._source.closed:
             if host is None:
-                self._source = ParamSource(self.store, self.layout.streamed_leaves, self.layout.param_prefetch)
+                self._source = ParamSource(self.store, self.layout.streamed_leaves, self.layout.param_prefetch, self.records)
             else:
                 stacked = [leaf for leaf in self.layout.leaves if leaf.stacked]
                 missing = [leaf.path for leaf in stacked if leaf.index not in host]
@@ -342,7 +342,7 @@ class OffloadedAdamState:
     def read_params(self, leaf: LeafRef, layer: int) -> np.ndarray:
         """Layer ``layer`` of a streamed leaf's compute weights, as the next step will read them."""
         self._check_open()
-        return read_leaf_params(self.store, self.leaf(leaf), layer)
+        return read_leaf_params(self.store, self.leaf(leaf), layer, self.records.param_region)
 
     def _grad_view(self, leaf: LeafLayout) -> np.ndarray:
         """The leaf's flat float32 gradient in the host buffer (fp32_grad_buffer only)."""

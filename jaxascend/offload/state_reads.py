@@ -30,7 +30,7 @@ def read_leaf_state(store: SsdStore, fmt: StateFormat, chunks: list[ChunkRef], l
         master, m, v, m_scale, v_scale = ref.record.views(raw)
         if which == "master":  # a streamed leaf's bfloat16 master: in its params region
             if ref.record.state.master_elsewhere:
-                master = store.read(leaf.param_regions[ref.layer], offset=ref.grad_offset, nbytes=ref.grad_bytes,
+                master = store.read(ref.params_at, offset=ref.grad_offset, nbytes=ref.grad_bytes,
                                     dtype=np.uint16)
             values = fmt.master_values(master, ref.record.companion(raw))
         else:
@@ -45,8 +45,10 @@ def read_leaf_grad(store: SsdStore, leaf: LeafLayout) -> np.ndarray:
     return np.concatenate(layers).reshape(leaf.shape)
 
 
-def read_leaf_params(store: SsdStore, leaf: LeafLayout, layer: int) -> np.ndarray:
-    """Layer ``layer`` of a streamed leaf's compute weights, as the next step will read them."""
+def read_leaf_params(store: SsdStore, leaf: LeafLayout, layer: int, where=None) -> np.ndarray:
+    """Layer ``layer`` of a streamed leaf's compute weights, as the next step will read them;
+    ``where(leaf, layer)``: the region holding them (default: their home)."""
     if not leaf.streamed or not 0 <= layer < leaf.layers:
         raise ValueError(f"offloaded AdamW: leaf {leaf.path!r} has no streamed layer {layer}")
-    return store.read(leaf.param_regions[layer], dtype=leaf.dtype).reshape(leaf.layer_shape)
+    region = leaf.param_regions[layer] if where is None else where(leaf, layer)
+    return store.read(region, dtype=leaf.dtype).reshape(leaf.layer_shape)

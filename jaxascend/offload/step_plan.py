@@ -84,11 +84,6 @@ class StepPlan:
             durable = False
             notes.append(f"offload.durable is off in a job of {job.processes} processes: the processes do not agree "
                          "on the step their files hold yet; checkpoints are the resume points")
-        elif durable and weights == "ssd" and cfg.optimizer.master_dtype == "bfloat16":
-            durable = False
-            notes.append("offload.durable is off: a bfloat16 master of weights on SSD is rewritten in place, which the "
-                         "slot rings do not cover yet (optimizer.master_dtype: float32 or offload.params: resident "
-                         "keep it)")
         return cls(engine="offload" if cfg.offload.enabled else "in-memory", weights=weights, gradients=gradients,
                    grad_store=grad_store(cfg),
                    grad_accum=cfg.train.grad_accum, overlap=cfg.offload.enabled and cfg.offload.overlap and not refused,

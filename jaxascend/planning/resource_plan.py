@@ -188,7 +188,7 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     streamed = layout.streamed_param_bytes
     # durable steps: one ring's W spare records per record size, and the journal's two slots
     spares = durable_disk_bytes(layout, cfg.offload.durable_spares) \
-        if cfg.offload.durable and not layout.masters_in_params else 0
+        if cfg.offload.durable else 0
     ssd_bytes = layout.state_bytes + grads + streamed + spares
     # Per step: the optimizer reads master/m/v (+ grads) and writes master/m/v (+ the new
     # streamed weights); the backward writes the gradients; the source reads every streamed

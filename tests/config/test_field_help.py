@@ -125,9 +125,6 @@ CLAIMS = [
           refused="offload.durable: an interrupted update is redone from the step's gradients on SSD"),
     Claim("offload.durable", "off, in a note, in a job of several processes", ("model.remat=full", "offload.durable=true"),
           job=JOB, plan={"durable": False}, note="offload.durable is off in a job of 2 processes"),
-    Claim("offload.durable", "with a bfloat16 master of weights on SSD",
-          ("model.remat=full", "offload.durable=true", "offload.params=ssd", "optimizer.master_dtype=bfloat16"),
-          plan={"durable": False}, note="offload.durable is off: a bfloat16 master of weights on SSD"),
     # offload.overlap
     Claim(OVERLAP, "The optimizer of step t runs on a thread while step t+1's forward/backward runs",
           ("model.remat=full",), plan={"overlap": True, "overlap_refused": None}, no_note=OVERLAP_OFF),

@@ -119,7 +119,7 @@ def test_durable_steps_are_decided_once_with_a_note_where_they_are_off():
     job = _plan("model.remat=full", "offload.durable=true", job=JOB)
     assert not job.durable and any("offload.durable is off in a job of 2 processes" in n for n in job.notes)
     master16 = _plan("model.remat=full", "offload.params=ssd", "offload.durable=true", "optimizer.master_dtype=bfloat16")
-    assert not master16.durable and any("a bfloat16 master of weights on SSD" in n for n in master16.notes)
+    assert master16.durable and not any("offload.durable" in n for n in master16.notes)  # its layers rotate too
     assert not _plan("offload.enabled=false", "offload.durable=true").durable
     with pytest.raises(ConfigError, match="offload.durable: an interrupted update is redone from the step's gradients"):
         _plan("model.remat=full", "offload.durable=true", "offload.gradients=host")
@@ -138,3 +138,12 @@ def test_the_run_planner_counts_the_spare_records_and_keeps_durable_gradients_on
     assert files(durable) > files(plain) + 2 * (1 << 20)  # spares and the journal's two slots
     assert cfg.offload.gradients == "ssd"
     assert any("offload.gradients: auto chose ssd (offload.durable" in c for c in durable.choices)
+    # a bfloat16 master of streamed weights: its spare layers (one a streamed leaf) on top
+    master16 = ("offload.params=ssd", "optimizer.master_dtype=bfloat16", "model.remat=full", "offload.durable=true")
+    by_spares = []
+    for n in (1, 2, 3):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("jaxascend.offload.slot_rings.PARAM_SPARES", n)
+            by_spares.append(files(planned(*master16)[1]))
+    assert by_spares[1] - by_spares[0] > 0  # one more layer of every streamed leaf
+    assert by_spares[2] == by_spares[1]  # at most the stack's 2 layers
