@@ -88,7 +88,7 @@ def block(config: Path) -> list[str]:
              f"#   {n:,} parameters; {weights}{chosen}",
              f"#   RAM at the peak, on the CPU backend: {_gib(plan.host_peak)} ({_parts(plan.host)})",
              f"#   the device's part (a GPU's memory): {_gib(sum(plan.device.values()))} ({_parts(plan.device)})",
-             f"#   disk: {_gib(sum(disk.values()))} in all: {_parts(disk)}",
+             f"#   disk: {_gib(sum(fs.need for fs in plan.disk))} in all: {_parts(disk)}" + _shared(plan),
              f"#   SSD per step: read {_gib(plan.ssd_read_step)}, write {_gib(plan.ssd_write_step)} "
              f"({step / max(n, 1):.1f} B/param): at least {plan.step_floor_seconds:.1f} s a step at "
              f"{plan.disk_gbps:g} GB/s",
@@ -135,5 +135,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def _shared(plan) -> str:
+    """What the end-of-run outputs reuse of the gradients' space (the high-water mark is less than the sum)."""
+    shared = sum(fs.shared_at_end for fs in plan.disk)
+    return f" (the export reuses the gradients' {_gib(shared)}, freed at the end)" if shared else ""
+
+
 if __name__ == "__main__":
     sys.exit(main())
+
