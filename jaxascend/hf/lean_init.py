@@ -32,12 +32,23 @@ def lean_init_reader(cfg: ModelConfig, seed: int):
     plan = {m.path: m for m in param_plan(cfg)}
     dtype = DTYPES[cfg.param_dtype]
 
+    last: dict = {}  # the last whole tensor drawn: a large table is read a block of rows at a time
+
     def read_layer(path, layer, rows=None):
         m = plan[tuple(path)]
-        # float32 holding param_dtype values: what the resident model's weights widen to.
-        values = read(m.path, layer if m.stacked else None, m.layer_shape)
-        if rows is not None:  # a block of a large table (its values depend on the whole tensor's seed)
+        key = (m.path, layer if m.stacked else None)
+        if key in last:
+            values = last[key]
+        else:
+            # float32 holding param_dtype values: what the resident model's weights widen to.
+            values = read(m.path, key[1], m.layer_shape)
+            last.clear()
+            if rows is not None:  # its values depend on the whole tensor's seed: drawn once for its blocks
+                last[key] = values
+        if rows is not None:
             values = values[rows[0]:rows[1]]
+            if rows[1] >= m.layer_shape[0]:
+                last.clear()  # the table's last block: done with it
         return values.astype(dtype).astype(np.float32)
 
     return read_layer
