@@ -71,11 +71,11 @@ class InitProgress:
 
     def line(self, elapsed: float) -> str:
         """``"writing the initial state: 12.3 of 60.2 GiB (20%), 1.42 GB/s, about 34 s left"``
-        (no rate and time left before any time has passed)."""
+        (no rate and time left before 1% is written: the source's first tensors are no rate)."""
         unit, scale = _unit(self.total)
         share = 100 * self.done / self.total if self.total else 100
         text = f"writing the initial state: {self.done / scale:.1f} of {self.total / scale:.1f} {unit} ({share:.0f}%)"
-        if elapsed > 0 and self.done > 0:
+        if elapsed > 0 and self.done * 100 >= self.total > 0:
             rate = self.done / elapsed
             text += f", {rate / 1e9:.2f} GB/s, about {_duration(max(self.total - self.done, 0) / rate)} left"
         return text
