@@ -51,15 +51,16 @@ def _parts(parts: dict) -> str:
     return ", ".join(f"{name} {_gib(nbytes)}" for nbytes, name in big)
 
 
-def plan_of(config: Path, arch: str, size: str):
-    """The plan of ``config`` as shipped, for the preset's ``config.json`` (in a temporary folder)."""
+def plan_of(config: Path, arch: str, size: str, extra: tuple = ()):
+    """The plan of ``config`` as shipped (with ``extra`` settings on top), for the preset's
+    ``config.json`` (in a temporary folder)."""
     from jaxascend.config import load_config
     from jaxascend.hf import model_config_from_hf, preset_config
     from jaxascend.planning import plan_run
 
     with tempfile.TemporaryDirectory() as folder:
         Path(folder, "config.json").write_text(json.dumps(preset_config(arch, size)))
-        cfg = load_config(config, [f"model.path={folder}"], inputs=False)
+        cfg = load_config(config, [f"model.path={folder}", *extra], inputs=False)
         model_cfg = model_config_from_hf(folder, base=cfg.model)
     saved = os.environ.get(MEM_AVAILABLE_ENV)
     os.environ[MEM_AVAILABLE_ENV] = MACHINE_RAM
