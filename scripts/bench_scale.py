@@ -3,6 +3,8 @@
     python scripts/bench_scale.py                          # Qwen2.5 shapes 0.5B, 1.5B, 3B
     python scripts/bench_scale.py --sizes 0.5B --repeats 3 # the step-time comparison only
     python scripts/bench_scale.py --sizes 7B               # larger, if the disk allows
+    python scripts/bench_scale_7b.py                       # the 7B row as shipped: configs/qwen2.5-7b.yaml,
+                                                           # random init, a kill and resume (docs/bench_scale_7b.json)
 
 For each size a random bf16 checkpoint in Hugging Face layout is made with
 ``scripts/make_hf_checkpoint.py`` (Qwen2.5 shapes), then 2-3 optimizer steps of it are run
