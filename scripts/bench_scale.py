@@ -185,6 +185,21 @@ def summarize(results: list[dict]) -> dict:
     return {"rows": rows, "ssd_over_resident_step_time": ratios}
 
 
+def seven_b_row(path: Path) -> list[str]:
+    """The 7B row (``scripts/bench_scale_7b.py``: the shipped config, compact and durable, weights
+    on SSD), in this table's columns, when its JSON is beside this one's."""
+    if not path.exists():
+        return []
+    r, gib = json.loads(path.read_text()), 2**30
+    m, steps = r["measured"], r["steps"][1:] or r["steps"]
+    med = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
+    return [f"| 7B | ssd, {r['config']} (bench_scale_7b, {r['cpu']}) | {r['num_params'] / 1e9:.2f}B | "
+            f"{m['peak_system_bytes'] / gib:.2f} GiB | {r['bytes_per_param']['host_peak']:.2f} | "
+            f"{r['planned']['host_peak_bytes'] / gib:.2f} GiB | {m['rss_vs_plan'] * 100:+.1f}% | {med('wall_s'):.2f} | "
+            f"{med('fwd_bwd_seconds'):.2f} | - | {med('optimizer_seconds'):.2f} (overlapped; SSD floor "
+            f"{steps[0]['ssd_floor_s']:.1f} s) | {m['ssd_bytes_step'] / med('wall_s') / 1e9:.2f} |"]
+
+
 def write_outputs(report: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
@@ -201,6 +216,7 @@ def write_outputs(report: dict, out: Path) -> None:
                      f"{r['predicted_peak_bytes'] / gib:.2f} GiB | {r['worst_prediction_error'] * 100:+.1f}% | "
                      f"{f('step_seconds')} | {f('fwd_bwd_seconds')} | {f('grad_flush_seconds')} | "
                      f"{f('optimizer_seconds')} | {f('ssd_gbps')} |")
+    lines += seven_b_row(out.parent / "bench_scale_7b.json")
     for size, ratio in sorted(report["summary"]["ssd_over_resident_step_time"].items()):
         lines.append("")
         lines.append(f"{size}: ssd / resident step time, median {ratio['median']:.3f} "
