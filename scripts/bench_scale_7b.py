@@ -99,7 +99,7 @@ def command(args, folder: Path, data: Path, out: Path) -> list[str]:
 def chunks_per_update(args, folder: Path, data: Path, out: Path) -> int:
     """The chunks one update streams (the kill point counts them), from the layout the run plans."""
     from jaxascend.config import load_config
-    from jaxascend.offload.state_layout import job_state_layout
+    from jaxascend.offload import job_state_layout
     from jaxascend.preparation import resolve_model_config
     sets = command(args, folder, data, out)[6::2]
     cfg = load_config(args.config, sets)
@@ -190,8 +190,8 @@ def main() -> int:
         write_md(json.loads(out_json.read_text()), out_json.with_suffix(".md"))
         return 0
     from jaxascend.config import OffloadConfig
-    from jaxascend.hf.presets import preset_config
-    from jaxascend.ssd.disk_speed import measure_disk_gbps
+    from jaxascend.hf import preset_config
+    from jaxascend.ssd import measure_disk_gbps
 
     work = Path(args.work_dir)
     shutil.rmtree(work, ignore_errors=True)

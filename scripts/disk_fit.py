@@ -40,8 +40,8 @@ def disk_need(arch: str, size: str, extra: list[str]) -> tuple[int, int]:
 
 
 def main() -> int:
-    from jaxascend.hf.presets import PRESETS
-    from jaxascend.config.values import parse_bytes
+    from jaxascend.config import parse_bytes
+    from jaxascend.hf import PRESETS
 
     args = parse_args()
     free = parse_bytes(args.free, "--free")
