@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from jaxascend import console
-from jaxascend.checkpoint import open_weights
+from jaxascend.checkpoint import open_weights, saves_at
 from jaxascend.config import Config
 from jaxascend.generation import SamplePrompts
 from jaxascend.hf import param_plan
@@ -51,7 +51,7 @@ def remove_offload_files(cfg: Config, shard_files: list[str], step: int) -> str:
     (directory / LOCK_FILE).unlink(missing_ok=True)  # the store is closed: nothing holds it
     with contextlib.suppress(OSError):
         directory.rmdir()  # only when nothing else is in it
-    if not cfg.checkpoint.final and (cfg.checkpoint.every_steps <= 0 or step % cfg.checkpoint.every_steps):
+    if not saves_at(cfg.checkpoint, step, step, cfg.train.steps):  # checkpoint.final: false at the run's end
         return (f"removed from {cfg.offload.dir} (checkpoint.final: false: no checkpoint holds the state of step "
                 f"{step}; the run's outputs hold its weights; offload.keep_files keeps them)")
     return (f"removed from {cfg.offload.dir} (the checkpoint of step {step} holds the state; "

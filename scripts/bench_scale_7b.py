@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -125,7 +126,7 @@ def export_check(hf: Path, num_params: int) -> dict:
         for name, entry in header.items():
             if name != "__metadata__":
                 names.add(name)
-                params += int(__import__("math").prod(entry["shape"]))
+                params += math.prod(entry["shape"])
         digests[shard] = sha256(hf / shard)
     return {"model_type": config.model_type, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
             "num_hidden_layers": config.num_hidden_layers, "shards": len(digests),

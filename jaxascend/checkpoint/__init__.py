@@ -19,7 +19,7 @@ moments); knows nothing of the engines or their layouts.
 from jaxascend.checkpoint.errors import CheckpointError, IncompatibleCheckpointError
 from jaxascend.checkpoint.array_specs import (ArraySpec, CHECKPOINT_SHAPE_CLASS, Piece, SCALE_ARRAYS, Span, SsdArrays,
                                               checkpoint_arena_requests)
-from jaxascend.checkpoint.manager import Checkpointer
+from jaxascend.checkpoint.manager import Checkpointer, saves_at
 from jaxascend.checkpoint.resume import check_resume_partition, complete_steps, default_directory, resume_target
 from jaxascend.checkpoint.step_meta import read_meta
 from jaxascend.checkpoint.run_weights import RunWeights, open_weights
@@ -31,5 +31,5 @@ __all__ = [
     "ArraySpec", "CHECKPOINT_SHAPE_CLASS", "CheckpointError", "CheckpointWeights", "Checkpointer",
     "IncompatibleCheckpointError", "Piece", "RunWeights", "SCALE_ARRAYS", "Span", "SsdArrays",
     "check_resume_partition", "checkpoint_arena_requests", "complete_steps", "default_directory", "open_weights", "read_meta", "restore_arrays",
-    "resume_target", "save_item",
+    "resume_target", "save_item", "saves_at",
 ]

@@ -78,6 +78,15 @@ log = logging.getLogger(__name__)
 TMP_MARKER = ".orbax-checkpoint-tmp"
 
 
+def saves_at(cfg: CheckpointConfig, step: int, last_step: int, steps: Optional[int] = None) -> bool:
+    """Whether a run saves a checkpoint at ``step``: every ``checkpoint.every_steps`` steps and at
+    ``last_step``, but for the run's end (``steps``: train.steps; a stop before it is a resume
+    point) with ``checkpoint.final: false``."""
+    if cfg.every_steps > 0 and step % cfg.every_steps == 0:
+        return True
+    return step == last_step and (cfg.final or step != steps)
+
+
 @dataclasses.dataclass
 class Restored:
     """What :meth:`Checkpointer.restore` hands back (the SSD arrays went straight to the store)."""
@@ -138,12 +147,8 @@ class Checkpointer:
         return self.directory / str(int(step))
 
     def should_save(self, step: int, last_step: int, steps: Optional[int] = None) -> bool:
-        """True every ``checkpoint.every_steps`` steps and at ``last_step``, but for the run's end
-        (``steps``: train.steps; a stop before it is a resume point) with ``checkpoint.final: false``."""
-        every = self.cfg.every_steps
-        if every > 0 and step % every == 0:
-            return True
-        return step == last_step and (self.cfg.final or step != steps)
+        """:func:`saves_at` of this checkpointer's settings."""
+        return saves_at(self.cfg, step, last_step, steps)
 
     def resume_step(self, resume: Union[str, int]) -> Optional[int]:
         """The step ``train.resume`` asks for: ``"none"`` -> None; ``"auto"`` -> the newest

@@ -291,8 +291,7 @@ class DurableRecords:
         """The update is complete: the step is the files' and the rings have turned."""
         trainer = self._update.trainer
         self.rotations = self._advanced()
-        self.record_step(self.step + 1, trainer, self.updates + 1)
-        self._announce(self._param_last)  # every layer where the update wrote it (told at its commit)
+        self.record_step(self.step + 1, trainer, self.updates + 1)  # every layer was announced at its commit
 
     def _commit(self, through: int) -> None:
         kill_point("durable_sync")
