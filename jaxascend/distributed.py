@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 
@@ -103,9 +103,37 @@ def initialize(cfg: Optional[DistributedConfig]) -> ProcessGroup:
     return ProcessGroup(jax.process_index(), jax.process_count())
 
 
+BARRIER_TIMEOUT_SECONDS = 24 * 3600  # a peer that is gone is noticed by the heartbeat long before
+
+
+def job_barrier(group: ProcessGroup) -> Callable[[str], None]:
+    """``barrier(name)``: returns once every process of the job has called it with ``name`` (each
+    name once). It goes through the coordination service that ``jax.distributed`` started, not
+    through a collective, so it may be called from any thread while collectives run on another
+    (a gloo collective off the trainer's thread could mix its messages with theirs:
+    ``offload.collective_order``). A single process: returns at once."""
+    if group.count == 1:
+        return lambda name: None
+    from jax._src import distributed as jax_distributed  # the client jax.distributed.initialize made
+
+    client = jax_distributed.global_state.client
+
+    def barrier(name: str) -> None:
+        try:
+            client.wait_at_barrier(name, BARRIER_TIMEOUT_SECONDS * 1000)
+        except Exception as err:  # XlaRuntimeError: a peer gone, or the coordinator
+            text = " ".join(str(err).split())[:300]
+            raise JobLostError(f"train.distributed: process {group.index} of {group.count} lost the job at the "
+                               f"barrier {name!r} (another process ended; its log, or the launcher's, says why): "
+                               f"{text}") from None
+
+    return barrier
+
+
 class JobLostError(RuntimeError):
     """A collective of the job failed because another process is gone (killed, crashed, its
-    machine down): this process stops too; the job resumes from its last complete checkpoint."""
+    machine down): this process stops too; the job resumes from its last complete checkpoint (or, with
+    durable steps, the step its offload files hold)."""
 
 
 _PEER_FAILURE = ("gloo", "connection reset", "connection refused", "broken pipe", "coordination service",
@@ -125,7 +153,8 @@ def job_errors(group: ProcessGroup):
         if group.count == 1 or isinstance(err, JobLostError) or not any(k in text.lower() for k in _PEER_FAILURE):
             raise
         raise JobLostError(f"train.distributed: process {group.index} of {group.count} lost the job (another process "
-                           f"ended; its log, or the launcher's, says why); resume from the last complete checkpoint "
+                           f"ended; its log, or the launcher's, says why); the same command resumes the job from its "
+                           f"last complete checkpoint, or with offload.durable from the step its offload files hold "
                            f"(train.resume: auto). The failed collective: {text[:300]}") from None
 
 

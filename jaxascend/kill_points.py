@@ -6,7 +6,9 @@ that name. Points: ``backward`` (a step's forward/backward has been dispatched a
 ``optimizer_chunk`` (inside the streamed AdamW step, between chunks: some chunks written back,
 others not), ``checkpoint_chunk`` (inside a checkpoint save, between streamed chunks), ``final_outputs``
 (after the final checkpoint, before the run's weights are written), ``export_tensor`` (inside a
-Hugging Face export, before each tensor). Unset, a
+Hugging Face export, before each tensor); durable steps' ``durable_sync`` (before the store's
+fdatasync), ``journal_write`` / ``journal_fsync`` and ``durable_barrier`` (an update journaled,
+before the job's processes agree on it). Unset, a
 point costs one dictionary lookup. In a job, ``JAXASCEND_KILL_PROCESS=1`` arms the point in
 process 1 alone (the ``JAX_PROCESS_ID`` the launcher gives it).
 

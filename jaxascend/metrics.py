@@ -79,6 +79,18 @@ class MetricsLog:
             if self._reporter is not None:
                 self._reporter.write(record)
 
+    def fill(self, losses: list[float], every: int) -> None:
+        """A resume from the offload files (durable steps) at step ``len(losses)``: the logging
+        steps (every ``every``) after the last record, whose records a kill cut before they were
+        written (their update was rolled forward), get one from the journal's losses."""
+        if self._file is None:
+            return
+        steps = [json.loads(line).get("step") for line in self.path.read_text(encoding="utf-8").splitlines()]
+        last = max([s for s in steps if isinstance(s, int)], default=0)
+        for step in range(last + 1, len(losses) + 1):
+            if step % every == 0:
+                self.write({"step": step, "loss": losses[step - 1], "from_offload_journal": True})
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -30,7 +30,7 @@ from jaxascend.data import (EpochCount, eval_batches, has_tokenizer_files, load_
                             missing_paths, read_data_format, tokenizer_folder, with_epoch_steps)
 from jaxascend.hf import CONFIG_FILE, ModelSource, check_hf_weights, locate_model, model_config_from_hf, param_plan
 from jaxascend.models import TokenBatch, token_batch
-from jaxascend.offload import JobShape, StepPlan
+from jaxascend.offload import JOURNAL_NAME, JobShape, StepJournal, StepPlan
 from jaxascend.planning import ResourcePlan, plan_resources
 from jaxascend.optim import check_decay_rule
 
@@ -297,9 +297,28 @@ def prepare_run(cfg: Config, job: JobShape, disk_gbps: Optional[float] = None,
     # measured here, after the tokenizer and the data index; estimated for those not read).
     # train.epochs -> train.steps, counted on the data index (the disk plan counts the checkpoints by them).
     cfg, epochs, epoch_lines = with_epoch_steps(cfg, inputs.stream)
+    cfg, kept = _gradients_of_the_files(cfg)
     cfg, resources = plan_resources(cfg, sized, disk_gbps=disk_gbps, inputs_read=inputs.complete,
                                     processes=job.processes)
     step_plan = StepPlan.resolve(cfg, sized, job, choices=resources.choices)
     model_lines = model_notes(cfg.model, model_cfg)
     return PreparedRun(cfg, model_cfg, sized, inputs.tokenizer, inputs.stream, inputs.held_out, resources, step_plan,
-                       inputs.assumed, inputs.notes + model_lines + epoch_lines, epochs)
+                       inputs.assumed, inputs.notes + model_lines + epoch_lines + kept, epochs)
+
+
+def _gradients_of_the_files(cfg: Config) -> tuple[Config, tuple[str, ...]]:
+    """Durable steps resumed from the offload files (``train.resume: auto``): ``offload.gradients:
+    auto`` keeps where the files' journal says the gradients were (their layout includes them),
+    with a note, instead of choosing anew on this machine's memory."""
+    off = cfg.offload
+    journal = os.path.join(off.dir or "", JOURNAL_NAME)
+    if not (off.enabled and off.durable and off.gradients == "auto" and cfg.train.resume == "auto"
+            and os.path.exists(journal)):
+        return cfg, ()
+    with StepJournal(off.dir, create=False) as opened:
+        record = opened.record
+    if record is None or record.step < 0:
+        return cfg, ()
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(off, gradients=record.gradients))
+    return cfg, (f"offload.gradients: auto keeps {record.gradients}, as the offload files in {off.dir} were written "
+                 f"(their journal holds step {record.step})",)

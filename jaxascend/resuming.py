@@ -13,7 +13,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from jaxascend.checkpoint import check_resume_partition, default_directory, read_meta, resume_target
 from jaxascend.config import Config
@@ -90,20 +90,31 @@ def resume_point(cfg: Config, processes: int) -> ResumePoint:
     return ResumePoint(start, directory, read_meta(directory / str(start)))
 
 
-def files_point(cfg: Config, checkpoint: ResumePoint, last: int) -> ResumePoint:
+def files_point(cfg: Config, checkpoint: ResumePoint, last: int,
+                gather: Optional[Callable[[list[int]], list[list[int]]]] = None) -> ResumePoint:
     """With durable steps (``offload.durable``, ``train.resume: auto``): the step the offload files
     hold, where it is newer than ``checkpoint`` and before the run's ``last`` step (a run found at
     its end finishes from its checkpoint); else ``checkpoint``. An update the journal names in
-    flight is counted done: the engine rolls it forward from its gradients."""
+    flight is counted done: the engine rolls it forward from its gradients. ``gather`` (a job):
+    every process's values of a list; the job resumes at the latest step every process's files
+    reach (``JournalRecord.reach``), the same for all of them."""
     journal = Path(cfg.offload.dir or "") / JOURNAL_NAME
-    if not (cfg.offload.enabled and cfg.offload.durable and cfg.train.resume == "auto" and journal.exists()):
+    if not (cfg.offload.enabled and cfg.offload.durable and cfg.train.resume == "auto"):
         return checkpoint
-    with StepJournal(journal.parent, create=False) as opened:
-        record = opened.record
-    step, trainer = record.held() if record is not None else (-1, {})
+    record = None
+    if journal.exists():
+        with StepJournal(journal.parent, create=False) as opened:
+            record = opened.record
+    reach = list(record.reach()) if record is not None else [-1, -1]
+    reaches = gather(reach) if gather is not None else [reach]  # SYNC: every process of a job
+    step = min(hi for _, hi in reaches)
     if not checkpoint.step < step < last:
         return checkpoint
-    return ResumePoint(step, journal.parent, {"meta": trainer}, from_files=True)
+    if any(lo > step for lo, _ in reaches):
+        held = ", ".join(f"process {i}: steps {lo} to {hi}" for i, (lo, hi) in enumerate(reaches))
+        raise ValueError(f"durable steps: the job's offload files hold no step in common ({held}); resume from a "
+                         f"checkpoint (train.resume: <step>) or remove offload.dir {cfg.offload.dir}")
+    return ResumePoint(step, journal.parent, {"meta": record.trainer_at(step)}, from_files=True)
 
 
 def with_schedule(cfg: Config, point: ResumePoint) -> tuple[Config, tuple[str, ...]]:

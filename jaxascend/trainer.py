@@ -52,10 +52,10 @@ MasterReader = Callable[[tuple, Optional[int]], np.ndarray]
 
 
 def build_engine(cfg: Config, model: nnx.Module, model_cfg: ModelConfig, plan: StepPlan,
-                 master: Optional[MasterReader] = None, from_files: bool = False) -> Engine:
+                 master: Optional[MasterReader] = None, from_files: Optional[int] = None) -> Engine:
     """The offloaded engine (state on SSD) or the in-memory baseline, per ``plan.engine``;
     ``master`` reads the checkpoint's own values for the offloaded fp32 master weights;
-    ``from_files``: the offload files a durable run left are the state. The offloaded engine
+    ``from_files``: the step of the offload files a durable run left that is the state. The offloaded engine
     takes typed settings, built here from ``cfg``."""
     if plan.engine == "offload":
         return PlannedOffloadEngine(model, model_cfg, plan, EngineSettings.of(cfg, model_cfg, model), master=master,
@@ -117,7 +117,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
     # cannot fit or run stops here, naming the part; nothing is written before.
     prepared = prepare_run(cfg, JobShape(group.count, group.index, jax.local_device_count()))
     last = prepared.cfg.train.stop_at_step or prepared.cfg.train.steps  # train.steps counted from train.epochs
-    point = files_point(prepared.cfg, resume_point(prepared.cfg, group.count), last)  # durable: the files' step
+    point = _start_point(prepared.cfg, group, last)
     if point.step >= last:  # nothing left to train; outputs a kill left unwritten are written
         return finish_from_checkpoint(prepared, point, last, group.is_main, stack.to_dict())
     prepared.resources.check()
@@ -148,7 +148,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
                 MemorySampler(engine.shard_files, interval=0.2) as memory:
             if r.main:
                 (r.out_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-            stream, losses = _restore(r, engine, ckpt)
+            stream, losses = _restore(r, engine, ckpt, log)
             skipped_before = engine.report().skipped_steps
             loop = TrainingLoop(_loop_settings(r, ckpt), engine, ckpt, log, memory, devices, signals)
             throughput, final_eval = loop.train(stream, losses)
@@ -211,14 +211,23 @@ def _build(r: _Run) -> Engine:
         r.num_params = count_params(loaded.model)
         # The engine holds what it needs (compute params; master weights on SSD).
         return build_engine(cfg, loaded.model, model_cfg, prepared.step_plan, master=loaded.master,
-                            from_files=r.from_files)
+                            from_files=r.start if r.from_files else None)
 
 
-def _restore(r: _Run, engine: Engine, ckpt: Checkpointer) -> tuple[Any, list[float]]:
+def _start_point(cfg: Config, group, last: int):
+    """Where the run starts: the checkpoint ``train.resume`` names, or (durable steps) the step the
+    offload files hold, where newer (a job's: the latest step every process's files reach)."""
+    gather = (lambda values: _gather(values, group)) if group.count > 1 else None
+    return files_point(cfg, resume_point(cfg, group.count), last, gather=gather)
+
+
+def _restore(r: _Run, engine: Engine, ckpt: Checkpointer, log: MetricsLog) -> tuple[Any, list[float]]:
     """The batch stream and the losses so far: from the checkpoint checked at the start
-    (``train.resume: auto`` picks the newest), or from the beginning."""
+    (``train.resume: auto`` picks the newest), the offload files, or from the beginning."""
     if not r.start:
         return r.prepared.stream, []
+    if r.from_files:  # the records a kill cut before the step's update was rolled forward
+        log.fill(list(r.resumed_meta["losses"]), r.cfg.train.log_every)
     meta = r.resumed_meta if r.from_files else engine.restore_checkpoint(ckpt, r.start)
     stream = make_batch_stream(r.cfg.data, r.prepared.tokenizer, state=meta["data_state"])
     if r.cfg.train.resume != "auto":
@@ -231,6 +240,12 @@ def _loop_settings(r: _Run, ckpt: Checkpointer) -> LoopSettings:
                         agree=lambda values: _agree(values, r.group), checkpoint_dir=str(ckpt.directory),
                         stack=r.stack.to_dict(), micro_batches=r.prepared.step_plan.grad_accum,
                         durable_dir=r.cfg.offload.dir if r.prepared.step_plan.durable else None)
+
+
+def _gather(values: list[int], group) -> list[list[int]]:
+    """Every process's ``values`` (a few integers), in process order."""
+    gathered = multihost_utils.process_allgather(np.asarray(values, np.int32))  # SYNC: every process
+    return np.asarray(gathered).reshape(group.count, -1).tolist()
 
 
 def _agree(values: list[int], group) -> list[int]:

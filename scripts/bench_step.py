@@ -68,7 +68,9 @@ MASTER16 = {"overlap_master16": ["optimizer.master_dtype=bfloat16"],
             "overlap_host_grads": ["offload.gradients=host"],
             "overlap_ssd_compact": COMPACT_STATE,  # 19.5 B/param a step at 7B, from 33.1
             "overlap_ssd_compact_host": [*COMPACT_STATE, "offload.gradients=host"],  # 15.5 B/param
-            "overlap_durable": ["offload.durable=true"], "overlap_ssd_durable": ["offload.durable=true"]}
+            "overlap_durable": ["offload.durable=true"], "overlap_ssd_durable": ["offload.durable=true"],
+            # durable steps with the gradients in RAM: each update first copies them to their log on SSD
+            "overlap_host_durable": ["offload.gradients=host", "offload.durable=true"]}
 JAX_MODES = ("overlap", "sequential", "compute", "overlap_ssd", *MASTER16)
 
 
@@ -274,6 +276,10 @@ def summarize(rounds: list[dict], args) -> dict:
             n = r["overlap"]["params"]
             r["ssd_floor_seconds"] = n * (14 / (d["raw_read_gbps"] * 1e9) + 14 / (d["raw_write_gbps"] * 1e9))
     for r in rounds:
+        if "overlap_host_grads" in r and "overlap_host_durable" in r:  # the gradients' log's cost
+            ratios.setdefault("overlap_host_grads_vs_overlap_host_durable", []).append(
+                statistics.median(r["overlap_host_grads"]["periods"]) /
+                statistics.median(r["overlap_host_durable"]["periods"]))
         o = r.get("overlap")
         if not o:
             continue

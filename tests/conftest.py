@@ -27,6 +27,7 @@ from collections import defaultdict
 SLOW_FIRST = (
     "tests/test_durable_resume.py",  # about 300 s: 27 CLI trainings of the small shape, chains of kills
     "tests/test_train_distributed.py",  # 184 s: 20 trainings, jobs of 1-2 processes through jaxascend.launch
+    "tests/test_durable_job.py",  # 112 s: 9 jobs of 2 processes through jaxascend.launch, chains of kills
     "tests/test_workflow.py",  # 178 s: 18 trainings through the CLI, exports
     "tests/offload/test_streamed_params.py",  # 83 s: a SIGKILL test of 6 CLI runs is half
     "tests/offload/test_overlap.py",  # 72 s

@@ -19,7 +19,7 @@ DURABLE = ["offload.enabled=true", "model.dtype=bfloat16", "offload.durable=true
 MODES = {  # the tiny shapes: the update is 2 passes of a few chunks each
     "resident-sequential": ["model.remat=none"],
     "resident-overlap": ["model.remat=dots"],
-    "ssd-overlap": ["model.remat=dots", "offload.params=ssd"],
+    "ssd-overlap": ["model.remat=dots", "offload.params=ssd", "offload.gradients=ssd"],  # the others' in RAM, logged
     # a bfloat16 master that is the streamed weights: their layers rotate through rings too
     "ssd-overlap-bf16-master": ["model.remat=dots", "offload.params=ssd", "optimizer.master_dtype=bfloat16",
                                 "optimizer.state_dtype=int8"],

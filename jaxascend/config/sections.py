@@ -273,9 +273,11 @@ class OffloadConfig:
     keep_files: bool = False
     # Every step a resume point: each state record is written to a free slot of its ring and a
     # journal in offload.dir names the step the files hold, so a run killed anywhere resumes from
-    # its last complete step without a checkpoint (docs/architecture.md, "Durable steps"). Needs
-    # the gradients on SSD (offload.gradients ssd or auto); off, in a note, in a job of several
-    # processes.
+    # its last complete step without a checkpoint (docs/architecture.md, "Durable steps"). The
+    # step's gradients are the redo log: with them in RAM (offload.gradients host) each update
+    # first copies them to a log on SSD (2 B/param written a step, 2 B/param of disk).
+    # Refused with offload.fp32_grad_buffer. In a job each process keeps its own journal, and the
+    # job resumes from the latest step every process's files reach.
     durable: bool = False
     # Spare records per slot ring (at least stream_depth: a commit waits for no I/O; each commits
     # about spares - 2 chunks): spares x the largest record of disk (chunk_bytes x 3 at fp32 state).

@@ -32,6 +32,7 @@ import json
 from typing import Callable, Optional, Protocol, Sequence
 
 from jaxascend.kill_points import kill_point
+from jaxascend.offload.gradient_log import GradientLog, log_regions
 from jaxascend.offload.layout import ChunkRef, OffloadLayout
 from jaxascend.offload.slot_rings import PARAM_SPARES, ParamRings, SlotRings
 from jaxascend.offload.step_journal import JournalRecord, StepJournal, UpdateInFlight
@@ -73,6 +74,12 @@ class InPlaceRecords:
 
     def watch(self, fn: Callable[[int, int, str], None]) -> None:
         pass  # layers never move
+
+    def join(self, barrier: Callable[[str], None]) -> None:
+        pass
+
+    def skip(self, trainer: dict) -> None:
+        pass
 
     def begin(self, scalars, updates_applied: int, trainer: Optional[dict]) -> None:
         pass
@@ -124,8 +131,10 @@ class DurableRecords:
     durable = True
 
     def __init__(self, store: SsdStore, chunks: list[ChunkRef], segments: list[list[Segment]],
-                 rings: SlotRings, journal: StepJournal, fingerprint: str, params: Optional[ParamRings] = None):
+                 rings: SlotRings, journal: StepJournal, fingerprint: str, params: Optional[ParamRings] = None,
+                 gradient_log: Optional[GradientLog] = None):
         self.store, self.rings, self.journal, self.fingerprint = store, rings, journal, fingerprint
+        self.gradient_log = gradient_log  # gradients in RAM: their copy on SSD, the redo log
         self._chunks, self._segments = chunks, segments
         self._regions = {r.name: r for r in store.regions()}
         # a bfloat16 master of streamed weights: its layers' rings, the last position of each
@@ -145,6 +154,8 @@ class DurableRecords:
         self.updates = 0  # AdamW updates it has had
         self.trainer: dict = {}  # the trainer's state after it
         self._update: Optional[UpdateInFlight] = None
+        self.back: Optional[dict] = None  # a skipped step's: the step before it, whose state the files hold too
+        self._barrier: Optional[Callable[[str], None]] = None  # a job's (join)
         self.staged: dict = {}  # the trainer's state once the next step is complete (stage)
         self._committed = -1
         self._pending: list[tuple[int, Callable[[], None]]] = []
@@ -241,15 +252,35 @@ class DurableRecords:
         self.record_step(-1, {}, 0)
         self._announce(self._param_last)
 
-    def record_step(self, step: int, trainer: dict, updates: Optional[int] = None) -> None:
-        """The files hold ``step`` as they are (the initial state, a restore, an overflow skipped);
-        ``updates``: the AdamW updates it has had (default: as before)."""
+    def record_step(self, step: int, trainer: dict, updates: Optional[int] = None,
+                    back: Optional[dict] = None) -> None:
+        """The files hold ``step`` as they are (the initial state, a restore, an update's end);
+        ``updates``: the AdamW updates it has had (default: as before); ``back``: (a skipped
+        step) the step before it, whose state the files hold too."""
         if step >= 0:
             kill_point("durable_sync")  # tests: a kill before what the step wrote is made durable
             self.store.sync()
         self.step, self.trainer, self._update, self._committed = int(step), dict(trainer), None, -1
-        self.updates = self.updates if updates is None else int(updates)
+        self.updates, self.back = self.updates if updates is None else int(updates), back
         self._write()
+
+    def join(self, barrier: Callable[[str], None]) -> None:
+        """In a job of processes: ``barrier(name)`` returns once every process has called it with
+        ``name``. Each process's files then hold at most one step more than another's, and a
+        resume finds a step all of them can reach (:meth:`JournalRecord.reach`): an update's
+        records are written only once every process has journaled it (:meth:`begin`), and a
+        skipped step is recorded only once every process has reached it (:meth:`skip`)."""
+        self._barrier = barrier
+
+    def _agree(self, step: int) -> None:
+        if self._barrier is not None:
+            kill_point("durable_barrier")  # tests: journaled, but another process may not be yet
+            self._barrier(f"jaxascend durable step {step}")
+
+    def skip(self, trainer: dict) -> None:
+        """The next step was skipped (an overflow): the files hold it with the same state."""
+        self._agree(self.step + 1)
+        self.record_step(self.step + 1, trainer, back={"step": self.step, "trainer": self.trainer})
 
     def stage(self, trainer: dict) -> None:
         """The trainer's state once the next step is complete: what :meth:`begin` (or a skipped
@@ -260,10 +291,13 @@ class DurableRecords:
         """The update of step ``self.step + 1`` starts; ``trainer``: the trainer's state once it is
         done (None: the staged one)."""
         kill_point("durable_sync")
+        if self.gradient_log is not None:  # gradients in RAM: copied to their twins on SSD
+            self.gradient_log.write()
         self.store.sync()  # the gradients, this update's redo log, are on disk
         self._update = UpdateInFlight.of(scalars, updates_applied, self.staged if trainer is None else trainer)
         self._committed, self._pending, self.commits = -1, [], 0
         self._write()
+        self._agree(self.step + 1)  # a job: every process has journaled the update before any record moves
 
     def resume_update(self, update: UpdateInFlight) -> None:
         """Takes up an interrupted update (:meth:`reopen`): positions after ``committed_through`` remain."""
@@ -309,7 +343,8 @@ class DurableRecords:
 
     def _write(self) -> None:
         self.journal.write(JournalRecord(self.fingerprint, self.step, tuple(self.rotations), self.trainer,
-                                         self._update, self.updates))
+                                         self._update, self.updates, self.back,
+                                         "host" if self.gradient_log is not None else "ssd"))
 
     def figures(self) -> dict:
         """The journal's writes and bytes so far, the last update's commits and the spares' disk."""
@@ -321,10 +356,12 @@ class DurableRecords:
         self.journal.close()
 
     # ------------------------------------------------------------------ reopening
-    def reopen(self) -> Optional[UpdateInFlight]:
+    def reopen(self, step: Optional[int] = None) -> Optional[UpdateInFlight]:
         """Takes the journal's record as the files' state: returns the update to roll forward
-        (None when the files hold a whole step). Raises ValueError when the journal is missing or
-        was written under another layout."""
+        (None when the files hold a whole step). ``step``: the one a job resumes at, where the
+        record reaches another than its newest (an update none of whose records is committed,
+        dropped; a skipped step's step before). Raises ValueError when the journal is missing,
+        was written under another layout, or cannot reach ``step``."""
         record = self.journal.record
         if record is None:
             raise ValueError(f"durable steps: no journal in {self.journal.path.parent}")
@@ -335,8 +372,20 @@ class DurableRecords:
             raise ValueError(f"durable steps: the offload files in {self.journal.path.parent} were being written "
                              f"from scratch or from a checkpoint when the run stopped; they hold no step")
         self.step, self.trainer, self.rotations = record.step, dict(record.trainer), tuple(record.rotations)
-        self.updates = record.updates
+        self.updates, self.back = record.updates, record.back
+        lo, hi = record.reach()
+        if step is not None and step != hi:
+            if not lo <= step <= hi:
+                raise ValueError(f"durable steps: the offload files in {self.journal.path.parent} hold steps {lo} to "
+                                 f"{hi}, not step {step}")
+            if step == record.step:  # an update in flight that no record of has moved yet
+                self.record_step(step, self.trainer, back=self.back)
+            else:  # a skipped step's state is the step's before it
+                self.record_step(step, record.trainer_at(step), back=None)
+            return None
         if record.update is not None:
+            if self.gradient_log is not None:  # gradients in RAM: back from their log
+                self.gradient_log.restore()
             self.resume_update(record.update)
         return record.update
 
@@ -348,22 +397,24 @@ def make_records(store: SsdStore, layout: OffloadLayout, chunks: list[ChunkRef],
     every other region, so a reopened store finds them where they were) and whose journal it opens."""
     if not durable_spares:
         return InPlaceRecords(chunks, segments)
-    if layout.grad_store != "ssd":
-        raise ValueError(f"durable steps: the gradients are the redo log of an interrupted update and must be on SSD "
-                         f"(offload.gradients: ssd), not {layout.grad_store}")
+    if layout.grad_store not in ("ssd", "host"):
+        raise ValueError(f"durable steps: the gradients are the redo log of an interrupted update and must be store "
+                         f"regions (offload.gradients: ssd or host), not {layout.grad_store}")
     rings = SlotRings.plan(chunks, layout.step_order(chunks), durable_spares, layout.block_bytes)
     # a bfloat16 master of streamed weights is those weights: their layers rotate too
     params = ParamRings.plan(layout.streamed_leaves, PARAM_SPARES) if layout.masters_in_params else None
-    for name, nbytes in rings.spare_regions + (params.spare_regions if params else ()):
+    # gradients in RAM: their redo log's twin regions on SSD (gradient_log)
+    for name, nbytes in list(rings.spare_regions + (params.spare_regions if params else ())) + log_regions(layout):
         store.add_region(name, nbytes)
     fingerprint = layout_fingerprint(layout, rings, [(r.name, r.nbytes) for r in store.regions()], params)
     return DurableRecords(store, chunks, segments, rings, StepJournal(store.cfg.dir, create=True), fingerprint,
-                          params)
+                          params, GradientLog(store, layout) if layout.grad_store == "host" else None)
 
 
-def roll_forward(records, plan, store: SsdStore, layout: OffloadLayout, kernel: Callable) -> int:
-    """Takes a reopened store's journal (:meth:`DurableRecords.reopen`) and, for an update it
-    names in flight, updates the chunks after its committed position again: from their old slots
+def roll_forward(records, plan, store: SsdStore, layout: OffloadLayout, kernel: Callable,
+                 step: Optional[int] = None) -> int:
+    """Takes a reopened store's journal (:meth:`DurableRecords.reopen`, at ``step``: a job's) and,
+    for an update it names in flight, updates the chunks after its committed position again: from their old slots
     and the gradients, with the journal's scalars (``kernel(scalars=, updates_applied=)`` makes
     the :class:`ChunkKernel`), committing as any update does. Returns the AdamW updates the files
     then hold."""
@@ -371,7 +422,7 @@ def roll_forward(records, plan, store: SsdStore, layout: OffloadLayout, kernel: 
 
     if not records.durable:
         raise ValueError("durable steps: this state was not made with durable_spares; nothing to recover")
-    update = records.reopen()
+    update = records.reopen(step)
     if update is not None:
         left = [[i for i in chunk_ids if records.position(i) > update.committed_through] for chunk_ids in plan.passes]
         chunk_kernel = kernel(scalars=update.kernel_scalars(), updates_applied=update.updates_applied)

@@ -39,6 +39,7 @@ from flax import nnx
 from jaxascend.checkpoint import CHECKPOINT_SHAPE_CLASS, Checkpointer, Piece, SsdArrays
 from jaxascend.offload.checkpoint_specs import specs_for_offload_layout
 from jaxascend.config import ModelConfig
+from jaxascend.distributed import ProcessGroup, job_barrier
 from jaxascend.engine_contract import EngineReport, StepResult
 from jaxascend.kill_points import kill_point
 from jaxascend.models import DTYPES, TokenBatch, layer_stack_key
@@ -84,13 +85,13 @@ class PlannedOffloadEngine:
     name = "offload"
 
     def __init__(self, model: nnx.Module, model_cfg: ModelConfig, plan: StepPlan, settings: EngineSettings,
-                 master: Optional[MasterReader] = None, from_files: bool = False):
+                 master: Optional[MasterReader] = None, from_files: Optional[int] = None):
         """``plan``: the step's strategy (:meth:`StepPlan.resolve`). ``master``: where the fp32
         master weights start, as a reader ``read(path, layer)`` of one layer at a time (e.g.
         :class:`~jaxascend.hf.load.HFParamReader` over the checkpoint the run fine-tunes, whose
         values the compute copy in ``model`` only approximates); None: from ``model``'s parameters.
-        ``from_files`` (durable steps): the state is the offload files a run left, recovered
-        (an interrupted update rolled forward), not written from the model."""
+        ``from_files`` (durable steps): the step of the offload files a run left that is the state,
+        recovered (an interrupted update rolled forward), not written from the model."""
         self.plan = plan
         if plan.engine != "offload":
             raise ValueError("OffloadEngine: the plan is the in-memory engine's (offload.enabled: false)")
@@ -103,10 +104,13 @@ class PlannedOffloadEngine:
         table = TableLayout.of(params, model_cfg)
         routing = leaf_routes(plan, self.placement, params, model_cfg, table)
         full_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, DTYPES[model_cfg.dtype]), params)
-        self.state = self._create_state(full_spec, model_cfg, table, routing, settings.state, from_files)
+        self.state = self._create_state(full_spec, model_cfg, table, routing, settings.state, from_files is not None)
         try:
+            if plan.durable:  # a job's processes agree on the step their files hold
+                self.state.records.join(job_barrier(ProcessGroup(plan.partition.index, plan.processes)
+                                                    if plan.partitioned else ProcessGroup()))
             paths = param_paths(params)  # our parameter path of every leaf, in the layout's leaf order
-            leaves = self._recover_state(model_cfg) if from_files else \
+            leaves = self._recover_state(model_cfg, from_files, full_spec) if from_files is not None else \
                 self._init_state(params, master, paths, model_cfg)
             del params
             self.weights = ComputeWeights(plan, self.state, leaves, [x.shape for x in jax.tree.leaves(full_spec)],
@@ -119,11 +123,11 @@ class PlannedOffloadEngine:
             self.updates: UpdateRunner = runner(self.state, self.weights, self.settings)
             self.readers = self.placement.readers(WeightReaders(self.state, self.weights, paths, self.finish_update))
             self.loss_scale = self.loss_scaling.initial()
-            if from_files and "loss_scale" in self.state.records.trainer:
+            if from_files is not None and "loss_scale" in self.state.records.trainer:
                 self.loss_scale = LossScaleState.from_dict(self.state.records.trainer["loss_scale"])
             # durable steps: the trainer's state (data position, losses so far) for the next step's journal
             self._resume_state: dict = {"losses": list(self.state.records.trainer.get("losses", []))} \
-                if from_files else {}
+                if from_files is not None else {}
             self._steps = 0
             self._last_timeline: Optional[StepTimeline] = None  # of the last step that ran an update
             # SSD traffic of the steps (each step's, from one step's end to the next's: the
@@ -172,14 +176,21 @@ class PlannedOffloadEngine:
             (lambda x: x if x.dtype == dtype else jnp.asarray(master_weights(np.asarray(x), fmt)))
         return [None if leaf.streamed else copy(x) for leaf, x in zip(self.state.leaves, jax.tree.leaves(params))]
 
-    def _recover_state(self, model_cfg: ModelConfig) -> list:
-        """Durable steps: the offload files' step (an interrupted update rolled forward); returns
-        the compute copy in leaf order, from the master weights (None for the streamed leaves)."""
-        self.state.recover()
+    def _recover_state(self, model_cfg: ModelConfig, step: int, full_spec) -> list:
+        """Durable steps: the offload files' ``step`` (an interrupted update rolled forward); returns
+        the compute copy in leaf order, from the master weights (None for the streamed leaves); a
+        job's whole, from every process's slices (a collective each leaf, in leaf order)."""
+        self.state.recover(step)
         fmt, dtype = self.state.layout.state, DTYPES[model_cfg.dtype]
         compute = (lambda x: x.astype(dtype)) if fmt.master == "float32" else \
             (lambda x: jnp.asarray(master_weights(x, fmt)))  # a bfloat16 master's weights are its high half
-        return [None if leaf.streamed else compute(self.state.read_state(leaf)) for leaf in self.state.leaves]
+        leaves = [None if leaf.streamed else compute(self.state.read_state(leaf)) for leaf in self.state.leaves]
+        if not self.plan.partitioned:
+            return leaves
+        shapes = [x.shape for x in jax.tree.leaves(full_spec)]
+        return [None if x is None else self.placement.whole_host(np.asarray(x).reshape(-1), shapes[leaf.index],
+                                                                 leaf.layers, leaf.shape)
+                for leaf, x in zip(self.state.leaves, leaves)]
 
     def resume_state(self, trainer: dict) -> None:
         """With durable steps, what the run needs to go on once the next step is complete (its data
@@ -306,12 +317,15 @@ class PlannedOffloadEngine:
 
     def end_training(self) -> int:
         """The run trains no more step: the last update is waited for and the gradients' disk
-        blocks go back to the filesystem (with ``offload.gradients: ssd``), for the outputs the
-        run writes next. Returns the bytes freed."""
+        blocks go back to the filesystem (with ``offload.gradients: ssd``; in RAM, a durable run's
+        log of them), for the outputs the run writes next. Returns the bytes freed."""
         self.finish_update()
-        if self.plan.grad_store != "ssd" or self.state.store.cfg.keep_files:  # kept files stay as they are
+        if self.state.store.cfg.keep_files:  # kept files stay as they are
             return 0
-        return self.state.store.release([r for leaf in self.state.leaves for r in leaf.grad_regions])
+        if self.plan.grad_store == "ssd":
+            return self.state.store.release([r for leaf in self.state.leaves for r in leaf.grad_regions])
+        log = self.state.records.gradient_log if self.plan.durable else None  # gradients in RAM: their log
+        return self.state.store.release([twin for _, twin in log.pairs]) if log is not None else 0
 
     def _io_counters(self) -> tuple[int, int]:
         """(bytes read, bytes written) by the store since it was opened."""

@@ -162,11 +162,12 @@ class SlotRings:
 def durable_disk_bytes(layout, spares: int) -> int:
     """What durable steps add to ``layout``'s offload files: the rings' spare records (``spares``
     a ring at most), a bfloat16 master's spare layers of streamed weights (:data:`PARAM_SPARES`
-    each) and the journal's two slots."""
+    each), the journal's two slots, and with the gradients in RAM their log (``gradient_log``)."""
     chunks = layout.chunks()
+    logged = layout.grad_bytes if layout.grad_store == "host" else 0  # as the planner counts gradients on SSD
     params = ParamRings.plan(layout.streamed_leaves, PARAM_SPARES).spare_bytes if layout.masters_in_params else 0
     return SlotRings.plan(chunks, layout.step_order(chunks), spares, layout.block_bytes).spare_bytes + params \
-        + 2 * SLOT_BYTES
+        + 2 * SLOT_BYTES + logged
 
 
 PARAM_SPARE_PREFIX = "durable/param"

@@ -260,13 +260,13 @@ class OffloadedAdamState:
         self.updates_applied = int(updates_applied)
 
     @_serialized
-    def recover(self) -> int:
-        """Durable steps over a reopened store (``create(..., reopen=True)``): takes the step the
-        journal names and rolls an interrupted update forward from its gradients; returns the step."""
+    def recover(self, step: Optional[int] = None) -> int:
+        """Durable steps over a reopened store (``create(..., reopen=True)``): takes the journal's step
+        (``step``: a job's, DurableRecords.reopen); rolls an interrupted update forward; returns the step."""
         self._check_open(allow_broken=True)
         kernel = functools.partial(ChunkKernel, state=self.layout.state, threads=self.kernel_threads,
                                    rounding_seed=self.rounding_seed, partition_index=self.partition_index)
-        self.updates_applied = roll_forward(self.records, self._plan, self.store, self.layout, kernel)
+        self.updates_applied = roll_forward(self.records, self._plan, self.store, self.layout, kernel, step)
         self._initialized, self._broken = True, None
         return self.records.step
 
@@ -369,7 +369,7 @@ class OffloadedAdamState:
             # writes of one block in flight at once could land in either order.
             self.store.flush()
             self._forget_gradients()
-            self.records.record_step(self.records.step + 1, self.records.staged if journal is None else journal)
+            self.records.skip(self.records.staged if journal is None else journal)
             return None
         put = to_default_device if put is None else put
         new_leaves: list = [None] * len(self.layout.leaves)

@@ -78,13 +78,34 @@ class JournalRecord:
     trainer: dict
     update: Optional[UpdateInFlight] = None
     updates: int = 0  # AdamW updates the files' state has had (a skipped step has none)
+    # A skipped step leaves the state as the step before it: that step and the trainer's state
+    # after it ({"step", "trainer"}), until an update commits; a job may resume there (reach).
+    back: Optional[dict] = None
+    gradients: str = "ssd"  # where the redo log's gradients are: ssd (their regions), host (their log)
 
     def held(self) -> tuple[int, dict]:
         """The step a resume goes on from and the trainer's state after it: an update in flight
         counts as done (the resume rolls it forward); (-1, {}) while the files hold no step."""
+        return self.reach()[1], self.trainer_at(self.reach()[1])
+
+    def reach(self) -> tuple[int, int]:
+        """The earliest and the latest step the files can resume at: an update in flight rolls
+        forward to ``step + 1``, or, while none of its records is committed, may be dropped; a
+        skipped step's state is the step's before it too (``back``). (-1, -1): no step."""
         if self.step < 0:
-            return -1, {}
-        return (self.step + 1, self.update.trainer) if self.update is not None else (self.step, self.trainer)
+            return -1, -1
+        lo = self.back["step"] if self.back is not None else self.step
+        if self.update is None:
+            return lo, self.step
+        return (lo if self.update.committed_through < 0 else self.step + 1), self.step + 1
+
+    def trainer_at(self, step: int) -> dict:
+        """The trainer's state after ``step``, one of :meth:`reach`'s."""
+        if self.update is not None and step == self.step + 1:
+            return self.update.trainer
+        if self.back is not None and step == self.back["step"]:
+            return self.back["trainer"]
+        return self.trainer if step == self.step else {}
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
@@ -96,7 +117,7 @@ class JournalRecord:
         if update is not None:
             update = UpdateInFlight(**{**update, "scalars_shape": tuple(update["scalars_shape"])})
         return JournalRecord(d["layout"], int(d["step"]), tuple(d["rotations"]), d["trainer"], update,
-                             int(d.get("updates", 0)))
+                             int(d.get("updates", 0)), d.get("back"), d.get("gradients", "ssd"))
 
 
 def encode(record: JournalRecord, seq: int) -> bytes:

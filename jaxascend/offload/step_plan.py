@@ -77,13 +77,10 @@ class StepPlan:
             if refused:
                 notes.append(f"offload.overlap is off, the optimizer step runs after the forward/backward: {refused}")
         durable = cfg.offload.enabled and cfg.offload.durable
-        if durable and grad_store(cfg) != "ssd":
-            raise ConfigError("offload.durable: an interrupted update is redone from the step's gradients on SSD; set "
-                              "offload.gradients: ssd or auto (not host, nor fp32_grad_buffer), or durable: false")
-        if durable and job.processes > 1:
-            durable = False
-            notes.append(f"offload.durable is off in a job of {job.processes} processes: the processes do not agree "
-                         "on the step their files hold yet; checkpoints are the resume points")
+        if durable and grad_store(cfg) == "host_fp32":
+            raise ConfigError("offload.durable: an interrupted update is redone from the step's gradients, kept in "
+                              "store regions (on SSD, or in RAM with a log on SSD); offload.fp32_grad_buffer keeps "
+                              "them in one host buffer: set it false, or durable: false")
         return cls(engine="offload" if cfg.offload.enabled else "in-memory", weights=weights, gradients=gradients,
                    grad_store=grad_store(cfg),
                    grad_accum=cfg.train.grad_accum, overlap=cfg.offload.enabled and cfg.offload.overlap and not refused,

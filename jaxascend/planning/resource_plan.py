@@ -186,7 +186,8 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     device = {"resident params": resident, "activations + temps": sum(step.values())}
     grads = layout.grad_bytes if layout.grad_store == "ssd" else 0
     streamed = layout.streamed_param_bytes
-    # durable steps: one ring's W spare records per record size, and the journal's two slots
+    # durable steps: one ring's W spare records per record size, the journal's two slots (and a host
+    # gradients' log)
     spares = durable_disk_bytes(layout, cfg.offload.durable_spares) \
         if cfg.offload.durable else 0
     ssd_bytes = layout.state_bytes + grads + streamed + spares
@@ -195,12 +196,15 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     # layer twice (forward, and the backward's recomputation).
     # A streamed leaf's bfloat16 master is its weights: the update reads them once more.
     read = layout.state_bytes + grads + 2 * streamed + (streamed if layout.masters_in_params else 0)
-    write = layout.state_bytes + grads + streamed
+    # Durable steps with the gradients in RAM write them to their log on SSD (read only to resume).
+    write = layout.state_bytes + grads + streamed + (layout.grad_bytes if cfg.offload.durable and
+                                                     layout.grad_store == "host" else 0)
     fmt = layout.state
     # A job's checkpoint is one directory: every process's slices, the compute params once.
     checkpoint = int(sum(whole.record_format(leaf).bytes_per_element * leaf.size for leaf in whole.leaves)) \
         + whole.streamed_param_bytes + whole.resident_param_bytes
-    disk = disk_use(run_disk_parts(cfg, ssd_bytes, checkpoint, 4 * n, _export_itemsize(cfg, model_cfg) * n, grads))
+    freed = grads or (layout.grad_bytes if cfg.offload.durable and layout.grad_store == "host" else 0)  # or their log
+    disk = disk_use(run_disk_parts(cfg, ssd_bytes, checkpoint, 4 * n, _export_itemsize(cfg, model_cfg) * n, freed))
     mine = layout.num_parameters
     master = "" if fmt.master == "float32" else f", a {fmt.master} {fmt.master_rounding} master"
     notes = (f"optimizer state: {fmt.dtype} moments{master}, {layout.state_bytes / mine:.2f} B/param on SSD; "
@@ -307,14 +311,13 @@ def _resolve_gradients(cfg: Config, model_cfg: ModelConfig, params: str, gbps: f
         variant = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, gradients=where))
         return _plan(variant, model_cfg, params, gbps, runtime, levers=False, processes=processes)
 
-    host = None if cfg.offload.durable else planned("host")
-    if host is None:
-        plan, choice = planned("ssd"), ("offload.gradients: auto chose ssd (offload.durable: an interrupted update is "
-                                        "redone from them)")
-    elif host.limit is None or host.host_peak <= host.limit.nbytes:
+    host = planned("host")
+    if host.limit is None or host.host_peak <= host.limit.nbytes:
         grads = host.host["gradients"]
+        # durable steps write them to their log on SSD all the same, and read them back only to resume
+        saved, logged = (grads, "; offload.durable logs them on SSD") if cfg.offload.durable else (2 * grads, "")
         plan, choice = host, (f"offload.gradients: auto chose host (the gradients wait in RAM: {format_bytes(grads)} "
-                              f"of host memory for {format_bytes(2 * grads)} less SSD traffic a step)")
+                              f"of host memory for {format_bytes(saved)} less SSD traffic a step{logged})")
     else:
         grads = host.host["gradients"]
         plan = planned("ssd")

@@ -21,11 +21,12 @@ FORMATS = {"float32": StateFormat(),
            "int8+bf16-compensated": StateFormat.of("int8", 256, master="bfloat16", master_rounding="compensated")}
 
 
-def _make(path, fmt="float32", spares=None, streamed=False, reopen=False):
+def _make(path, fmt="float32", spares=None, streamed=False, reopen=False, grad_store="ssd"):
     import jax.numpy as jnp
     cfg = offload_cfg(path)
     return OffloadedAdamState.create(spec(jnp.bfloat16), cfg, stacked=STACKED, state=FORMATS[fmt],
-                                     stream_params=streamed, durable_spares=spares, reopen=reopen)
+                                     stream_params=streamed, durable_spares=spares, reopen=reopen,
+                                     grad_store=grad_store)
 
 
 def _step(state, s):
@@ -88,9 +89,9 @@ def _leaves(tree):
 
 def test_durable_steps_refuse_what_they_do_not_cover(tmp_path):
     import jax.numpy as jnp
-    with pytest.raises(ValueError, match="must be on SSD .offload.gradients: ssd., not host"):
+    with pytest.raises(ValueError, match="must be store regions .offload.gradients: ssd or host., not host_fp32"):
         OffloadedAdamState.create(spec(jnp.bfloat16), offload_cfg(tmp_path / "h"), stacked=STACKED,
-                                  grad_store="host", durable_spares=2)
+                                  grad_store="host_fp32", durable_spares=2)
     with pytest.raises(ValueError, match="nothing to recover"):
         with _make(tmp_path / "plain") as state:
             state.recover()

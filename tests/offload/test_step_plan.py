@@ -116,28 +116,36 @@ def test_the_plan_records_the_platform_path(monkeypatch):
 def test_durable_steps_are_decided_once_with_a_note_where_they_are_off():
     assert _plan("model.remat=full", "offload.durable=true").durable
     assert not _plan("model.remat=full").durable  # off unless asked
-    job = _plan("model.remat=full", "offload.durable=true", job=JOB)
-    assert not job.durable and any("offload.durable is off in a job of 2 processes" in n for n in job.notes)
+    job = _plan("model.remat=full", "offload.durable=true", job=JOB)  # its processes agree on the step (a barrier)
+    assert job.durable and not any("offload.durable" in n for n in job.notes)
     master16 = _plan("model.remat=full", "offload.params=ssd", "offload.durable=true", "optimizer.master_dtype=bfloat16")
     assert master16.durable and not any("offload.durable" in n for n in master16.notes)  # its layers rotate too
     assert not _plan("offload.enabled=false", "offload.durable=true").durable
+    assert _plan("model.remat=full", "offload.durable=true", "offload.gradients=host").durable  # with their log
     with pytest.raises(ConfigError, match="offload.durable: an interrupted update is redone from the step's gradients"):
-        _plan("model.remat=full", "offload.durable=true", "offload.gradients=host")
+        _plan("model.remat=full", "offload.durable=true", "offload.fp32_grad_buffer=true")
 
 
-def test_the_run_planner_counts_the_spare_records_and_keeps_durable_gradients_on_ssd(tmp_path):
+def test_the_run_planner_counts_the_spare_records_and_the_gradients_log(tmp_path):
     from jaxascend.planning import plan_resources
 
     def planned(*extra):
         cfg = load_config("configs/tiny.yaml", SMALL + [f"train.out_dir={tmp_path}", *extra])
         return plan_resources(cfg, dataclasses.replace(cfg.model, vocab_size=259))
 
-    _, plain = planned()
-    cfg, durable = planned("offload.durable=true", "offload.durable_spares=2")
+    _, plain = planned("offload.gradients=ssd")
+    cfg, durable = planned("offload.durable=true", "offload.durable_spares=2", "offload.gradients=ssd")
     files = lambda plan: next(p.nbytes for fs in plan.disk for p in fs.parts if p.name == "offload files")  # noqa: E731
     assert files(durable) > files(plain) + 2 * (1 << 20)  # spares and the journal's two slots
-    assert cfg.offload.gradients == "ssd"
-    assert any("offload.gradients: auto chose ssd (offload.durable" in c for c in durable.choices)
+    assert durable.ssd_write_step == plain.ssd_write_step and durable.ssd_read_step == plain.ssd_read_step
+    # auto keeps them in RAM where they fit; durable steps write them to their log on SSD (not read)
+    _, host = planned("offload.gradients=auto")
+    cfg, logged = planned("offload.durable=true", "offload.durable_spares=2")
+    grads = host.host["gradients"]
+    assert cfg.offload.gradients == "host" and logged.host["gradients"] == grads
+    assert any("offload.durable logs them on SSD" in c for c in logged.choices)
+    assert logged.ssd_write_step == host.ssd_write_step + grads and logged.ssd_read_step == host.ssd_read_step
+    assert files(logged) == files(durable)  # the log in place of the gradients' regions on SSD
     # a bfloat16 master of streamed weights: its spare layers (one a streamed leaf) on top
     master16 = ("offload.params=ssd", "optimizer.master_dtype=bfloat16", "model.remat=full", "offload.durable=true")
     by_spares = []

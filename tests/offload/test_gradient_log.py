@@ -1,0 +1,61 @@
+"""Durable steps with the gradients in RAM (``offload.gradients: host``, ``offload/gradient_log.py``):
+each update's gradients are copied to their twin regions on SSD before it is journaled, the
+updates are those of gradients on SSD bit for bit, and a SIGKILL inside an update rolls it
+forward from the log, ending bit-identical to an uninterrupted run."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxascend.offload.gradient_log import LOG_PREFIX
+from jaxascend.offload.step_journal import StepJournal
+from tests.offload.test_durable_steps import STEPS, _make, _run, _same, _snapshot, _step
+
+_CHILD = """
+import sys
+from pathlib import Path
+from tests.offload.test_durable_steps import _run
+_run(Path(sys.argv[1]), int(sys.argv[2]), spares=2, grad_store="host")
+"""
+
+
+def test_updates_with_a_gradient_log_are_those_of_gradients_on_ssd(tmp_path):
+    ref, _ = _run(tmp_path / "ssd", STEPS, spares=2)
+    logged, _ = _run(tmp_path / "host", STEPS, spares=2, grad_store="host")
+    try:
+        _same(_snapshot(ref), _snapshot(logged))
+        twins = [r for r in logged.store.regions() if r.name.startswith(LOG_PREFIX)]
+        grads = [r for r in logged.store.regions() if r.in_memory]
+        assert grads and len(twins) == len(grads) and not any(t.in_memory for t in twins)
+        assert sum(t.nbytes for t in twins) == sum(g.nbytes for g in grads)
+        # the log holds the last update's gradients
+        for twin in twins:
+            region = twin.name[len(LOG_PREFIX):]
+            assert (logged.store.read(twin.name) == logged.store.read(region)).all(), region
+    finally:
+        ref.close()
+        logged.close()
+
+
+@pytest.mark.parametrize("kill", ["optimizer_chunk:9", "optimizer_chunk:20", "durable_sync:3", "journal_fsync:4"])
+def test_a_kill_in_an_update_rolls_forward_from_the_log(tmp_path, kill):
+    ref, _ = _run(tmp_path / "reference", STEPS)
+    expected = _snapshot(ref)
+    ref.close()
+    where = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(where), str(STEPS)], capture_output=True,
+                          env={**os.environ, "JAXASCEND_KILL_AT": kill}, cwd=os.getcwd())
+    assert proc.returncode == -9, proc.stderr.decode()[-3000:]
+    with StepJournal(where / "offload", create=False) as journal:
+        in_flight = journal.record.update is not None
+    state = _make(where, spares=2, grad_store="host", reopen=True)
+    try:
+        step = state.recover()
+        assert step >= 1 or not in_flight
+        for s in range(step + 1, STEPS + 1):
+            _step(state, s)
+        _same(_snapshot(state), expected)
+    finally:
+        state.close()
