@@ -326,7 +326,8 @@ class _Launch:
         name, stopped = _signal_name(signum), (128 + signum, -signum)
         if all(c.proc.returncode in stopped for c in self.children):
             print(f"job stopped by {name}: its {len(self.children)} process(es) stopped on it; the same command "
-                  "resumes from the newest complete checkpoint", file=sys.stderr, flush=True)
+                  "resumes from the step process 0 named (its checkpoint, or with offload.durable the offload files)",
+                  file=sys.stderr, flush=True)
         else:
             other = next(c for c in self.children if c.proc.returncode not in stopped)
             self._error(f"stopped by {name}; " + (other.failure() or f"process {other.index} exited with status 0"))

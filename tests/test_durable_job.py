@@ -50,8 +50,7 @@ def root(tmp_path_factory):
     ("ssd-overlap", [("durable_barrier:2", 0), ("optimizer_chunk:9", 1)]),
 ])
 def test_a_killed_process_resumes_the_job_from_the_files_bit_identically(root, mode, kills):
-    straight = _job(root / f"{mode}-straight", mode)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    _straight(root, mode)
     out, resumed, held = root / f"{mode}-killed", [], []
     for kill in kills:
         done = _job(out, mode, kill)
@@ -75,3 +74,33 @@ def test_a_killed_process_resumes_the_job_from_the_files_bit_identically(root, m
         np.testing.assert_array_equal(w[name], ref[name], err_msg=name)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 6
+
+
+def test_a_stop_signal_stops_the_job_with_nothing_to_save_and_the_same_command_goes_on(root):
+    out = root / "stopped"
+    # SIGTERM to the launcher after step 3 (process 0 sends it to its parent), which forwards it
+    done = train(out, 2, *DURABLE, env={"JAXASCEND_SIGNAL_AT": "step_end:3:SIGTERM@parent",
+                                        "JAXASCEND_SIGNAL_PROCESS": "0"})
+    assert done.returncode == 143, done.stderr[-3000:]
+    stop = [line for line in done.stderr.splitlines() if line.startswith("stopped by SIGTERM at step ")]
+    assert len(stop) == 1, done.stderr[-3000:]  # process 0 speaks for the job; the signal lands at a boundary
+    step = int(stop[0].split(" at step ")[1].split(":")[0])
+    assert stop[0].endswith(f"the offload files in {out}/offload/process0 hold step {step}; the same command resumes")
+    assert not (out / "checkpoints").exists() or not any(p.name.isdigit() for p in (out / "checkpoints").iterdir())
+    assert 3 <= step < 6 and _reaches(out) == [(step, step), (step, step)]  # both processes' files hold it
+    final = train(out, 2, *DURABLE)
+    assert final.returncode == 0 and _resumed_from_files(final), final.stderr[-3000:]
+    ref = _straight(root, "resident-sequential")
+    assert losses(out) == losses(ref)
+    w, want = weights(out), weights(ref)
+    for name in want:
+        np.testing.assert_array_equal(w[name], want[name], err_msg=name)
+
+
+def _straight(root, mode):
+    """The uninterrupted job of ``mode`` (run once per worker)."""
+    out = root / f"{mode}-straight"
+    if not (out / "summary.json").exists():
+        done = _job(out, mode)
+        assert done.returncode == 0, done.stderr[-3000:]
+    return out

@@ -306,7 +306,8 @@ def test_a_signal_to_the_launcher_stops_every_child_and_what_they_started(tmp_pa
         assert err.splitlines() == [f"error: stopped by {name}; process 0 was killed by SIGKILL"]
     else:
         assert err.splitlines() == [f"job stopped by {name}: its 2 process(es) stopped on it; the same command resumes "
-                                    "from the newest complete checkpoint"]
+                                    "from the step process 0 named (its checkpoint, or with offload.durable the offload "
+                                    "files)"]
     assert proc.returncode == 128 + signum
     assert not [pid for pid in pids if alive(pid)]
 

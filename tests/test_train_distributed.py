@@ -228,7 +228,7 @@ def test_a_stop_signal_stops_every_process_of_the_job_at_one_checkpoint(runs, wh
     assert len(stop) == 1, done.stderr[-3000:]  # process 0 speaks for the job
     step = int(stop[0].split(" at step ")[1].split(":")[0])
     assert lines[-1] == ("job stopped by SIGTERM: its 2 process(es) stopped on it; the same command resumes from the "
-                         "newest complete checkpoint")
+                         "step process 0 named (its checkpoint, or with offload.durable the offload files)")
     saved = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert saved[-1] == step < STEPS
     assert {p.name for p in (out / "checkpoints" / str(step) / "offloaded").iterdir()} >= {"process0", "process1"}
