@@ -350,7 +350,8 @@ class DurableRecords:
         """The journal's writes and bytes so far, the last update's commits and the spares' disk."""
         return {"journal_writes": self.journal.writes, "journal_bytes": self.journal.bytes_written,
                 "commits_last_update": self.commits,
-                "spare_bytes": self.rings.spare_bytes + (self.params.spare_bytes if self.params else 0)}
+                "spare_bytes": self.rings.spare_bytes + (self.params.spare_bytes if self.params else 0),
+                "gradient_log_bytes": self.gradient_log.nbytes if self.gradient_log is not None else 0}
 
     def close(self) -> None:
         self.journal.close()

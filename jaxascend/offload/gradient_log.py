@@ -29,7 +29,9 @@ class GradientLog:
 
     def __init__(self, store: SsdStore, layout):
         self.store = store
-        self.pairs = [(name[len(LOG_PREFIX):], name) for name, _ in log_regions(layout)]
+        regions = log_regions(layout)
+        self.pairs = [(name[len(LOG_PREFIX):], name) for name, _ in regions]
+        self.nbytes = sum(nbytes for _, nbytes in regions)  # its disk
 
     def write(self) -> None:
         """Each gradient region to its twin, queued (the caller syncs the store)."""

@@ -29,7 +29,7 @@ def test_updates_with_a_gradient_log_are_those_of_gradients_on_ssd(tmp_path):
         twins = [r for r in logged.store.regions() if r.name.startswith(LOG_PREFIX)]
         grads = [r for r in logged.store.regions() if r.in_memory]
         assert grads and len(twins) == len(grads) and not any(t.in_memory for t in twins)
-        assert sum(t.nbytes for t in twins) == sum(g.nbytes for g in grads)
+        assert sum(t.nbytes for t in twins) == sum(g.nbytes for g in grads) == logged.records.figures()["gradient_log_bytes"]
         # the log holds the last update's gradients
         for twin in twins:
             region = twin.name[len(LOG_PREFIX):]
