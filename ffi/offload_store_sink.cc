@@ -56,20 +56,29 @@ class StoreSink : public GradientSink {
     store_ = store;
   }
 
-  // Routes tensor id `tensor` to `regions` (one per layer, each `layer_bytes` long).
+  // Routes tensor id `tensor` to `regions` (one per layer, each `layer_bytes` long); `mirrors`
+  // (none, or one per layer, as long): where each layer's whole gradient is written too once it
+  // is complete (durable steps' log of gradients kept in memory regions).
   void AddTensor(int64_t tensor, const std::vector<int32_t>& regions, int64_t layer_bytes,
-                 const std::string& dtype_name, int64_t arrivals) {
+                 const std::string& dtype_name, int64_t arrivals, const std::vector<int32_t>& mirrors) {
     const std::string what = "StoreSink.add_tensor(" + std::to_string(tensor) + ")";
     CheckArrivals(what, arrivals);
     const ffi::DataType dtype = ParseGradDtypeOrThrow(what, dtype_name);
     if (regions.empty()) throw nb::value_error((what + ": at least one region (layer) is needed").c_str());
     std::shared_ptr<ShardStore> store = Store();
     if (!store) throw nb::value_error((what + ": " + ClosedMessage()).c_str());
-    for (size_t layer = 0; layer < regions.size(); ++layer) {
-      const StoreRegion* r = store->region(regions[layer]);
+    if (!mirrors.empty() && mirrors.size() != regions.size()) {
+      throw nb::value_error((what + ": " + std::to_string(mirrors.size()) + " mirror regions for " +
+                             std::to_string(regions.size()) + " layers")
+                                .c_str());
+    }
+    std::vector<int32_t> all(regions);
+    all.insert(all.end(), mirrors.begin(), mirrors.end());
+    for (size_t layer = 0; layer < all.size(); ++layer) {
+      const StoreRegion* r = store->region(all[layer]);
       if (!r) {
-        throw nb::value_error((what + ": layer " + std::to_string(layer) + " names unknown region id " +
-                               std::to_string(regions[layer]))
+        throw nb::value_error((what + ": layer " + std::to_string(layer % regions.size()) +
+                               " names unknown region id " + std::to_string(all[layer]))
                                   .c_str());
       }
       if (r->nbytes != layer_bytes) {
@@ -80,6 +89,7 @@ class StoreSink : public GradientSink {
     }
     auto target = std::make_shared<Target>(static_cast<int64_t>(regions.size()), layer_bytes, arrivals, dtype);
     target->regions = regions;
+    target->mirrors = mirrors;
     target->held.reset(new std::atomic<bool>[regions.size()]);
     for (size_t i = 0; i < regions.size(); ++i) target->held[i].store(false);
     routes_.Add(what, tensor, std::move(target));
@@ -105,6 +115,10 @@ class StoreSink : public GradientSink {
       s = store->WriteFromHost(t->regions[layer], 0, data, t->layer_bytes, /*wait=*/false);
     } else {
       s = AddToStored(*store, *t, layer, data, stats);  // a later use of a tied table
+    }
+    if (s.ok() && arrival.last && !t->mirrors.empty()) {  // the whole gradient to its mirror too
+      s = arrival.first ? store->WriteFromHost(t->mirrors[layer], 0, data, t->layer_bytes, /*wait=*/false)
+                        : CopyStored(*store, *t, layer);
     }
     if (!s.ok()) {
       return "grad_sink: writing layer " + std::to_string(layer) + " of tensor " + std::to_string(tensor) +
@@ -141,6 +155,7 @@ class StoreSink : public GradientSink {
   struct Target : RoutedTensor {
     using RoutedTensor::RoutedTensor;
     std::vector<int32_t> regions;  // one per layer
+    std::vector<int32_t> mirrors;  // none, or one per layer
     std::unique_ptr<std::atomic<bool>[]> held;  // the optimizer has not read this layer yet
   };
 
@@ -175,6 +190,21 @@ class StoreSink : public GradientSink {
     return Status::Ok();
   }
 
+  // Copies what layer `layer`'s region holds to its mirror, piece by piece (a summed gradient).
+  Status CopyStored(ShardStore& store, const Target& t, int64_t layer) {
+    const int64_t piece = store.options().staging_bytes;
+    std::lock_guard<std::mutex> lock(add_mu_);
+    add_buffer_.resize(static_cast<size_t>(std::min(piece, t.layer_bytes)));
+    for (int64_t offset = 0; offset < t.layer_bytes; offset += piece) {
+      const int64_t n = std::min(piece, t.layer_bytes - offset);
+      Status s = store.ReadToHost(t.regions[layer], offset, add_buffer_.data(), n);
+      if (!s.ok()) return s;
+      s = store.WriteFromHost(t.mirrors[layer], offset, add_buffer_.data(), n, /*wait=*/false);
+      if (!s.ok()) return s;
+    }
+    return Status::Ok();
+  }
+
   // The store is held weakly: closing it ends the sink's writes with a clear error instead of
   // keeping a closed store alive.
   std::shared_ptr<ShardStore> Store() const {
@@ -199,9 +229,10 @@ void BindStoreSink(nb::module_& m) {
   cls.def(nb::new_([](int64_t store_handle) { return std::make_shared<StoreSink>(store_handle); }),
           nb::arg("store_handle"))
       .def("add_tensor", &StoreSink::AddTensor, nb::arg("tensor"), nb::arg("regions"), nb::arg("layer_bytes"),
-           nb::arg("dtype"), nb::arg("arrivals") = 1,
+           nb::arg("dtype"), nb::arg("arrivals") = 1, nb::arg("mirrors") = std::vector<int32_t>(),
            "Routes tensor id `tensor` to one region id per layer, each layer_bytes long; `arrivals` per layer "
-           "are summed (a tied table's uses).");
+           "are summed (a tied table's uses); `mirrors`: a region per layer that each whole gradient is "
+           "written to as well.");
   BindReceipts(cls);
   cls.def("hold", &StoreSink::Hold, "Marks every region as being read by the optimizer (arrivals refused).")
       .def("release", &StoreSink::Release, nb::arg("tensor"), nb::arg("layer"),

@@ -53,6 +53,7 @@ class InPlaceRecords:
     durable = False
     step = 0
     staged: dict = {}
+    gradient_log = None
 
     def __init__(self, chunks: list[ChunkRef], segments: list[list[Segment]]):
         self._chunks, self._segments = chunks, segments
@@ -291,9 +292,7 @@ class DurableRecords:
         """The update of step ``self.step + 1`` starts; ``trainer``: the trainer's state once it is
         done (None: the staged one)."""
         kill_point("durable_sync")
-        if self.gradient_log is not None:  # gradients in RAM: copied to their twins on SSD
-            self.gradient_log.write()
-        self.store.sync()  # the gradients, this update's redo log, are on disk
+        self.store.sync()  # the gradients, this update's redo log, are on disk (in RAM: their log, gradient_log)
         self._update = UpdateInFlight.of(scalars, updates_applied, self.staged if trainer is None else trainer)
         self._committed, self._pending, self.commits = -1, [], 0
         self._write()

@@ -21,18 +21,21 @@ GradientSink = Union[StoreGradientSink, Fp32BufferGradientSink]
 
 
 def make_gradient_sink(store: SsdStore, layout: OffloadLayout, grad_buffer: Optional[np.ndarray],
-                       grad_offsets: list[int], arrivals: dict[int, int]) -> GradientSink:
+                       grad_offsets: list[int], arrivals: dict[int, int],
+                       mirrors: Optional[dict[str, str]] = None) -> GradientSink:
     """A registered sink over ``layout``'s gradient regions, or over ``grad_buffer`` (each leaf's
     float32 gradient at its ``grad_offsets`` entry) when there is one. ``arrivals``: tensor id ->
-    gradients per layer the sink sums (default 1)."""
+    gradients per layer the sink sums (default 1). ``mirrors``: gradient region -> the region each
+    whole gradient is written to as well (durable steps' log of gradients in RAM)."""
     n = arrivals.get
     if grad_buffer is not None:
         buffer_targets = [BufferTarget(leaf.index, offset, leaf.layers, leaf.layer_elements, leaf.dtype,
                                        n(leaf.index, 1))
                           for leaf, offset in zip(layout.leaves, grad_offsets)]
         return Fp32BufferGradientSink(grad_buffer, buffer_targets)
-    targets = [SinkTarget(leaf.index, leaf.grad_regions, leaf.grad_layer_bytes, leaf.dtype,
-                          n(leaf.index, 1)) for leaf in layout.leaves]
+    twin = (mirrors or {}).get
+    targets = [SinkTarget(leaf.index, leaf.grad_regions, leaf.grad_layer_bytes, leaf.dtype, n(leaf.index, 1),
+                          tuple(twin(r) for r in leaf.grad_regions) if mirrors else ()) for leaf in layout.leaves]
     return register_store_sink(store, targets)
 
 

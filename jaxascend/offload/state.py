@@ -180,6 +180,7 @@ class OffloadedAdamState:
         self._init_segments = initial_segments(self._plan.chunks, regions)
         # Records rewritten in place, or (durable steps) in slot rings with a journal: durable_records.
         self.records = make_records(store, self.layout, self._plan.chunks, self._plan.segments, durable_spares)
+        self._mirrors = dict(self.records.gradient_log.pairs) if self.records.gradient_log else {}  # region -> log
         self._initialized = False
         self._broken: Optional[str] = None  # why the SSD state can no longer be trusted
         self._grads_written = False  # write_grads() ran since the last step
@@ -285,15 +286,15 @@ class OffloadedAdamState:
                 np.copyto(self._grad_view(leaf), g.reshape(-1))  # widened exactly, no temporary
                 continue
             g = g.reshape(leaf.layers, leaf.layer_elements)
-            for layer, region in enumerate(leaf.grad_regions):
-                self.store.write(region, np.ascontiguousarray(g[layer]), wait=False)
+            for layer, region in enumerate(leaf.grad_regions):  # durable steps' log too, gradients in RAM
+                for target in (region, self._mirrors[region]) if region in self._mirrors else (region,):
+                    self.store.write(target, np.ascontiguousarray(g[layer]), wait=False)
         self.store.flush()  # I/O errors surface here, naming the region
         self._grads_written = True
 
     @_serialized
     def mark_gradients_written(self) -> None:
-        """Declares that the caller wrote every gradient region itself (``store.write`` to each
-        ``leaf.grad_regions[layer]``, e.g. a benchmark), so the next step may read them."""
+        """The caller wrote every gradient region itself (e.g. a benchmark): the next step may read them."""
         self._check_open()
         self._grads_written = True
 
@@ -309,7 +310,7 @@ class OffloadedAdamState:
         if self._sink is None or self._sink.closed:
             self._arrivals = dict(arrivals or {})
             self._sink = make_gradient_sink(self.store, self.layout, self.grad_buffer, self._grad_offsets,
-                                            self._arrivals)
+                                            self._arrivals, self._mirrors)
         return self._sink
 
     @property
@@ -358,12 +359,11 @@ class OffloadedAdamState:
         ``hparams``: :class:`~jaxascend.optim.fused_adam.AdamHyperParams` (``count`` = updates applied
         before this one; ``grad_scale`` = loss-scale unscale times clip factor), its float32[10]
         ``scalars()``, or one row of them per leaf (``[leaves, 10]``: a leaf's own weight decay,
-        :meth:`~jaxascend.optim.AdamWSettings.scalars` with a decay mask). Gradients must have
-        arrived since the last step (sink or :meth:`write_grads`). ``put`` turns each filled host leaf into the returned array
-        (default: ``jax.device_put`` to the default device; e.g. ``lambda x: jax.device_put(x,
-        sharding)``); the host leaf is dropped right after. ``skip=True`` (an overflowed step) touches nothing, forgets the
-        received gradients and returns None. ``journal``: as :meth:`apply_update`'s.
-        """
+        :meth:`~jaxascend.optim.AdamWSettings.scalars` with a decay mask). Gradients must have arrived
+        since the last step (sink or :meth:`write_grads`). ``put`` turns each filled host leaf into the
+        returned array (default: ``jax.device_put`` to the default device), dropped right after.
+        ``skip=True`` (an overflowed step) touches nothing, forgets the received gradients and
+        returns None. ``journal``: as :meth:`apply_update`'s."""
         if skip:
             # The skipped step's gradient writes land before the next step's can be queued: two
             # writes of one block in flight at once could land in either order.

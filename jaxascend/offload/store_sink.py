@@ -50,6 +50,7 @@ class SinkTarget:
     layer_bytes: int
     dtype: object  # the gradient dtype the backward pass produces (the compute dtype)
     arrivals: int = 1  # gradients per layer that the sink sums (2: a tied table's lookup and head)
+    mirrors: tuple[str, ...] = ()  # none, or a region per layer each whole gradient is written to as well
 
 
 class _RegisteredSink:
@@ -138,7 +139,7 @@ class StoreGradientSink(_RegisteredSink):
         for t in targets:
             region_ids = [store.region(name).id for name in t.regions]
             self._native.add_tensor(int(t.tensor), region_ids, int(t.layer_bytes), _dtype_name(t.dtype),
-                                    int(t.arrivals))
+                                    int(t.arrivals), [store.region(name).id for name in t.mirrors])
             self._tensors.append(int(t.tensor))
         self._register(self._native, _native.register_store_sink(self._native), self._tensors)
 

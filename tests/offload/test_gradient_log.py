@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxascend.offload.gradient_log import LOG_PREFIX
@@ -59,3 +60,30 @@ def test_a_kill_in_an_update_rolls_forward_from_the_log(tmp_path, kill):
         _same(_snapshot(state), expected)
     finally:
         state.close()
+
+
+def test_the_sink_writes_each_gradient_to_its_log_as_it_arrives(tmp_path):
+    """The native sink's mirrors: every layer's gradient lands in its memory region and, whole, in
+    its twin on SSD, byte for byte the reference gradient (ffi/offload_store_sink.cc)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxascend.offload import OffloadedAdamState
+    from tests.offload.test_state import _scanned_loss, _sinked_grad_step, _sinked_setup, offload_cfg
+
+    _, params, x = _sinked_setup(tmp_path / "unused", jnp.bfloat16)
+    state = OffloadedAdamState.create(params, offload_cfg(tmp_path / "run"), stacked={"emb": False, "w": True},
+                                      grad_store="host", durable_spares=2)
+    with state:
+        state.init(params)
+        ref = jax.jit(jax.grad(lambda p: _scanned_loss(p["w"], p["emb"], x, lambda q, n, i: q)))(params)
+        step, probes = _sinked_grad_step(state, 3)
+        jax.block_until_ready(step(probes, params, x))
+        state.store.flush()
+        for name in ("emb", "w"):
+            leaf = state.leaf(name)
+            want = np.asarray(ref[name]).view(np.uint8).reshape(leaf.layers, -1)
+            for layer, region in enumerate(leaf.grad_regions):
+                assert state.store.region(region).in_memory
+                np.testing.assert_array_equal(state.store.read(region), want[layer])
+                np.testing.assert_array_equal(state.store.read(LOG_PREFIX + region), want[layer])
