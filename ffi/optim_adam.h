@@ -39,11 +39,13 @@
 //                     a hash of its own so that the moments' bits (h >> 16, h & 0xffff) stay what
 //                     they were. Unbiased: E[master] = y.
 //   kBF16Compensated: a 16-bit companion comp holds the float32 master's low half, so the pair is
-//                     the float32 master exactly: x = float(bits: (master << 16) + int16(comp));
-//                     master = (bits(y) + 0x8000) >> 16 (to nearest, ties away from zero, so
-//                     that comp as int16 is exactly bits(y) - (master << 16): ties to even would
-//                     need a 17th bit), comp = bits(y) & 0xffff.
-//                     Every step is the float32 master's step, bit for bit; 4 bytes a weight,
+//                     the float32 master: x = float(bits: (master << 16) + int16(comp)); with
+//                     u = bits(y) - (bits(y) & 0x1ffff == 0x8000) (a tie that rounds down, to
+//                     even, held one float32 ulp toward zero: +0x8000 would need a 17th bit),
+//                     master = (u + 0x8000) >> 16, which is y to nearest, ties to even, as the
+//                     float32 master's compute weights, and comp = u & 0xffff.
+//                     Every step is the float32 master's step, bit for bit, but for that ulp (one
+//                     weight in 2**17 a step); 4 bytes a weight,
 //                     like Kahan summation with a bfloat16 companion (optimi, anyprecision
 //                     AdamW), which rounds its companion to 8 bits and so stalls once lr*|u| is
 //                     under half the companion's ulp: at lr 1e-6 on weights near 1 it stops at

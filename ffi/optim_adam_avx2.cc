@@ -149,8 +149,12 @@ JAXASCEND_TARGET_AVX2 inline void StoreMaster8(const AdamBuffers& b, const Avx2S
       const __m256i r = _mm256_srli_epi32(HashLanes8(b.rounding_seed ^ kAdamMasterSalt, b.rounding_index + i), 16);
       bits = PackBf16x8(new_master, _mm256_srli_epi32(_mm256_add_epi32(y, r), 16));
     } else {
-      bits = PackBf16x8(new_master, _mm256_srli_epi32(_mm256_add_epi32(y, _mm256_set1_epi32(0x8000)), 16));
-      const __m128i low = Pack16x8(_mm256_and_si256(y, _mm256_set1_epi32(0xffff)));
+      // SplitMasterBits: a tie that rounds down (low 17 bits 0x08000) is held one ulp toward zero.
+      const __m256i tie_down = _mm256_cmpeq_epi32(_mm256_and_si256(y, _mm256_set1_epi32(0x1ffff)),
+                                                  _mm256_set1_epi32(0x8000));
+      const __m256i u = _mm256_add_epi32(y, tie_down);  // -1 in those lanes
+      bits = PackBf16x8(new_master, _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x8000)), 16));
+      const __m128i low = Pack16x8(_mm256_and_si256(u, _mm256_set1_epi32(0xffff)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(b.comp_out + i), low);
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(b.master16_out + i), bits);

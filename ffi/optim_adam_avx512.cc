@@ -115,9 +115,13 @@ JAXASCEND_TARGET_AVX512 inline void StoreMaster16(const AdamBuffers& b, __m512 l
       const __m512i r = HashBits16(b.rounding_seed ^ kAdamMasterSalt, b.rounding_index + i);
       bits = PackBf16x16(new_master, _mm512_srli_epi32(_mm512_add_epi32(y, r), 16));
     } else {
-      bits = PackBf16x16(new_master, _mm512_srli_epi32(_mm512_add_epi32(y, _mm512_set1_epi32(0x8000)), 16));
+      // SplitMasterBits: a tie that rounds down (low 17 bits 0x08000) is held one ulp toward zero.
+      const __mmask16 tie_down = _mm512_cmpeq_epi32_mask(_mm512_and_si512(y, _mm512_set1_epi32(0x1ffff)),
+                                                         _mm512_set1_epi32(0x8000));
+      const __m512i u = _mm512_mask_sub_epi32(y, tie_down, y, _mm512_set1_epi32(1));
+      bits = PackBf16x16(new_master, _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x8000)), 16));
       // vpmovdw truncates each lane to its low 16 bits.
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.comp_out + i), _mm512_cvtepi32_epi16(y));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.comp_out + i), _mm512_cvtepi32_epi16(u));
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(b.master16_out + i), bits);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(b.params_out) + i), bits);

@@ -98,10 +98,18 @@ inline float JoinMaster(uint16_t master, uint16_t comp) {
   return BitsToFloat((static_cast<uint32_t>(master) << 16) + static_cast<uint32_t>(static_cast<int16_t>(comp)));
 }
 
-// The bf16 half of a compensated master: y to nearest, ties away from zero (the companion is
-// then y's low 16 bits read as a signed offset); NaN as FloatToBFloat16 has it.
-inline uint16_t SplitMasterHigh(float y) {
+// The float32 bits a compensated master holds for y: y's own, but for a tie that rounds down
+// (low half 0x8000 on an even high half), held one ulp toward zero (low half 0x7fff), so that
+// the high half rounded ties away from zero is y to nearest, ties to even, and the low half read
+// as a signed offset is exact (a tie rounding down needs +0x8000, which int16 lacks).
+inline uint32_t SplitMasterBits(float y) {
   const uint32_t u = FloatToBits(y);
+  return u - static_cast<uint32_t>((u & 0x1ffffu) == 0x8000u);
+}
+
+// The bf16 half of a compensated master from SplitMasterBits' u: y to nearest, ties to even (the
+// companion is u's low 16 bits); NaN as FloatToBFloat16 has it.
+inline uint16_t SplitMasterHigh(uint32_t u) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
   return static_cast<uint16_t>((u + 0x8000u) >> 16);
 }
@@ -131,8 +139,9 @@ inline void StoreMaster(const AdamBuffers& b, const AdamScalars& s, int64_t i, f
     if constexpr (M == AdamMaster::kBF16Stochastic) {
       bits = FloatToBFloat16Stochastic(new_master, MasterRoundingBits(b, i));
     } else {
-      bits = SplitMasterHigh(new_master);
-      b.comp_out[i] = static_cast<uint16_t>(FloatToBits(new_master));
+      const uint32_t u = SplitMasterBits(new_master);
+      bits = SplitMasterHigh(u);
+      b.comp_out[i] = static_cast<uint16_t>(u);
     }
     b.master16_out[i] = bits;
     static_cast<uint16_t*>(b.params_out)[i] = bits;

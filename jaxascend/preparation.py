@@ -69,7 +69,8 @@ def model_notes(asked: ModelConfig, resolved: ModelConfig) -> tuple[str, ...]:
 def master_notes(cfg: Config, weights_dtype: str) -> tuple[str, ...]:
     """The ``note:`` of a bfloat16 master rounded once from ``model.path``'s wider weights
     (``weights_dtype``): a stochastic (or nearest) one starts from their bfloat16 rounding; a
-    compensated one holds them exactly, and a bfloat16 checkpoint is the master as it is."""
+    compensated one holds them (float32 ones exactly but for a tie that rounds down, one ulp),
+    and a bfloat16 checkpoint is the master as it is."""
     o = cfg.optimizer
     if o.master_dtype != "bfloat16" or o.master_rounding == "compensated" or weights_dtype == "bfloat16":
         return ()

@@ -80,8 +80,9 @@ def drift(start: dict, end: dict) -> float:
     return (num / den) ** 0.5
 
 
-def verdict(runs: dict, key: str = "losses") -> dict:
-    """Each run's last-10% mean against float32's; the spread is the farthest float32-perturbed run's."""
+def verdict(runs: dict, key: str = "losses", spread_from: dict | None = None) -> dict:
+    """Each run's last-10% mean against float32's; the spread is the farthest float32-perturbed run's
+    (or ``spread_from``'s, an earlier verdict of the same float32 run, whose perturbed runs it keeps)."""
     def tail_mean(r):
         x = np.asarray(r["losses"])
         return float(x[-max(1, len(x) // 10):].mean())
@@ -90,6 +91,9 @@ def verdict(runs: dict, key: str = "losses") -> dict:
     perturbed = [r for name, r in runs.items() if name.startswith("float32-perturbed")]
     spread = max((abs(tail_mean(r) / base - 1) for r in perturbed), default=0.0)
     out = {}
+    if spread_from is not None:
+        spread = max(spread, spread_from["perturbation_spread"])
+        out.update({name: r for name, r in spread_from["runs"].items() if name.startswith("float32-perturbed")})
     for name, r in runs.items():
         if name == "float32":
             continue
@@ -119,19 +123,44 @@ def scratch_large(args, work: Path) -> dict:
     its perturbation, and the combinations of ``--large`` (about 10 minutes a run on 2 cores)."""
     moments_only = {"float32+int8": MASTERS["float32"] + ["optimizer.state_dtype=int8"]}  # the int8 moments' part
     chosen = {k: v for k, v in {**MASTERS, **COMPACT, **moments_only}.items() if k == "float32" or k in args.large}
+    if args.large_spread_from:
+        return _from_scratch("scratch 0.54b", chosen, LARGE, args.large_steps, work, args.reuse,
+                             _earlier_spread(Path(args.large_spread_from), args.large_steps))
     perturbed = {**PERTURBED, **(PERTURBED_LR if args.large_spread else {})}
     return _from_scratch("scratch 0.54b", {**chosen, **perturbed}, LARGE, args.large_steps, work, args.reuse)
 
 
-def _from_scratch(label: str, chosen: dict, shape: list[str], steps: int, work: Path, reuse: bool) -> dict:
+def _earlier_spread(path: Path, steps: int) -> dict:
+    """The 0.54B regime of an earlier ``bench_master_quality.json``: its float32 run's final loss
+    and the verdict holding its perturbed runs, for a float32 run that ends where it did."""
+    try:
+        earlier = json.loads(path.read_text())["scratch_0.54b"]
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"--large-spread-from {path}: no 0.54B regime to take the spread from ({e})")
+    if earlier["steps"] != steps:
+        raise SystemExit(f"--large-spread-from {path}: its 0.54B runs are {earlier['steps']} steps, not {steps}")
+    return {"path": str(path), "final_loss": earlier["runs"]["float32"]["final_loss"], **earlier["verdict"]}
+
+
+def _from_scratch(label: str, chosen: dict, shape: list[str], steps: int, work: Path, reuse: bool,
+                  spread_from: dict | None = None) -> dict:
     """Each of ``chosen`` (name -> overrides) trained ``steps`` from the same initialisation on the
-    tiny config with ``shape`` over it, and the rule's verdict."""
+    tiny config with ``shape`` over it, and the rule's verdict. With ``spread_from``, float32 is run
+    first and must end at its earlier final loss, bit for bit (the runs are deterministic), so the
+    earlier perturbed runs stand for this one's."""
     runs = {}
     for name, overrides in chosen.items():
         folder = label.replace(" ", "-") + f"-{name}"
         runs[name] = train(folder, BASE + shape + overrides + [f"train.steps={steps}"], work, reuse)
         print(f"{label} {name}: final loss {runs[name]['losses'][-1]:.4f}", file=sys.stderr)
-    return {"steps": steps, "num_params": runs["float32"]["num_params"], "runs": runs, "verdict": verdict(runs)}
+        if name == "float32" and spread_from and runs[name]["losses"][-1] != spread_from["final_loss"]:
+            raise SystemExit(f"{label}: float32 ended at {runs[name]['losses'][-1]!r}, not at "
+                             f"{spread_from['final_loss']!r} as in {spread_from['path']}: run its perturbations")
+    out = {"steps": steps, "num_params": runs["float32"]["num_params"], "runs": runs,
+           "verdict": verdict(runs, spread_from=spread_from)}
+    if spread_from:
+        out["perturbations_from"] = spread_from["path"]
+    return out
 
 
 def finetune(args, work: Path) -> dict:
@@ -194,6 +223,9 @@ def main(argv=None) -> dict:
                    help="which combinations the 0.54B regime runs beside float32 and its perturbation")
     p.add_argument("--large-spread", action="store_true",
                    help="the 0.54B regime's float32 also with its learning rate 1e-5 up and down (two runs more)")
+    p.add_argument("--large-spread-from", metavar="JSON",
+                   help="take the 0.54B regime's perturbed float32 runs from an earlier output of this benchmark "
+                        "instead of running them (float32 must end at that output's final loss, bit for bit)")
     p.add_argument("--pretrain-steps", type=int, default=1000)
     p.add_argument("--finetune-steps", type=int, default=300)
     p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-5, 5e-5])

@@ -96,7 +96,8 @@ def write_initial_state(store: SsdStore, chunks: list[ChunkRef], segments: list[
 def master_parts(values: np.ndarray, fmt: StateFormat) -> tuple[np.ndarray, Optional[np.ndarray]]:
     """``values`` (float32, or the compute dtype) as the master stores them, and a compensated
     master's companion (else None): float32 as they are; a compensated bfloat16 master and its
-    low half, together ``values`` exactly (``master_codes.split_master``); a stochastic one's
+    low half, together ``values`` (exactly, but a tie that rounds down is held one float32 ulp
+    toward zero: ``master_codes.split_master``; a bfloat16 value exactly); a stochastic one's
     bits rounded to nearest even once (exact from bfloat16)."""
     x = np.asarray(values, np.float32)
     if fmt.master == "float32":

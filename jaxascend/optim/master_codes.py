@@ -12,7 +12,8 @@ stored as:
 
   - ``"compensated"``: a 16-bit companion ``comp`` (2 B/param more) holds the low half of the
     float32 master, so master and comp together *are* the float32 master and every step is the
-    float32 master's, bit for bit (:func:`join_master`, :func:`split_master`);
+    float32 master's, bit for bit, but for one float32 ulp at a tie (:func:`join_master`,
+    :func:`split_master`);
   - ``"stochastic"``: rounded up with the probability of the dropped fraction, so each weight's
     expected value follows the float32 update; no companion, but the noise of one random
     rounding per step.
@@ -28,11 +29,16 @@ weight_decay * x``) and every operation rounded to float32 separately::
                   master = bf16_round_stochastic(y, master_rounding_bits(seed, index, n))
     compensated:  x = join_master(master, comp)      # float32 bits (master << 16) + int16(comp)
                   y = x - lr * u
-                  master, comp = split_master(y)     # (bits(y) + 0x8000) >> 16, bits(y) & 0xffff
+                  master, comp = split_master(y)     # (u + 0x8000) >> 16, u & 0xffff
 
-The compensated master is rounded to nearest with ties away from zero, not to even: then ``comp``
-read as int16 is exactly ``bits(y) - (master << 16)``; a tie to even could have come from either
-side and would need a 17th bit.
+The bfloat16 half is ``y`` to nearest, ties to even: the float32 master's compute weights, bit for
+bit. ``comp`` read as int16 is ``u - (master << 16)`` with ``u = bits(y)``, but for a tie that
+rounds down (``bits(y) & 0x1ffff == 0x8000``: an even high half, the low half exactly half an ulp),
+where the offset would be +0x8000, one past int16: there ``u = bits(y) - 1``, the master held one
+float32 ulp toward zero (about one weight in 2**17 a step). A tie that rounds up is exact
+(-0x8000). So the compute weights are always float32's, and the master float32's but for those
+ulps, which move it 2**-24 of itself where ties away from zero would move its compute weights by
+2**-8 of themselves (as this master did before; measured in docs/bench_master_quality.md).
 
 Why not Kahan summation with a bfloat16 companion (optimi's and anyprecision AdamW's ``comp =
 bf16(step - (new - x))``), at the same 4 B/param? Its companion is rounded to 8 bits too, so it
@@ -143,9 +149,11 @@ def master_rounding_bits(seed: int, index: int, n: int) -> np.ndarray:
 
 
 def split_master(x) -> tuple[np.ndarray, np.ndarray]:
-    """A compensated master (uint16 bits, uint16 companion) holding float32 ``x`` exactly: ``x`` to
-    nearest bfloat16, ties away from zero (a NaN stays a quiet NaN), and its low 16 bits."""
+    """A compensated master (uint16 bits, uint16 companion) holding float32 ``x``: ``x`` to nearest
+    bfloat16, ties to even (a NaN stays a quiet NaN), and its low 16 bits; exact but where a tie
+    rounds down (``bits & 0x1ffff == 0x8000``), held one ulp toward zero (see the top)."""
     u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    u = u - ((u & np.uint32(0x1FFFF)) == np.uint32(0x8000)).astype(np.uint32)
     nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
     with np.errstate(over="ignore"):
         high = (u + np.uint32(0x8000)) >> np.uint32(16)
