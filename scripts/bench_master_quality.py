@@ -174,8 +174,9 @@ def finetune(args, work: Path) -> dict:
     out = {}
     for lr in args.learning_rates:
         runs = {}
-        compact = {k: v for k, v in COMPACT.items() if k in args.compact}
-        for name, overrides in {**MASTERS, **PERTURBED, **NEAREST, **compact}.items():
+        masters = {k: v for k, v in {**MASTERS, **NEAREST}.items() if k == "float32" or k in args.masters}
+        compact = {k: v for k, v in COMPACT.items() if k in args.compact and k.split("+")[0] in masters}
+        for name, overrides in {**masters, **PERTURBED, **compact}.items():
             run_name = f"finetune-{lr:g}-{name}"
             try:
                 r = train(run_name, BASE + overrides + data + [f"optimizer.learning_rate={lr}", "export.enabled=true",
@@ -230,8 +231,9 @@ def main(argv=None) -> dict:
     p.add_argument("--finetune-steps", type=int, default=300)
     p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-5, 5e-5])
     p.add_argument("--compact", nargs="*", default=list(COMPACT), help="which combinations with int8 moments to run")
-    p.add_argument("--masters", nargs="*", default=list(MASTERS),
-                   help="which 16-bit masters (and their --compact combinations) to run from scratch beside float32")
+    p.add_argument("--masters", nargs="*", default=list(MASTERS) + list(NEAREST),
+                   help="which 16-bit masters (and their --compact combinations) to run beside float32 and its "
+                        "perturbation (bfloat16-nearest, the ablation: only in fine-tuning)")
     p.add_argument("--work-dir", default="/tmp/jaxascend-bench-master")
     p.add_argument("--out", default=str(REPO / "docs" / "bench_master_quality"))
     p.add_argument("--reuse", action="store_true", help="keep runs already finished in --work-dir")
