@@ -41,6 +41,8 @@ SLOW_FIRST = (
     "tests/test_compressed_state_training.py",
     "tests/offload/test_blocked_loss_runs.py",
     "tests/offload/test_offloaded_training.py",
+    "tests/offload/test_master_training.py",  # 113 s under CI's load: trainings of every master, resident and on SSD
+    "tests/offload/test_step.py",  # 89 s under CI's load
     "tests/test_sft.py",
     "tests/data/test_format_auto.py",  # 70 s: 3 trainings of a tiny Qwen2 by configs/qwen2.5-0.5b.yaml
     "tests/hf/test_hub.py",  # 43 s: 2 CLI trainings from a hub id in a temporary cache (a resume), a refusal, a plan
