@@ -30,7 +30,7 @@ from jaxascend.data import (EpochCount, eval_batches, has_tokenizer_files, load_
                             missing_paths, read_data_format, tokenizer_folder, with_epoch_steps)
 from jaxascend.hf import CONFIG_FILE, ModelSource, check_hf_weights, locate_model, model_config_from_hf, param_plan
 from jaxascend.models import TokenBatch, token_batch
-from jaxascend.offload import JOURNAL_NAME, JobShape, StepJournal, StepPlan
+from jaxascend.offload import JobShape, StepPlan, read_journal
 from jaxascend.planning import ResourcePlan, plan_resources
 from jaxascend.optim import check_decay_rule
 
@@ -312,12 +312,9 @@ def _gradients_of_the_files(cfg: Config) -> tuple[Config, tuple[str, ...]]:
     auto`` keeps where the files' journal says the gradients were (their layout includes them),
     with a note, instead of choosing anew on this machine's memory."""
     off = cfg.offload
-    journal = os.path.join(off.dir or "", JOURNAL_NAME)
-    if not (off.enabled and off.durable and off.gradients == "auto" and cfg.train.resume == "auto"
-            and os.path.exists(journal)):
+    if not (off.enabled and off.durable and off.gradients == "auto" and cfg.train.resume == "auto"):
         return cfg, ()
-    with StepJournal(off.dir, create=False) as opened:
-        record = opened.record
+    record = read_journal(off.dir or "")
     if record is None or record.step < 0:
         return cfg, ()
     cfg = dataclasses.replace(cfg, offload=dataclasses.replace(off, gradients=record.gradients))

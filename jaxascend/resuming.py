@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from jaxascend.checkpoint import check_resume_partition, default_directory, read_meta, resume_target
 from jaxascend.config import Config
-from jaxascend.offload import JOURNAL_NAME, StepJournal
+from jaxascend.offload import read_journal
 from jaxascend.optim import unfinished_warmup_note
 
 
@@ -98,13 +98,10 @@ def files_point(cfg: Config, checkpoint: ResumePoint, last: int,
     flight is counted done: the engine rolls it forward from its gradients. ``gather`` (a job):
     every process's values of a list; the job resumes at the latest step every process's files
     reach (``JournalRecord.reach``), the same for all of them."""
-    journal = Path(cfg.offload.dir or "") / JOURNAL_NAME
     if not (cfg.offload.enabled and cfg.offload.durable and cfg.train.resume == "auto"):
         return checkpoint
-    record = None
-    if journal.exists():
-        with StepJournal(journal.parent, create=False) as opened:
-            record = opened.record
+    folder = Path(cfg.offload.dir or "")
+    record = read_journal(folder)
     reach = list(record.reach()) if record is not None else [-1, -1]
     reaches = gather(reach) if gather is not None else [reach]  # SYNC: every process of a job
     step = min(hi for _, hi in reaches)
@@ -114,7 +111,7 @@ def files_point(cfg: Config, checkpoint: ResumePoint, last: int,
         held = ", ".join(f"process {i}: steps {lo} to {hi}" for i, (lo, hi) in enumerate(reaches))
         raise ValueError(f"durable steps: the job's offload files hold no step in common ({held}); resume from a "
                          f"checkpoint (train.resume: <step>) or remove offload.dir {cfg.offload.dir}")
-    return ResumePoint(step, journal.parent, {"meta": record.trainer_at(step)}, from_files=True)
+    return ResumePoint(step, folder, {"meta": record.trainer_at(step)}, from_files=True)
 
 
 def with_schedule(cfg: Config, point: ResumePoint) -> tuple[Config, tuple[str, ...]]:

@@ -48,11 +48,11 @@ from jaxascend.offload.state import OffloadedAdamState
 from jaxascend.offload.state_layout import job_state_layout, state_arena_plan
 from jaxascend.offload.timeline import write_timeline_png
 from jaxascend.offload.slot_rings import durable_disk_bytes
-from jaxascend.offload.step_journal import JOURNAL_NAME, StepJournal
+from jaxascend.offload.step_journal import JOURNAL_NAME, StepJournal, read_journal
 
 __all__ = [
     "EngineSettings", "JOURNAL_NAME", "JobShape", "OffloadEngine", "PlannedOffloadEngine", "OffloadLayout", "OffloadedAdamState", "STATE_SLOT_CLASS", "StepPlan",
     "fetch_layer", "job_state_layout", "load_model", "offload_on_backward", "overlap_refusal", "sink_gradient",
-    "specs_for_offload_layout", "ssd_adamw", "state_arena_plan", "StepJournal", "streaming_refusal",
+    "specs_for_offload_layout", "ssd_adamw", "state_arena_plan", "StepJournal", "read_journal", "streaming_refusal",
     "durable_disk_bytes", "write_timeline_png",
 ]

@@ -192,3 +192,12 @@ class StepJournal:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_journal(directory) -> Optional[JournalRecord]:
+    """The newest whole record of the journal in ``directory``; None when there is no journal
+    file or no whole record in it."""
+    if not (Path(directory) / JOURNAL_NAME).exists():
+        return None
+    with StepJournal(directory, create=False) as opened:
+        return opened.record
