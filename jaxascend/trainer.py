@@ -33,7 +33,7 @@ from jaxascend.generation import SamplePrompts
 from jaxascend.in_memory_engine import InMemoryEngine
 from jaxascend.metrics import MetricsLog, describe_rate, format_bytes, peak_rss_bytes, summary_table
 from jaxascend.models import count_params
-from jaxascend.offload import (EngineSettings, JobShape, PlannedOffloadEngine, StepJournal, StepPlan, load_model,
+from jaxascend.offload import (EngineSettings, JobShape, PlannedOffloadEngine, StepPlan, load_model, read_journal,
                                write_timeline_png)
 from jaxascend.preparation import PreparedRun, prepare_run
 from jaxascend.provenance import RunStack
@@ -269,8 +269,8 @@ def _what_resumes(cfg: Config, plan: StepPlan, point) -> Callable[[], str]:
 
 def _newest_in_files(cfg: Config) -> str:
     """Durable steps: the step the offload files hold (what the same command resumes from)."""
-    with StepJournal(cfg.offload.dir, create=False) as journal:
-        step = journal.record.held()[0] if journal.record is not None else -1
+    record = read_journal(cfg.offload.dir)
+    step = record.held()[0] if record is not None else -1
     return f"step {step} held by the offload files in {cfg.offload.dir}" if step > 0 else \
         f"no step in the offload files in {cfg.offload.dir} (a fresh start)"
 

@@ -161,6 +161,7 @@ class DurableRecords:
         self._committed = -1
         self._pending: list[tuple[int, Callable[[], None]]] = []
         self.commits = 0  # journal commits of the last update (bench and tests)
+        self._placed: Optional[tuple] = None  # (where records are, placed()'s chunks)
 
     # ------------------------------------------------------------------ where records are
     def _initial_rotations(self) -> tuple[int, ...]:
@@ -212,7 +213,13 @@ class DurableRecords:
     def placed(self) -> list[ChunkRef]:
         """Every chunk with its record (and a rotating streamed chunk its weights) where it is
         now: between updates, at the rings' rotations; inside an interrupted one, new up to the
-        committed position and old after it."""
+        committed position and old after it (built once per placement: a checkpoint reads it per leaf)."""
+        key = (tuple(self.rotations), self._update is None, self._committed)
+        if self._placed is None or self._placed[0] != key:
+            self._placed = (key, self._place())
+        return self._placed[1]
+
+    def _place(self) -> list[ChunkRef]:
         if self._update is None:
             slots = [read for read, _ in self.rings.locations(self.rotations)]
         else:

@@ -212,6 +212,10 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     if stream:
         notes += (f"streamed weights: {format_bytes(streamed)} on SSD; resident embeddings/norms/head "
                   f"{format_bytes(resident)} ({resident / n:.2f} B/param)",)
+        if processes == 1 and cfg.offload.overlap and overlap_refusal(cfg) is None:
+            notes += (f"the overlapped forward takes each layer from its update in memory where a slot is free "
+                      f"(handover): up to {format_bytes(streamed)} ({streamed / n:.2f} B/param) of the reads above "
+                      f"not made",)
     if processes > 1:
         notes += (f"a job of {processes} processes: host memory, the offload files and the SSD traffic are one "
                   f"process's ({cfg.data.batch_size // processes} of each batch's {cfg.data.batch_size} rows, "

@@ -87,3 +87,24 @@ def test_the_sink_writes_each_gradient_to_its_log_as_it_arrives(tmp_path):
                 assert state.store.region(region).in_memory
                 np.testing.assert_array_equal(state.store.read(region), want[layer])
                 np.testing.assert_array_equal(state.store.read(LOG_PREFIX + region), want[layer])
+
+
+@pytest.mark.parametrize("store", ["host", "ssd"])
+def test_auto_keeps_where_the_files_journal_put_the_gradients(tmp_path, store):
+    from jaxascend.config import load_config
+    from jaxascend.preparation import _gradients_of_the_files
+
+    state, _ = _run(tmp_path / "run", 2, spares=2, **({"grad_store": "host"} if store == "host" else {}))
+    state.close()
+    folder = tmp_path / "run" / "offload"
+
+    def cfg(*more):
+        return load_config("configs/tiny.yaml", [f"offload.dir={folder}", "offload.durable=true",
+                                                 f"train.out_dir={tmp_path / 'out'}", *more], inputs=False)
+
+    kept, notes = _gradients_of_the_files(cfg())
+    assert kept.offload.gradients == store
+    assert notes == (f"offload.gradients: auto keeps {store}, as the offload files in {folder} were written "
+                     f"(their journal holds step 2)",)
+    for asked in (cfg("train.resume=none"), cfg(f"offload.gradients={'ssd' if store == 'host' else 'host'}")):
+        assert _gradients_of_the_files(asked) == (asked, ())  # a fresh start, or the user's choice

@@ -468,3 +468,17 @@ def test_no_final_checkpoint_and_outputs_in_the_gradients_space(tmp_path, monkey
     kept = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, keep_files=True))
     [fs_kept] = plan_run(kept, model_cfg, runtime_bytes=0).disk
     assert fs_kept.shared_at_end == 0 and fs_kept.need == sum(p.nbytes for p in fs_kept.parts)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_plan_names_the_reads_the_overlapped_forward_takes_in_memory(tmp_path, roomy, overlap):
+    # Streamed weights: the forward and the backward's recomputation each read them (counted); an
+    # overlapped update hands each new layer to the forward in memory where a slot is free.
+    cfg = _cfg(tmp_path, "model.remat=full", f"offload.overlap={str(overlap).lower()}")
+    plan = plan_run(cfg, _model(cfg), "ssd", runtime_bytes=0, levers=False)
+    handed = [n for n in plan.notes if n.startswith("the overlapped forward takes each layer")]
+    stream = [n for n in plan.notes if n.startswith("streamed weights: ")]
+    assert len(stream) == 1 and len(handed) == (1 if overlap else 0)
+    if overlap:
+        streamed = stream[0].split("streamed weights: ")[1].split(" on SSD")[0]
+        assert f"up to {streamed} (" in handed[0]
