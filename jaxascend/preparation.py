@@ -313,10 +313,10 @@ def _gradients_of_the_files(cfg: Config) -> tuple[Config, tuple[str, ...]]:
     with a note, instead of choosing anew on this machine's memory."""
     off = cfg.offload
     if not (off.enabled and off.durable and off.gradients == "auto" and cfg.train.resume == "auto"):
-        return cfg, ()
+        return cfg, ()  # set by hand: a resume from the files under another layout is refused, naming it
     record = read_journal(off.dir or "")
     if record is None or record.step < 0:
         return cfg, ()
     cfg = dataclasses.replace(cfg, offload=dataclasses.replace(off, gradients=record.gradients))
     return cfg, (f"offload.gradients: auto keeps {record.gradients}, as the offload files in {off.dir} were written "
-                 f"(their journal holds step {record.step})",)
+                 f"(they hold step {record.held()[0]})",)

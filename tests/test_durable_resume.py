@@ -31,7 +31,7 @@ def corpus(tmp_path_factory):
     return write_word_corpus(tmp_path_factory.mktemp("corpus"), docs=4, words_per_doc=300)
 
 
-def _cli(out, corpus, mode, kill_at=None, signal_at=None, durable=True):
+def _cli(out, corpus, mode, kill_at=None, signal_at=None, durable=True, extra=()):
     env = {k: v for k, v in os.environ.items() if k not in ("JAXASCEND_KILL_AT", "JAXASCEND_SIGNAL_AT")}
     if kill_at:
         env["JAXASCEND_KILL_AT"] = kill_at
@@ -42,6 +42,7 @@ def _cli(out, corpus, mode, kill_at=None, signal_at=None, durable=True):
                                                  f"train.out_dir={out}", f"offload.dir={out}/offload"]
     if not durable:
         overrides.append("offload.durable=false")
+    overrides += list(extra)
     for o in overrides:
         args += ["--set", o]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
@@ -103,3 +104,25 @@ def test_a_second_sigint_abandons_the_step_and_the_files_resume_it(tmp_path, cor
     straight = _cli(tmp_path / "straight", corpus, "resident-overlap")
     assert _losses(out) == _losses(tmp_path / "straight")
     _assert_bitwise_equal(_final_state(tmp_path / "straight"), _final_state(out))
+
+
+def test_a_resume_under_another_layout_names_what_differs_and_leaves_the_files(tmp_path, corpus):
+    # The gradients in RAM (auto's choice here), killed inside an update; a resume that would lay
+    # the files out otherwise is refused in one line naming the field, and the unchanged command
+    # then goes on from the files, ending as a straight run does.
+    straight = _cli(tmp_path / "straight", corpus, "resident-sequential")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = tmp_path / "killed"
+    assert _cli(out, corpus, "resident-sequential", kill_at="optimizer_chunk:9").returncode == -9
+    for extra, says in ((["optimizer.state_dtype=int8"], "(optimizer.state_dtype: the files have 'float32', this run "
+                                                         "'int8'); resume with the config they were written under"),
+                        (["offload.gradients=ssd"], "(offload.gradients: the files have 'host', this run 'ssd')")):
+        refused = _cli(out, corpus, "resident-sequential", extra=extra)
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+        assert refused.returncode != 0 and len(errors) == 1 and says in errors[0], refused.stderr[-3000:]
+        assert "Traceback" not in refused.stderr
+    final = _cli(out, corpus, "resident-sequential")
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "held by the offload files" in final.stderr + final.stdout
+    _assert_bitwise_equal(_final_state(tmp_path / "straight"), _final_state(out))
+    assert _losses(out) == _losses(tmp_path / "straight")

@@ -125,6 +125,26 @@ def layout_fingerprint(layout: OffloadLayout, rings: SlotRings, regions: Sequenc
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def layout_summary(layout: OffloadLayout, rings: SlotRings) -> dict:
+    """The parts of the fingerprint's layout a person can name, by the config field that sets
+    them; the journal keeps them beside it, so a resume under another layout says what differs."""
+    state = layout.state
+    return {"optimizer.state_dtype": state.dtype, "optimizer.state_block": state.block or None,
+            "optimizer.master_dtype": state.master,
+            "optimizer.master_rounding": state.master_rounding if state.master != "float32" else None,
+            "offload.chunk_bytes": f"{layout.chunk_elements} elements a chunk",
+            "offload.durable_spares": max(ring.spares for ring in rings.rings) if rings.rings else 0,
+            "offload.gradients": layout.grad_store, "offload.params": "ssd" if layout.streamed_leaves else "resident",
+            "parameters (the model's shape; a job's process: its slice)": layout.num_parameters}
+
+
+def differences(saved: Optional[dict], current: dict) -> list[str]:
+    """``saved``'s fields that ``current`` has otherwise, as "field: the files have X, this run Y"
+    (a field that one side does not have, None, is left out: an int8 block beside float32 moments)."""
+    return [f"{name}: the files have {saved[name]!r}, this run {value!r}" for name, value in current.items()
+            if saved is not None and saved.get(name) is not None and value is not None and saved[name] != value]
+
+
 class DurableRecords:
     """Slot rings and the journal (see the module docstring). Made by the state's owner, which
     adds :attr:`SlotRings.spare_regions` to the store before building its update plan."""
@@ -135,6 +155,7 @@ class DurableRecords:
                  rings: SlotRings, journal: StepJournal, fingerprint: str, params: Optional[ParamRings] = None,
                  gradient_log: Optional[GradientLog] = None):
         self.store, self.rings, self.journal, self.fingerprint = store, rings, journal, fingerprint
+        self.summary: dict = {}  # layout_summary's, recorded beside the fingerprint (make_records sets it)
         self.gradient_log = gradient_log  # gradients in RAM: their copy on SSD, the redo log
         self._chunks, self._segments = chunks, segments
         self._regions = {r.name: r for r in store.regions()}
@@ -350,7 +371,7 @@ class DurableRecords:
     def _write(self) -> None:
         self.journal.write(JournalRecord(self.fingerprint, self.step, tuple(self.rotations), self.trainer,
                                          self._update, self.updates, self.back,
-                                         "host" if self.gradient_log is not None else "ssd"))
+                                         "host" if self.gradient_log is not None else "ssd", self.summary))
 
     def figures(self) -> dict:
         """The journal's writes and bytes so far, the last update's commits and the spares' disk."""
@@ -373,8 +394,11 @@ class DurableRecords:
         if record is None:
             raise ValueError(f"durable steps: no journal in {self.journal.path.parent}")
         if record.layout != self.fingerprint:
+            named = differences(record.written_under, self.summary) or \
+                ["the model's shape, the state format, the offload sizes or the processes differ"]
             raise ValueError(f"durable steps: the offload files in {self.journal.path.parent} were written under "
-                             f"another layout (model shape, state format, offload sizes or processes differ)")
+                             f"another layout ({'; '.join(named)}); resume with the config they were written "
+                             f"under, or start afresh with train.resume: none")
         if record.step < 0:
             raise ValueError(f"durable steps: the offload files in {self.journal.path.parent} were being written "
                              f"from scratch or from a checkpoint when the run stopped; they hold no step")
@@ -414,8 +438,10 @@ def make_records(store: SsdStore, layout: OffloadLayout, chunks: list[ChunkRef],
     for name, nbytes in list(rings.spare_regions + (params.spare_regions if params else ())) + log_regions(layout):
         store.add_region(name, nbytes)
     fingerprint = layout_fingerprint(layout, rings, [(r.name, r.nbytes) for r in store.regions()], params)
-    return DurableRecords(store, chunks, segments, rings, StepJournal(store.cfg.dir, create=True), fingerprint,
-                          params, GradientLog(store, layout) if layout.grad_store == "host" else None)
+    records = DurableRecords(store, chunks, segments, rings, StepJournal(store.cfg.dir, create=True), fingerprint,
+                             params, GradientLog(store, layout) if layout.grad_store == "host" else None)
+    records.summary = layout_summary(layout, rings)
+    return records
 
 
 def roll_forward(records, plan, store: SsdStore, layout: OffloadLayout, kernel: Callable,

@@ -82,6 +82,7 @@ class JournalRecord:
     # after it ({"step", "trainer"}), until an update commits; a job may resume there (reach).
     back: Optional[dict] = None
     gradients: str = "ssd"  # where the redo log's gradients are: ssd (their regions), host (their log)
+    written_under: Optional[dict] = None  # the layout's parts a person can name (config field -> value)
 
     def held(self) -> tuple[int, dict]:
         """The step a resume goes on from and the trainer's state after it: an update in flight
@@ -117,7 +118,8 @@ class JournalRecord:
         if update is not None:
             update = UpdateInFlight(**{**update, "scalars_shape": tuple(update["scalars_shape"])})
         return JournalRecord(d["layout"], int(d["step"]), tuple(d["rotations"]), d["trainer"], update,
-                             int(d.get("updates", 0)), d.get("back"), d.get("gradients", "ssd"))
+                             int(d.get("updates", 0)), d.get("back"), d.get("gradients", "ssd"),
+                             d.get("written_under"))
 
 
 def encode(record: JournalRecord, seq: int) -> bytes:
