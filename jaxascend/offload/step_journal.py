@@ -158,6 +158,9 @@ class StepJournal:
         except OSError as e:
             raise JournalError(f"journal: cannot open {self.path}: {e.strerror}") from None
         newest = self._newest()
+        # No whole record, though a second one was written (the first goes to slot 1, the second
+        # to slot 0): a write tears one slot at most, so both are damaged, not a first write cut.
+        self.damaged = newest is None and any(os.pread(self._fd, SLOT_BYTES, 0))
         self._seq = newest[0] if newest else 0  # record seq s lives in slot s % 2
         self.writes = self.bytes_written = 0  # this opening's (benchmarks: the journal's share of a step's I/O)
         self.record: Optional[JournalRecord] = newest[1] if newest else None
@@ -198,8 +201,13 @@ class StepJournal:
 
 def read_journal(directory) -> Optional[JournalRecord]:
     """The newest whole record of the journal in ``directory``; None when there is no journal
-    file or no whole record in it."""
+    file or no whole record in it (raises ValueError where both slots are damaged:
+    the files' step cannot be known, and starting afresh over them would lose it unasked)."""
     if not (Path(directory) / JOURNAL_NAME).exists():
         return None
     with StepJournal(directory, create=False) as opened:
+        if opened.damaged:
+            raise ValueError(f"durable steps: the journal {opened.path} holds no whole record (both of its slots "
+                             f"are damaged), so the step the offload files hold is unknown; resume from a "
+                             f"checkpoint (train.resume: <step>) or start afresh with train.resume: none")
         return opened.record

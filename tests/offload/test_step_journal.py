@@ -71,3 +71,32 @@ def test_a_kill_at_a_journal_write_leaves_a_whole_record(tmp_path, point):
     with StepJournal(tmp_path, create=False) as j:
         # killed before step 3's write (or after it, before its fdatasync: then the page cache has it)
         assert j.record == (_record(2, update=True) if point == "journal_write" else _record(3))
+
+
+def _damage(path, slot):
+    with open(path, "r+b") as f:
+        f.seek(slot * SLOT_BYTES + 60)
+        f.write(b"x" * 60)
+
+
+def test_a_journal_with_both_slots_damaged_is_refused_not_read_as_a_fresh_start(tmp_path):
+    from jaxascend.offload.step_journal import read_journal
+
+    first = tmp_path / "first"  # a first write cut: slot 1 torn, slot 0 never written: nothing held yet
+    first.mkdir()
+    with StepJournal(first, create=True) as j:
+        j.write(_record(0))
+    _damage(first / JOURNAL_NAME, 1)
+    assert read_journal(first) is None
+    both = tmp_path / "both"
+    both.mkdir()
+    with StepJournal(both, create=True) as j:
+        for step in range(1, 4):
+            j.write(_record(step))
+    _damage(both / JOURNAL_NAME, 1)  # one slot damaged: the other's record
+    assert read_journal(both).step == 2
+    _damage(both / JOURNAL_NAME, 0)
+    with pytest.raises(ValueError, match=r"^durable steps: the journal .* holds no whole record \(both of its slots are "
+                                         r"damaged\), so the step the offload files hold is unknown; resume from a "
+                                         r"checkpoint \(train.resume: <step>\) or start afresh with train.resume: none$"):
+        read_journal(both)
