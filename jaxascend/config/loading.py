@@ -211,6 +211,9 @@ def _validate_cross_fields(cfg: Config) -> None:
     if cfg.offload.gradients != "auto" and not cfg.offload.enabled:
         raise ConfigError(f"offload.gradients: {cfg.offload.gradients!r} needs offload.enabled: true (the in-memory "
                           "engine keeps its gradients on the device)")
+    if cfg.offload.durable and not cfg.offload.enabled:
+        raise ConfigError("offload.durable: true needs offload.enabled: true (the in-memory engine's state is in RAM: "
+                          "its resume points are its checkpoints, checkpoint.every_steps)")
     if cfg.offload.gradients != "auto" and cfg.offload.fp32_grad_buffer:
         raise ConfigError(f"offload.gradients: {cfg.offload.gradients!r} cannot be combined with "
                           "offload.fp32_grad_buffer (the ablation keeps its own float32 host buffer); leave it auto")

@@ -276,8 +276,8 @@ class OffloadConfig:
     # its last complete step without a checkpoint (docs/architecture.md, "Durable steps"). The
     # step's gradients are the redo log: with them in RAM (offload.gradients host) each update
     # first copies them to a log on SSD (2 B/param written a step, 2 B/param of disk).
-    # Refused with offload.fp32_grad_buffer. In a job each process keeps its own journal, and the
-    # job resumes from the latest step every process's files reach.
+    # Needs offload.enabled; refused with offload.fp32_grad_buffer. In a job each process keeps its
+    # own journal, and the job resumes from the latest step every process's files reach.
     durable: bool = False
     # Spare records per slot ring (at least stream_depth: a commit waits for no I/O; each commits
     # about spares - 2 chunks): spares x the largest record of disk (chunk_bytes x 3 at fp32 state).

@@ -120,7 +120,8 @@ def test_durable_steps_are_decided_once_with_a_note_where_they_are_off():
     assert job.durable and not any("offload.durable" in n for n in job.notes)
     master16 = _plan("model.remat=full", "offload.params=ssd", "offload.durable=true", "optimizer.master_dtype=bfloat16")
     assert master16.durable and not any("offload.durable" in n for n in master16.notes)  # its layers rotate too
-    assert not _plan("offload.enabled=false", "offload.durable=true").durable
+    with pytest.raises(ConfigError, match=r"^offload.durable: true needs offload.enabled: true \(the in-memory "):
+        _plan("offload.enabled=false", "offload.durable=true")
     assert _plan("model.remat=full", "offload.durable=true", "offload.gradients=host").durable  # with their log
     with pytest.raises(ConfigError, match="offload.durable: an interrupted update is redone from the step's gradients"):
         _plan("model.remat=full", "offload.durable=true", "offload.fp32_grad_buffer=true")
