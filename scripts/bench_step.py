@@ -372,7 +372,7 @@ def plot_accumulation(report: dict, path: Path) -> None:
         return
     acc = report["accumulation"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for mode in CONTENDERS:
+    for mode in CONTENDERS + tuple(MASTER16):
         xs = [a for a in acc["grad_accum"] if mode in acc["per_a"][a]["step_seconds"]]
         if not xs:
             continue
@@ -398,14 +398,21 @@ def plot(report: dict, path: Path) -> None:
     except ImportError:
         return
     steps = report["summary"]["step_seconds"]
-    names = [m for m in CONTENDERS if m in steps]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    names = [m for m in CONTENDERS + tuple(MASTER16) if m in steps]  # every contender that ran
+    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(names)), 3.8))
     meds = [steps[m]["median"] for m in names]
     errs = [[steps[m]["median"] - steps[m]["min"] for m in names], [steps[m]["max"] - steps[m]["median"] for m in names]]
-    ax.bar(names, meds, yerr=errs, capsize=4,
-           color=["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52"][:len(names)])
-    floor = report["summary"]["ssd_floor_seconds"]["median"]
-    if floor:
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52", "#937860", "#da8bc3", "#8c8c8c", "#ccb974"]
+    ax.bar(names, meds, yerr=errs, capsize=4, color=[colors[i % len(colors)] for i in range(len(names))])
+    ax.tick_params(axis="x", labelsize=7, labelrotation=20)
+    own = report["summary"].get("contender_ssd_floor_seconds", {})
+    marks = [(i, own[m]["median"]) for i, m in enumerate(names) if own.get(m)]
+    if marks:  # each contender's own bytes at the round's raw speeds
+        ax.hlines([f for _, f in marks], [i - 0.4 for i, _ in marks], [i + 0.4 for i, _ in marks], colors="black",
+                  lw=2, label="its SSD floor (its bytes at the raw disk speeds)")
+        ax.legend(fontsize=7)
+    elif report["summary"]["ssd_floor_seconds"].get("median"):
+        floor = report["summary"]["ssd_floor_seconds"]["median"]
         ax.axhline(floor, color="black", ls="--", lw=1, label=f"SSD floor {floor:.1f} s")
         ax.legend()
     ax.set_ylabel("seconds per step (median, range over rounds)")
