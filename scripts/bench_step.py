@@ -49,6 +49,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_step_plots import plot, plot_accumulation  # scripts/ is on the path
+
 REPO = Path(__file__).resolve().parent.parent
 PEER_PY = Path("/tmp/peer/venv/bin/python")
 ZINF = REPO.parent / "shared" / "peers" / "zero_infinity" / "zinf_train.py"
@@ -362,67 +364,6 @@ def accumulation(by_a: dict) -> dict:
     return out
 
 
-def plot_accumulation(report: dict, path: Path) -> None:
-    """s/step and tokens/s against A, one line per contender."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    acc = report["accumulation"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for mode in CONTENDERS + tuple(MASTER16):
-        xs = [a for a in acc["grad_accum"] if mode in acc["per_a"][a]["step_seconds"]]
-        if not xs:
-            continue
-        axes[0].plot(xs, [acc["per_a"][a]["step_seconds"][mode] for a in xs], "o-", label=mode)
-        axes[1].plot(xs, [acc["per_a"][a]["tokens_per_second"].get(mode) for a in xs], "o-", label=mode)
-    for ax, label in zip(axes, ("seconds per step (median)", "tokens per second (median)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("micro-batches per step (A)")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"{report['shape']} Llama, {report['batch']} x {report['seq_len']} tokens per micro-batch, bf16 — "
-                 f"{report['cpu']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    steps = report["summary"]["step_seconds"]
-    names = [m for m in CONTENDERS + tuple(MASTER16) if m in steps]  # every contender that ran
-    fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(names)), 3.8))
-    meds = [steps[m]["median"] for m in names]
-    errs = [[steps[m]["median"] - steps[m]["min"] for m in names], [steps[m]["max"] - steps[m]["median"] for m in names]]
-    colors = ["#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52", "#937860", "#da8bc3", "#8c8c8c", "#ccb974"]
-    ax.bar(names, meds, yerr=errs, capsize=4, color=[colors[i % len(colors)] for i in range(len(names))])
-    ax.tick_params(axis="x", labelsize=7, labelrotation=20)
-    own = report["summary"].get("contender_ssd_floor_seconds", {})
-    marks = [(i, own[m]["median"]) for i, m in enumerate(names) if own.get(m)]
-    if marks:  # each contender's own bytes at the round's raw speeds
-        ax.hlines([f for _, f in marks], [i - 0.4 for i, _ in marks], [i + 0.4 for i, _ in marks], colors="black",
-                  lw=2, label="its SSD floor (its bytes at the raw disk speeds)")
-        ax.legend(fontsize=7)
-    elif report["summary"]["ssd_floor_seconds"].get("median"):
-        floor = report["summary"]["ssd_floor_seconds"]["median"]
-        ax.axhline(floor, color="black", ls="--", lw=1, label=f"SSD floor {floor:.1f} s")
-        ax.legend()
-    ax.set_ylabel("seconds per step (median, range over rounds)")
-    ax.set_title(f"{report['shape']} Llama, seq {report['seq_len']}, batch {report['batch']}, bf16 — {report['cpu']}",
-                 fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def run_round(k: int, contenders: list[str], args, work: Path) -> dict:
     """One round: the disk once (unless --io-size 0), then each contender in a rotating order."""
     round_dir = work / f"round{k}-a{args.grad_accum}"
@@ -490,13 +431,13 @@ def main(argv=None) -> int:
             report.setdefault("by_grad_accum", {})[a] = {"rounds": by_a[a], "summary": summarize(by_a[a], args)}
         report["accumulation"] = accumulation(report["by_grad_accum"])
         out.write_text(json.dumps(report, indent=1))
-        plot_accumulation(report, out.with_suffix(".png"))
+        plot_accumulation(report, out.with_suffix(".png"), CONTENDERS + tuple(MASTER16))
         printed = {"accumulation": report["accumulation"],
                    "by_grad_accum": {a: v["summary"] for a, v in report["by_grad_accum"].items()}}
     else:
         report.update(rounds=by_a[1], summary=summarize(by_a[1], args))
         out.write_text(json.dumps(report, indent=1))
-        plot(report, out.with_suffix(".png"))
+        plot(report, out.with_suffix(".png"), CONTENDERS + tuple(MASTER16))
         printed = report["summary"]
     if timeline is not None:
         from jaxascend.offload import write_timeline_png
