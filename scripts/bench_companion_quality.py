@@ -34,7 +34,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_master_quality import BASE, PERTURBED_EPS, TOLERANCE, drift, numpy_sources, save, verdict, weights  # noqa: E402
+from bench_int4_quality import finetune, regime_arguments  # noqa: E402
+from bench_master_quality import BASE, PERTURBED_EPS, TOLERANCE, save, verdict  # noqa: E402
 from bench_state_quality import LARGE, train  # noqa: E402
 from bench_step import cpu_model  # noqa: E402
 
@@ -107,42 +108,14 @@ def scratch_large(args, work: Path) -> dict:
     return {"steps": args.large_steps, "runs": runs, "verdict": verdict(runs)}
 
 
-def finetune(args, work: Path) -> dict:
-    pre = Path(args.pretrained)
-    if not (pre / "hf").is_dir():
-        raise SystemExit(f"{pre / 'hf'}: no pretrained export; run bench_master_quality.py --only finetune first")
-    start = weights(pre / "hf")
-    data = [f"model.path={pre / 'hf'}", "data.tokenizer=byte", f"data.paths=[{numpy_sources()}]",
-            "data.include=['*.py']", f"train.steps={args.finetune_steps}", "optimizer.warmup_steps=0",
-            "export.enabled=true", "export.dtype=float32"]
-    out = {}
-    for lr in args.learning_rates:
-        runs = {}
-        for name, extra in MASTERS.items():
-            folder = f"c8-finetune-{lr:g}-{name}"
-            runs[name] = run(folder, extra + data + [f"optimizer.learning_rate={lr}"], work, args.reuse)
-            runs[name]["drift"] = drift(start, weights(work / folder / "hf"))
-            print(f"finetune {lr:g} {name}: drift {runs[name]['drift']:.6f}", file=sys.stderr, flush=True)
-        out[f"{lr:g}"] = {"runs": runs, "verdict": verdict(runs)}
-    return {"steps": args.finetune_steps, "learning_rates": out}
-
-
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=["scratch", "finetune"], default=None)
-    p.add_argument("--steps", type=int, default=1000)
+    p = regime_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]), "companion")
     p.add_argument("--large-steps", type=int, default=100, help="steps of the 0.54B regime (0: skip it)")
-    p.add_argument("--finetune-steps", type=int, default=300)
-    p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-5, 5e-5])
-    p.add_argument("--work-dir", default="/tmp/jaxascend-bench-companion")
-    p.add_argument("--pretrained", default="/tmp/jaxascend-bench-master/pretrained")
-    p.add_argument("--out", default=str(REPO / "docs" / "bench_companion_quality"))
-    p.add_argument("--reuse", action="store_true", help="keep runs already finished in --work-dir")
     args = p.parse_args(argv)
     work = Path(args.work_dir)
     results = {"tolerance": TOLERANCE, "cpu": cpu_model(), "master": "bfloat16 + an 8-bit companion, simulated"}
     if args.only in (None, "finetune"):
-        results["finetune"] = finetune(args, work)
+        results["finetune"] = finetune(args, work, MASTERS, "c8", run)
     if args.only in (None, "scratch"):
         results["scratch"] = scratch(args, work)
         if args.large_steps:

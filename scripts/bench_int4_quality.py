@@ -113,7 +113,10 @@ def scratch(args, work: Path) -> dict:
             for name, extra in RUNS.items()}
     return {"steps": args.steps, "runs": runs, "verdict": verdict(runs)}
 
-def finetune(args, work: Path) -> dict:
+def finetune(args, work: Path, runs_of: dict = RUNS, prefix: str = "int4", run_one=None) -> dict:
+    """``runs_of`` (name -> overrides; ``run_one(folder, overrides, work, reuse)`` runs one, default
+    :func:`run`) fine-tuning the pretrained tiny model at each learning rate, with their drifts."""
+    run_one = run_one or run
     pre = Path(args.pretrained)
     if not (pre / "hf").is_dir():
         raise SystemExit(f"{pre / 'hf'}: no pretrained export; run bench_master_quality.py --only finetune first")
@@ -124,25 +127,28 @@ def finetune(args, work: Path) -> dict:
     out = {}
     for lr in args.learning_rates:
         runs = {}
-        for name, extra in RUNS.items():
-            folder = f"int4-finetune-{lr:g}-{name}"
-            runs[name] = run(folder, extra + data + [f"optimizer.learning_rate={lr}"], work, args.reuse)
+        for name, extra in runs_of.items():
+            folder = f"{prefix}-finetune-{lr:g}-{name}"
+            runs[name] = run_one(folder, extra + data + [f"optimizer.learning_rate={lr}"], work, args.reuse)
             runs[name]["drift"] = drift(start, weights(work / folder / "hf"))
-            print(f"finetune {lr:g} {name}: drift {runs[name]['drift']:.6f}", file=sys.stderr)
+            print(f"finetune {lr:g} {name}: drift {runs[name]['drift']:.6f}", file=sys.stderr, flush=True)
         out[f"{lr:g}"] = {"runs": runs, "verdict": verdict(runs)}
     return {"steps": args.finetune_steps, "learning_rates": out}
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def regime_arguments(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The two regimes' options of a simulation benchmark called ``name`` (its folders and output)."""
     p.add_argument("--only", choices=["scratch", "finetune"], default=None)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--finetune-steps", type=int, default=300)
     p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-5, 5e-5])
-    p.add_argument("--work-dir", default="/tmp/jaxascend-bench-int4")
+    p.add_argument("--work-dir", default=f"/tmp/jaxascend-bench-{name}")
     p.add_argument("--pretrained", default="/tmp/jaxascend-bench-master/pretrained")
-    p.add_argument("--out", default=str(REPO / "docs" / "bench_int4_quality"))
+    p.add_argument("--out", default=str(REPO / "docs" / f"bench_{name}_quality"))
     p.add_argument("--reuse", action="store_true", help="keep runs already finished in --work-dir")
-    args = p.parse_args(argv)
+    return p
+
+def main(argv=None) -> dict:
+    args = regime_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]), "int4").parse_args(argv)
     work = Path(args.work_dir)
     results = {"tolerance": TOLERANCE, "cpu": cpu_model(), "moments": "int4 (Li et al.), simulated"}
     if args.only in (None, "scratch"):
