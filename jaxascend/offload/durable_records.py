@@ -153,9 +153,9 @@ class DurableRecords:
 
     def __init__(self, store: SsdStore, chunks: list[ChunkRef], segments: list[list[Segment]],
                  rings: SlotRings, journal: StepJournal, fingerprint: str, params: Optional[ParamRings] = None,
-                 gradient_log: Optional[GradientLog] = None):
+                 gradient_log: Optional[GradientLog] = None, summary: Optional[dict] = None):
         self.store, self.rings, self.journal, self.fingerprint = store, rings, journal, fingerprint
-        self.summary: dict = {}  # layout_summary's, recorded beside the fingerprint (make_records sets it)
+        self.summary = summary or {}  # layout_summary's, recorded beside the fingerprint
         self.gradient_log = gradient_log  # gradients in RAM: their copy on SSD, the redo log
         self._chunks, self._segments = chunks, segments
         self._regions = {r.name: r for r in store.regions()}
@@ -438,10 +438,9 @@ def make_records(store: SsdStore, layout: OffloadLayout, chunks: list[ChunkRef],
     for name, nbytes in list(rings.spare_regions + (params.spare_regions if params else ())) + log_regions(layout):
         store.add_region(name, nbytes)
     fingerprint = layout_fingerprint(layout, rings, [(r.name, r.nbytes) for r in store.regions()], params)
-    records = DurableRecords(store, chunks, segments, rings, StepJournal(store.cfg.dir, create=True), fingerprint,
-                             params, GradientLog(store, layout) if layout.grad_store == "host" else None)
-    records.summary = layout_summary(layout, rings)
-    return records
+    return DurableRecords(store, chunks, segments, rings, StepJournal(store.cfg.dir, create=True), fingerprint,
+                          params, GradientLog(store, layout) if layout.grad_store == "host" else None,
+                          layout_summary(layout, rings))
 
 
 def roll_forward(records, plan, store: SsdStore, layout: OffloadLayout, kernel: Callable,

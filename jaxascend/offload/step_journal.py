@@ -158,16 +158,17 @@ class StepJournal:
         except OSError as e:
             raise JournalError(f"journal: cannot open {self.path}: {e.strerror}") from None
         newest = self._newest()
-        # No whole record, though a second one was written (the first goes to slot 1, the second
-        # to slot 0): a write tears one slot at most, so both are damaged, not a first write cut.
-        self.damaged = newest is None and any(os.pread(self._fd, SLOT_BYTES, 0))
         self._seq = newest[0] if newest else 0  # record seq s lives in slot s % 2
         self.writes = self.bytes_written = 0  # this opening's (benchmarks: the journal's share of a step's I/O)
         self.record: Optional[JournalRecord] = newest[1] if newest else None
 
     def _newest(self) -> Optional[tuple[int, JournalRecord]]:
-        found = [decode(os.pread(self._fd, SLOT_BYTES, k * SLOT_BYTES)) for k in (0, 1)]
-        valid = [f for f in found if f is not None]
+        """The newest whole record; sets :attr:`damaged` from the same reads."""
+        raw = [os.pread(self._fd, SLOT_BYTES, k * SLOT_BYTES) for k in (0, 1)]
+        valid = [f for f in map(decode, raw) if f is not None]
+        # No whole record, though a second one was written (the first goes to slot 1, the second
+        # to slot 0): a write tears one slot at most, so both are damaged, not a first write cut.
+        self.damaged = not valid and any(raw[0])
         return max(valid, key=lambda f: f[0]) if valid else None
 
     def write(self, record: JournalRecord) -> None:
