@@ -91,6 +91,7 @@ class EngineReport:
     params: Optional[str] = None  # "resident" or "ssd"
     gradients: Optional[str] = None  # where they wait: "ssd", "host" (RAM), "host_fp32" (the ablation)
     grad_bytes: Optional[int] = None  # one step's gradient regions, this process's (on SSD or in RAM)
+    host_grad_bytes: Optional[int] = None  # of those, in RAM (offload.gradients host; host_gradient_layers: some)
     overlap: Optional[bool] = None
     overlap_refused: Optional[str] = None
     data_parallel_processes: int = 1

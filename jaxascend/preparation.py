@@ -317,6 +317,11 @@ def _gradients_of_the_files(cfg: Config) -> tuple[Config, tuple[str, ...]]:
     record = read_journal(off.dir or "")
     if record is None or record.step < 0:
         return cfg, ()
-    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(off, gradients=record.gradients))
-    return cfg, (f"offload.gradients: auto keeps {record.gradients}, as the offload files in {off.dir} were written "
+    layers = (record.written_under or {}).get("offload.host_gradient_layers")
+    layers = layers if isinstance(layers, int) and record.gradients == "host" else None
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(off, gradients=record.gradients,
+                                                               host_gradient_layers=layers))
+    first = "first layer" if layers == 1 else f"first {layers} layers"
+    where = record.gradients + (f" for the stack's {first}" if layers else "")
+    return cfg, (f"offload.gradients: auto keeps {where}, as the offload files in {off.dir} were written "
                  f"(they hold step {record.held()[0]})",)

@@ -116,7 +116,9 @@ def test_a_resume_under_another_layout_names_what_differs_and_leaves_the_files(t
     assert _cli(out, corpus, "resident-sequential", kill_at="optimizer_chunk:9").returncode == -9
     for extra, says in ((["optimizer.state_dtype=int8"], "(optimizer.state_dtype: the files have 'float32', this run "
                                                          "'int8'); resume with the config they were written under"),
-                        (["offload.gradients=ssd"], "(offload.gradients: the files have 'host', this run 'ssd')")):
+                        (["offload.gradients=ssd"], "(offload.gradients: the files have 'host', this run 'ssd')"),
+                        (["offload.gradients=host", "offload.host_gradient_layers=1"],
+                         "(offload.host_gradient_layers: the files have 'all', this run 1)")):
         refused = _cli(out, corpus, "resident-sequential", extra=extra)
         errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
         assert refused.returncode != 0 and len(errors) == 1 and says in errors[0], refused.stderr[-3000:]

@@ -211,6 +211,9 @@ def _validate_cross_fields(cfg: Config) -> None:
     if cfg.offload.gradients != "auto" and not cfg.offload.enabled:
         raise ConfigError(f"offload.gradients: {cfg.offload.gradients!r} needs offload.enabled: true (the in-memory "
                           "engine keeps its gradients on the device)")
+    if cfg.offload.host_gradient_layers is not None and cfg.offload.gradients != "host":
+        raise ConfigError(f"offload.host_gradient_layers: {cfg.offload.host_gradient_layers} needs offload.gradients: "
+                          f"host, got {cfg.offload.gradients!r} (auto chooses how many layers itself)")
     if cfg.offload.durable and not cfg.offload.enabled:
         raise ConfigError("offload.durable: true needs offload.enabled: true (the in-memory engine's state is in RAM: "
                           "its resume points are its checkpoints, checkpoint.every_steps)")

@@ -246,9 +246,13 @@ class OffloadConfig:
     # Where each step's gradients wait for the update: "ssd" (written by the backward, read by the
     # update: 2 + 2 B/param of SSD traffic a step and 2 B/param on disk), "host" (the same
     # regions kept in RAM: 2 B/param of host memory, no SSD round trip), or "auto": host when
-    # the run's plan still fits with it (after offload.params chose), else ssd; said in a note.
+    # the run's plan still fits with it (after offload.params chose), else as many layers as fit
+    # (host_gradient_layers), else ssd; said in a note.
     # ssd and host need offload.enabled, and are refused with fp32_grad_buffer (leave it auto).
     gradients: str = "auto"
+    # With gradients host: only the layer stack's first N layers keep their gradients in RAM, the
+    # other layers' and leaves' go to SSD (null: every one in RAM). Refused with ssd and auto.
+    host_gradient_layers: Optional[int] = None
     # The optimizer of step t runs on a thread while step t+1's forward/backward runs, layer by
     # layer behind it (bit-identical results): in the offloaded engine, with train.grad_accum > 1
     # and in a job too. Off (said once, in a note) with fp32_grad_buffer,
@@ -303,6 +307,8 @@ class OffloadConfig:
         check_range("offload.param_prefetch", self.param_prefetch, lo=1, hi=64)
         if self.gradients not in GRADIENT_PLACEMENTS:
             raise ConfigError(f"offload.gradients: {self.gradients!r} is not one of {', '.join(GRADIENT_PLACEMENTS)}")
+        if self.host_gradient_layers is not None:
+            check_range("offload.host_gradient_layers", self.host_gradient_layers, lo=1, hi=1 << 20)
         self.block_bytes = parse_bytes(self.block_bytes, "offload.block_bytes")
         check_range("offload.block_bytes", self.block_bytes, lo=4096, hi=1 << 30)
         if self.block_bytes % 4096:

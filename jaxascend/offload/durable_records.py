@@ -135,6 +135,7 @@ def layout_summary(layout: OffloadLayout, rings: SlotRings) -> dict:
             "offload.chunk_bytes": f"{layout.chunk_elements} elements a chunk",
             "offload.durable_spares": max(ring.spares for ring in rings.rings) if rings.rings else 0,
             "offload.gradients": layout.grad_store, "offload.params": "ssd" if layout.streamed_leaves else "resident",
+            "offload.host_gradient_layers": (layout.host_grad_layers or "all") if layout.grad_store == "host" else None,
             "parameters (the model's shape; a job's process: its slice)": layout.num_parameters}
 
 

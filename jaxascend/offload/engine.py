@@ -146,7 +146,7 @@ class PlannedOffloadEngine:
         row_blocks = table.row_blocks
         spec = self.placement.local_spec(full_spec, routing.is_stacked, row_blocks)  # a job's: its slices
         layout = StateLayoutOptions(layer_stack_key(model_cfg.arch), self.plan.weights == "ssd", tuple(row_blocks),
-                                    options.format, self.plan.grad_store)
+                                    options.format, self.plan.grad_store, options.offload.host_gradient_layers)
         extra = checkpoint_slot_requests(layout.plan(spec, options.offload), options.offload)
         self._checkpoint_slots = CHECKPOINT_SHAPE_CLASS if extra else STATE_SLOT_CLASS
         return OffloadedAdamState.create(spec, options.offload, **layout.keywords(),
@@ -322,10 +322,11 @@ class PlannedOffloadEngine:
         self.finish_update()
         if self.state.store.cfg.keep_files:  # kept files stay as they are
             return 0
-        if self.plan.grad_store == "ssd":
-            return self.state.store.release([r for leaf in self.state.leaves for r in leaf.grad_regions])
+        layout = self.state.layout
+        on_ssd = [r for leaf in layout.leaves for layer, r in enumerate(leaf.grad_regions)
+                  if layout.grads_in_store and not layout.grad_in_ram(leaf, layer)]
         log = self.state.records.gradient_log if self.plan.durable else None  # gradients in RAM: their log
-        return self.state.store.release([twin for _, twin in log.pairs]) if log is not None else 0
+        return self.state.store.release(on_ssd + ([twin for _, twin in log.pairs] if log is not None else []))
 
     def _io_counters(self) -> tuple[int, int]:
         """(bytes read, bytes written) by the store since it was opened."""
@@ -416,7 +417,8 @@ class PlannedOffloadEngine:
             state_dtype=state.layout.state.dtype, state_rounding=state.layout.state.rounding,
             state_bytes=state.layout.state_bytes, resident_param_bytes=state.layout.resident_param_bytes,
             streamed_param_bytes=state.layout.streamed_param_bytes, params=self.plan.weights,
-            gradients=self.plan.grad_store, grad_bytes=state.layout.grad_bytes, overlap=self.plan.overlap, overlap_refused=self.plan.overlap_refused,
+            gradients=self.plan.grad_store, grad_bytes=state.layout.grad_bytes, host_grad_bytes=state.layout.ram_grad_bytes,
+            overlap=self.plan.overlap, overlap_refused=self.plan.overlap_refused,
             data_parallel_processes=self.plan.processes,
             data_parallel_devices=self.placement.devices,
             early_gradient_arrivals=state.early_gradient_arrivals,

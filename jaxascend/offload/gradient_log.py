@@ -22,10 +22,9 @@ LOG_PREFIX = "durable/gradlog/"
 
 def log_regions(layout) -> list[tuple[str, int]]:
     """(name, bytes) of the log's regions: a twin of each in-memory gradient region (none unless
-    ``layout.grad_store`` is host)."""
-    if layout.grad_store != "host":
-        return []
-    return [(LOG_PREFIX + region, leaf.grad_layer_bytes) for leaf in layout.leaves for region in leaf.grad_regions]
+    ``layout.grad_store`` is host; with ``host_grad_layers``, of those layers' only)."""
+    return [(LOG_PREFIX + region, leaf.grad_layer_bytes) for leaf in layout.leaves
+            for layer, region in enumerate(leaf.grad_regions) if layout.grad_in_ram(leaf, layer)]
 
 
 class GradientLog:

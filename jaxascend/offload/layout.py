@@ -200,6 +200,7 @@ class OffloadLayout:
     stream_depth: int
     single_pool: bool = False  # every step slot sized for the largest tensor's state (ablation)
     grad_store: str = "ssd"  # the plan's: store regions on SSD (ssd) or in RAM (host), or host_fp32 (ablation)
+    host_grad_layers: Optional[int] = None  # with grad_store host: only the stack's first N layers' in RAM
     param_prefetch: int = 2  # layers the parameter source reads ahead (streamed weights only)
     state: StateFormat = FLOAT32_STATE  # how m and v are stored
     state_stride: int = 0  # bytes between the records of consecutive chunks of a layer
@@ -208,13 +209,15 @@ class OffloadLayout:
     @classmethod
     def plan(cls, params_spec, cfg: OffloadConfig, stacked: StackedSpec = None,
              stream_params: bool = False, row_blocks: Optional[Sequence[int]] = None,
-             state: StateFormat = FLOAT32_STATE, grad_store: str = "ssd") -> "OffloadLayout":
+             state: StateFormat = FLOAT32_STATE, grad_store: str = "ssd",
+             host_grad_layers: Optional[int] = None) -> "OffloadLayout":
         """Lays out ``params_spec`` (a pytree of arrays or ``jax.ShapeDtypeStruct`` in the compute
         dtype). ``stacked`` says which leaves are layer stacks (see :data:`StackedSpec`);
         ``stream_params``: their compute weights get SSD regions too (``offload.params: ssd``);
         ``row_blocks``: per leaf (flattening order), blocks of rows of an unstacked table (1: none);
         ``state``: the format of m and v (``optimizer.state_dtype``); ``grad_store``: where the
-        gradients wait (the plan's: ``ssd``, ``host`` regions in RAM, or the ``host_fp32`` buffer)."""
+        gradients wait (the plan's: ``ssd``, ``host`` regions in RAM, or the ``host_fp32`` buffer);
+        ``host_grad_layers``: with ``host``, only the layer stack's first N layers' (the rest on SSD)."""
         path_leaves, treedef = jax.tree_util.tree_flatten_with_path(params_spec)
         flags = []
         if not (stacked is None or isinstance(stacked, bool) or callable(stacked)):
@@ -254,7 +257,8 @@ class OffloadLayout:
             chunk = -(-largest // unit) * unit
         stride = -(-StateRecord(state, chunk).nbytes // cfg.block_bytes) * cfg.block_bytes
         return cls(tuple(leaves), treedef, chunk, cfg.stream_depth, single_pool=cfg.single_pool,
-                   grad_store=grad_store, param_prefetch=cfg.param_prefetch, state=state,
+                   grad_store=grad_store, host_grad_layers=host_grad_layers if grad_store == "host" else None,
+                   param_prefetch=cfg.param_prefetch, state=state,
                    state_stride=stride, block_bytes=cfg.block_bytes)
 
     @property
@@ -287,7 +291,7 @@ class OffloadLayout:
         the gradients read (on SSD), a streamed leaf's new compute weights written (and read,
         when they are its bfloat16 master). The
         backward's gradient writes, and the parameter source's reads, come on top."""
-        grads = self.grad_bytes if self.grad_store == "ssd" else 0
+        grads = self.ssd_grad_bytes
         params_read = self.streamed_param_bytes if self.masters_in_params else 0
         return self.state_bytes + grads + params_read, self.state_bytes + self.streamed_param_bytes
 
@@ -307,6 +311,25 @@ class OffloadLayout:
     @property
     def grad_bytes(self) -> int:
         return sum(leaf.size * leaf.dtype.itemsize for leaf in self.leaves)
+
+    def grad_in_ram(self, leaf: LeafLayout, layer: int) -> bool:
+        """Whether ``leaf``'s gradient of ``layer`` waits in RAM: every one with ``grad_store`` host,
+        or with :attr:`host_grad_layers` N the layer stack's first N layers' only (the gradients
+        the backward sends last and the update reads first)."""
+        if self.grad_store != "host":
+            return False
+        return self.host_grad_layers is None or (leaf.stacked and layer < self.host_grad_layers)
+
+    @property
+    def ram_grad_bytes(self) -> int:
+        """The gradients' bytes in RAM (store regions kept in memory)."""
+        return sum(leaf.grad_layer_bytes for leaf in self.leaves for layer in range(leaf.layers)
+                   if self.grad_in_ram(leaf, layer))
+
+    @property
+    def ssd_grad_bytes(self) -> int:
+        """The gradients' bytes in store regions on SSD (none with the ``host_fp32`` buffer)."""
+        return self.grad_bytes - self.ram_grad_bytes if self.grads_in_store else 0
 
     def chunks(self) -> list[ChunkRef]:
         """Every chunk of a step, in disk order."""

@@ -164,7 +164,7 @@ def durable_disk_bytes(layout, spares: int) -> int:
     a ring at most), a bfloat16 master's spare layers of streamed weights (:data:`PARAM_SPARES`
     each), the journal's two slots, and with the gradients in RAM their log (``gradient_log``)."""
     chunks = layout.chunks()
-    logged = layout.grad_bytes if layout.grad_store == "host" else 0  # as the planner counts gradients on SSD
+    logged = layout.ram_grad_bytes  # as the planner counts gradients on SSD
     params = ParamRings.plan(layout.streamed_leaves, PARAM_SPARES).spare_bytes if layout.masters_in_params else 0
     return SlotRings.plan(chunks, layout.step_order(chunks), spares, layout.block_bytes).spare_bytes + params \
         + 2 * SLOT_BYTES + logged

@@ -114,7 +114,7 @@ class OffloadedAdamState:
                extra_requests: tuple[SlotRequest, ...] = (), stream_params: bool = False,
                row_blocks=None, state: StateFormat = StateFormat(), rounding_seed: int = 0,
                partition_index: int = 0, grad_store: str = "ssd", durable_spares: Optional[int] = None,
-               reopen: bool = False) -> "OffloadedAdamState":
+               reopen: bool = False, host_grad_layers: Optional[int] = None) -> "OffloadedAdamState":
         """Builds the arena (store staging + step slots + ``extra_requests``), opens the store in ``cfg.dir``
         (``reopen``: with a durable run's files, then :meth:`recover`) and lays out the state; :meth:`close` closes all three."""
         plan = (ArenaPlan().extend(SsdStore.arena_requests(cfg))
@@ -128,7 +128,7 @@ class OffloadedAdamState:
             owner = cls(store, params_spec, stacked=stacked, kernel_threads=kernel_threads,
                         stream_params=stream_params, row_blocks=row_blocks, state=state,
                         rounding_seed=rounding_seed, partition_index=partition_index, grad_store=grad_store,
-                        durable_spares=durable_spares)
+                        durable_spares=durable_spares, host_grad_layers=host_grad_layers)
         except BaseException:
             if store is not None:
                 store.close()
@@ -140,12 +140,12 @@ class OffloadedAdamState:
     def __init__(self, store: SsdStore, params_spec, *, stacked: StackedSpec = None, kernel_threads: int = 1,
                  stream_params: bool = False, row_blocks=None, state: StateFormat = StateFormat(),
                  rounding_seed: int = 0, partition_index: int = 0, grad_store: str = "ssd",
-                 durable_spares: Optional[int] = None):
+                 durable_spares: Optional[int] = None, host_grad_layers: Optional[int] = None):
         if int(kernel_threads) < 1:
             raise ValueError(f"offloaded AdamW: kernel_threads must be >= 1, got {kernel_threads}")
         self.store = store
         self.layout = OffloadLayout.plan(params_spec, store.cfg, stacked, stream_params, row_blocks, state,
-                                         grad_store)
+                                         grad_store, host_grad_layers)
         self.kernel_threads = int(kernel_threads)
         # Stochastic rounding (state.rounding): element j of layer l of leaf k in the update
         # after `updates_applied` draws its bits from chunk_seed(rounding_seed, updates_applied,
@@ -159,12 +159,12 @@ class OffloadedAdamState:
         self.last_step: Optional[StepStats] = None
         self.initial_write: Optional[InitialWrite] = None  # the last init pass's bytes and seconds
         check_step_slots(self.layout, store)
-        grads_in_store, grads_in_ram = self.layout.grads_in_store, self.layout.grad_store == "host"
+        grads_in_store, in_ram = self.layout.grads_in_store, self.layout.grad_in_ram
         for leaf in self.layout.leaves:
             for layer, (state_region, grad_region) in enumerate(zip(leaf.state_regions, leaf.grad_regions)):
                 store.add_region(state_region, self.layout.state_layer_bytes(leaf))
                 if grads_in_store:  # offload.gradients: host keeps these regions in RAM
-                    store.add_region(grad_region, leaf.grad_layer_bytes, in_memory=grads_in_ram)
+                    store.add_region(grad_region, leaf.grad_layer_bytes, in_memory=in_ram(leaf, layer))
                 if leaf.streamed:
                     store.add_region(leaf.param_regions[layer], leaf.grad_layer_bytes)
         # The fp32_grad_buffer ablation: every gradient in one float32 host buffer for the whole

@@ -14,6 +14,7 @@ the engine will make, stated here beside the engine's own use of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import jax
 
@@ -67,11 +68,12 @@ class StateLayoutOptions:
     row_blocks: tuple[int, ...]
     state: StateFormat
     grad_store: str = "ssd"  # the plan's: where the gradients wait (ssd, host, host_fp32)
+    host_grad_layers: Optional[int] = None  # with host: the stack's first N layers' only (offload.host_gradient_layers)
 
     @classmethod
     def of(cls, cfg: Config, model_cfg: ModelConfig, row_blocks: tuple[int, ...], stream: bool) -> "StateLayoutOptions":
         return cls(layer_stack_key(model_cfg.arch), bool(stream), tuple(row_blocks), state_format(cfg),
-                   grad_store(cfg))
+                   grad_store(cfg), cfg.offload.host_gradient_layers)
 
     def stacked(self, path: str, shape) -> bool:
         """Whether the leaf at ``path`` ('layers/...') is a layer stack ``[L, ...]``."""
@@ -79,7 +81,7 @@ class StateLayoutOptions:
 
     def keywords(self) -> dict:
         return {"stacked": self.stacked, "stream_params": self.stream_params, "row_blocks": list(self.row_blocks),
-                "state": self.state, "grad_store": self.grad_store}
+                "state": self.state, "grad_store": self.grad_store, "host_grad_layers": self.host_grad_layers}
 
     def plan(self, spec, cfg: OffloadConfig) -> OffloadLayout:
         return OffloadLayout.plan(spec, cfg, **self.keywords())

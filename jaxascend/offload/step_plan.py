@@ -77,6 +77,10 @@ class StepPlan:
             if refused:
                 notes.append(f"offload.overlap is off, the optimizer step runs after the forward/backward: {refused}")
         durable = cfg.offload.enabled and cfg.offload.durable
+        layers = cfg.offload.host_gradient_layers
+        if layers is not None and layers > model_cfg.num_hidden_layers:
+            raise ConfigError(f"offload.host_gradient_layers: {layers} is more than the model's "
+                              f"{model_cfg.num_hidden_layers} layers (null keeps every gradient in RAM)")
         if durable and grad_store(cfg) == "host_fp32":
             raise ConfigError("offload.durable: an interrupted update is redone from the step's gradients, kept in "
                               "store regions (on SSD, or in RAM with a log on SSD); offload.fp32_grad_buffer keeps "

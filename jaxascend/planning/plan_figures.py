@@ -76,6 +76,7 @@ class ResourcePlan:
     # where the gradients wait: "ssd", "host" (resolved offload.gradients), "host_fp32" (the
     # ablation's buffer), "device" (the in-memory engine)
     gradients: str = "device"
+    host_gradient_layers: Optional[int] = None  # with host: the layer stack's first N layers' only
 
     @property
     def streamable(self) -> bool:

@@ -52,7 +52,8 @@ def host_levers(cfg: Config, model_cfg: ModelConfig, plan, replan: Replan) -> tu
     if plan.params == "resident" and plan.streamable:
         variants.append(("offload.params: ssd", _section(cfg, "offload", params="ssd"), model_cfg))
     if plan.gradients == "host":
-        variants.append(("offload.gradients: ssd", _section(cfg, "offload", gradients="ssd"), model_cfg))
+        variants.append(("offload.gradients: ssd", _section(cfg, "offload", gradients="ssd", host_gradient_layers=None),
+                         model_cfg))
     if model_cfg.remat != "full":
         variants.append(("model.remat: full", dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat="full")),
                          dataclasses.replace(model_cfg, remat="full")))
@@ -113,8 +114,8 @@ def disk_levers(cfg: Config, model_cfg: ModelConfig, plan, fs: FilesystemUse, re
                 for dtype in CHEAPER_STATES[cfg.optimizer.state_dtype]]
     if cfg.optimizer.master_dtype == "float32" and cfg.model.dtype == "bfloat16" and cfg.offload.enabled:
         variants.append(("optimizer.master_dtype: bfloat16", _section(cfg, "optimizer", master_dtype="bfloat16")))
-    if plan.gradients == "ssd":
-        variants.append(("offload.gradients: host", _section(cfg, "offload", gradients="host")))
+    if plan.gradients == "ssd" or plan.host_gradient_layers is not None:  # (some of them on SSD)
+        variants.append(("offload.gradients: host", _section(cfg, "offload", gradients="host", host_gradient_layers=None)))
     fields = {part.field for part in fs.parts}
     if "checkpoint.dir" in fields and cfg.checkpoint.keep_last > 1:
         variants.append(("checkpoint.keep_last: 1", _section(cfg, "checkpoint", keep_last=1)))

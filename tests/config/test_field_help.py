@@ -116,6 +116,18 @@ CLAIMS = [
           refused="offload.gradients: 'ssd' cannot be combined with offload.fp32_grad_buffer"),
     Claim(GRADS, "refused with fp32_grad_buffer (leave it auto)", ("model.remat=full", "offload.fp32_grad_buffer=true"),
           plan={"grad_store": "host_fp32"}, no_note="offload.gradients: auto"),
+    # offload.host_gradient_layers
+    Claim("offload.host_gradient_layers", "Refused with ssd and auto",
+          ("offload.gradients=ssd", "offload.host_gradient_layers=1"),
+          refused="offload.host_gradient_layers: 1 needs offload.gradients: host, got 'ssd'"),
+    Claim("offload.host_gradient_layers", "Refused with ssd and auto", ("offload.host_gradient_layers=1",),
+          refused="offload.host_gradient_layers: 1 needs offload.gradients: host, got 'auto'"),
+    Claim("offload.host_gradient_layers", "only the layer stack's first N layers",
+          ("offload.gradients=host", "offload.host_gradient_layers=3"),
+          refused="offload.host_gradient_layers: 3 is more than the model's 2 layers"),
+    Claim("offload.host_gradient_layers", "only the layer stack's first N layers",
+          ("offload.gradients=host", "offload.host_gradient_layers=1"), plan={"grad_store": "host"},
+          no_note="offload.gradients: auto"),
     # offload.durable
     Claim("offload.durable", "with them in RAM (offload.gradients host) each update",
           ("model.remat=full", "offload.durable=true", "offload.gradients=host"), plan={"durable": True,

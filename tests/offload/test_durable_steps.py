@@ -21,12 +21,12 @@ FORMATS = {"float32": StateFormat(),
            "int8+bf16-compensated": StateFormat.of("int8", 256, master="bfloat16", master_rounding="compensated")}
 
 
-def _make(path, fmt="float32", spares=None, streamed=False, reopen=False, grad_store="ssd"):
+def _make(path, fmt="float32", spares=None, streamed=False, reopen=False, grad_store="ssd", host_grad_layers=None):
     import jax.numpy as jnp
     cfg = offload_cfg(path)
     return OffloadedAdamState.create(spec(jnp.bfloat16), cfg, stacked=STACKED, state=FORMATS[fmt],
                                      stream_params=streamed, durable_spares=spares, reopen=reopen,
-                                     grad_store=grad_store)
+                                     grad_store=grad_store, host_grad_layers=host_grad_layers)
 
 
 def _step(state, s):

@@ -18,18 +18,23 @@ _CHILD = """
 import sys
 from pathlib import Path
 from tests.offload.test_durable_steps import _run
-_run(Path(sys.argv[1]), int(sys.argv[2]), spares=2, grad_store="host")
+_run(Path(sys.argv[1]), int(sys.argv[2]), spares=2, grad_store="host",
+     host_grad_layers=int(sys.argv[3]) if len(sys.argv) > 3 else None)
 """
 
 
-def test_updates_with_a_gradient_log_are_those_of_gradients_on_ssd(tmp_path):
+@pytest.mark.parametrize("layers", [None, 1], ids=["all", "first-layer"])
+def test_updates_with_a_gradient_log_are_those_of_gradients_on_ssd(tmp_path, layers):
     ref, _ = _run(tmp_path / "ssd", STEPS, spares=2)
-    logged, _ = _run(tmp_path / "host", STEPS, spares=2, grad_store="host")
+    logged, _ = _run(tmp_path / "host", STEPS, spares=2, grad_store="host", host_grad_layers=layers)
     try:
         _same(_snapshot(ref), _snapshot(logged))
         twins = [r for r in logged.store.regions() if r.name.startswith(LOG_PREFIX)]
         grads = [r for r in logged.store.regions() if r.in_memory]
         assert grads and len(twins) == len(grads) and not any(t.in_memory for t in twins)
+        if layers:  # the stack's first layer in RAM (and logged), its others and the other leaves on SSD
+            assert all(g.name.endswith("/L0/grad") for g in grads)
+            assert any(r.name.endswith("/L1/grad") and not r.in_memory for r in logged.store.regions())
         assert sum(t.nbytes for t in twins) == sum(g.nbytes for g in grads) == logged.records.figures()["gradient_log_bytes"]
         # the log holds the last update's gradients
         for twin in twins:
@@ -40,18 +45,20 @@ def test_updates_with_a_gradient_log_are_those_of_gradients_on_ssd(tmp_path):
         logged.close()
 
 
-@pytest.mark.parametrize("kill", ["optimizer_chunk:9", "optimizer_chunk:20", "durable_sync:3", "journal_fsync:4"])
-def test_a_kill_in_an_update_rolls_forward_from_the_log(tmp_path, kill):
+@pytest.mark.parametrize("kill, layers", [("optimizer_chunk:9", None), ("optimizer_chunk:20", None),
+                                         ("durable_sync:3", None), ("journal_fsync:4", None),
+                                         ("optimizer_chunk:20", 1)])
+def test_a_kill_in_an_update_rolls_forward_from_the_log(tmp_path, kill, layers):
     ref, _ = _run(tmp_path / "reference", STEPS)
     expected = _snapshot(ref)
     ref.close()
     where = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(where), str(STEPS)], capture_output=True,
-                          env={**os.environ, "JAXASCEND_KILL_AT": kill}, cwd=os.getcwd())
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(where), str(STEPS)] + ([str(layers)] if layers else []),
+                          capture_output=True, env={**os.environ, "JAXASCEND_KILL_AT": kill}, cwd=os.getcwd())
     assert proc.returncode == -9, proc.stderr.decode()[-3000:]
     with StepJournal(where / "offload", create=False) as journal:
         in_flight = journal.record.update is not None
-    state = _make(where, spares=2, grad_store="host", reopen=True)
+    state = _make(where, spares=2, grad_store="host", reopen=True, host_grad_layers=layers)
     try:
         step = state.recover()
         assert step >= 1 or not in_flight
@@ -89,12 +96,13 @@ def test_the_sink_writes_each_gradient_to_its_log_as_it_arrives(tmp_path):
                 np.testing.assert_array_equal(state.store.read(LOG_PREFIX + region), want[layer])
 
 
-@pytest.mark.parametrize("store", ["host", "ssd"])
+@pytest.mark.parametrize("store", ["host", "ssd", "host for the stack's first layer"])
 def test_auto_keeps_where_the_files_journal_put_the_gradients(tmp_path, store):
     from jaxascend.config import load_config
     from jaxascend.preparation import _gradients_of_the_files
 
-    state, _ = _run(tmp_path / "run", 2, spares=2, **({"grad_store": "host"} if store == "host" else {}))
+    kw = {"grad_store": "host", "host_grad_layers": 1 if store != "host" else None} if store != "ssd" else {}
+    state, _ = _run(tmp_path / "run", 2, spares=2, **kw)
     state.close()
     folder = tmp_path / "run" / "offload"
 
@@ -103,7 +111,8 @@ def test_auto_keeps_where_the_files_journal_put_the_gradients(tmp_path, store):
                                                  f"train.out_dir={tmp_path / 'out'}", *more], inputs=False)
 
     kept, notes = _gradients_of_the_files(cfg())
-    assert kept.offload.gradients == store
+    assert (kept.offload.gradients, kept.offload.host_gradient_layers) == (kw.get("grad_store", "ssd"),
+                                                                          kw.get("host_grad_layers"))
     assert notes == (f"offload.gradients: auto keeps {store}, as the offload files in {folder} were written "
                      f"(they hold step 2)",)
     for asked in (cfg("train.resume=none"), cfg("offload.gradients=ssd"), cfg("offload.gradients=host")):

@@ -48,3 +48,28 @@ def test_a_job_of_two_processes_keeps_its_gradient_slices_in_ram(tmp_path):
     assert losses(host) == losses(ssd)
     assert (host / "params.safetensors").read_bytes() == (ssd / "params.safetensors").read_bytes()
     np.testing.assert_array_less(0, losses(host))
+
+
+SPLIT = {
+    "resident-overlap": ["offload.params=resident", "offload.overlap=true"],
+    "ssd-overlap-accum-compact": ["offload.params=ssd", "offload.overlap=true", "train.grad_accum=2",
+                                  "model.dtype=bfloat16", "optimizer.master_dtype=bfloat16",
+                                  "optimizer.state_dtype=int8"],
+}
+
+
+@pytest.mark.parametrize("extra", SPLIT.values(), ids=SPLIT.keys())
+def test_the_first_layers_gradients_in_ram_the_rest_on_ssd_train_bit_identically(tmp_path, corpus, extra):
+    extra = [*extra, "offload.keep_files=true"]
+    ssd, ssd_records, ssd_params = train(tmp_path / "ssd", corpus, *extra, "offload.gradients=ssd")
+    split, records, split_params = train(tmp_path / "split", corpus, *extra, "offload.gradients=host",
+                                         "offload.host_gradient_layers=1")
+    assert split.losses == ssd.losses and split_params == ssd_params  # the same bits
+    grads, in_ram, steps = records[-1]["grad_bytes"], records[-1]["host_grad_bytes"], len(split.losses)
+    # one of the stack's three layers: a third of the stack's gradients, less than all of them
+    assert records[-1]["gradients"] == "host" and 0 < in_ram < grads / 3
+    # the SSD skips exactly that layer's round trip: written by the backward, read by the update
+    written = ssd.ssd_bytes_written_run - split.ssd_bytes_written_run
+    assert written % steps == 0 and in_ram <= written // steps < in_ram + 4096 * 16
+    read = ssd_records[-1]["ssd_read_bytes_step"] - records[-1]["ssd_read_bytes_step"]
+    assert in_ram <= read < in_ram + 4096 * 16

@@ -396,14 +396,19 @@ def test_an_in_memory_run_over_the_device_names_the_offloaded_engine(tmp_path, r
     assert plan.problems()[0].startswith("device memory: the plan needs ")
 
 
+WIDE = ("model.remat=full", "offload.params=ssd", "model.dtype=bfloat16", "model.num_hidden_layers=8",
+        "model.hidden_size=256", "model.intermediate_size=1024")
+
+
 def test_auto_keeps_the_gradients_in_ram_where_they_fit_and_says_so(tmp_path, roomy, monkeypatch):
     """offload.gradients: host takes the gradient regions off the disk and out of the step's SSD
-    traffic (2 + 2 B/param here, bfloat16) into host memory; auto picks it where the plan fits."""
-    cfg = _cfg(tmp_path, "model.remat=full", "offload.params=ssd", "model.dtype=bfloat16")
+    traffic (2 + 2 B/param here, bfloat16) into host memory; auto picks it where the plan fits, else
+    the most layers of the stack that fit (8 layers wide enough that some do), else ssd."""
+    cfg = _cfg(tmp_path, *WIDE)
     model_cfg = _model(cfg)
-    ssd = plan_run(_cfg(tmp_path, "model.remat=full", "offload.params=ssd", "model.dtype=bfloat16",
+    ssd = plan_run(_cfg(tmp_path, *WIDE,
                         "offload.gradients=ssd"), model_cfg, runtime_bytes=0)
-    host = plan_run(_cfg(tmp_path, "model.remat=full", "offload.params=ssd", "model.dtype=bfloat16",
+    host = plan_run(_cfg(tmp_path, *WIDE,
                          "offload.gradients=host"), model_cfg, runtime_bytes=0)
     grads = 2 * host.num_params
     assert (ssd.gradients, host.gradients) == ("ssd", "host") and "gradients" not in ssd.host
@@ -414,12 +419,30 @@ def test_auto_keeps_the_gradients_in_ram_where_they_fit_and_says_so(tmp_path, ro
     assert auto.gradients == "host" and auto.host == host.host
     assert auto.choices == (f"offload.gradients: auto chose host (the gradients wait in RAM: {format_bytes(grads)} of "
                             f"host memory for {format_bytes(2 * grads)} less SSD traffic a step)",)
-    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, str(host.host_peak - 1))  # one byte short: ssd
+    # one byte short: as many of the stack's layers as fit, leaving 10% of the RAM free
+    layers = model_cfg.num_hidden_layers
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, str(host.host_peak - 1))
     auto = plan_run(cfg, model_cfg, runtime_bytes=0)
-    assert auto.gradients == "ssd" and auto.problems() == [] and auto.host == ssd.host
+    kept = auto.host_gradient_layers
+    assert auto.gradients == "host" and 1 <= kept < layers and auto.problems() == []
+    assert auto.host_peak <= 0.9 * (host.host_peak - 1) < auto.host_peak + auto.host["gradients"] / kept
+    in_ram = auto.host["gradients"]  # the first `kept` layers' (the embeddings' and norms' are on SSD)
+    assert in_ram < grads * kept / layers and auto.host_peak == ssd.host_peak + in_ram
+    assert (ssd.ssd_read_step - auto.ssd_read_step, ssd.ssd_write_step - auto.ssd_write_step) == (in_ram, in_ram)
     [choice] = auto.choices
-    assert choice.startswith(f"offload.gradients: auto chose ssd (in RAM they would need {format_bytes(grads)} more "
-                             f"host memory: {format_bytes(host.host_peak)}, over the ")
+    assert choice.startswith(f"offload.gradients: auto keeps the first {kept} of the {layers} layers' gradients in "
+                             f"RAM, the rest on SSD (all of them: {format_bytes(grads)} in all, "
+                             f"{format_bytes(host.host_peak)} at the peak, over the ")
+    same = plan_run(_cfg(tmp_path, *WIDE,
+                         "offload.gradients=host", f"offload.host_gradient_layers={kept}"), model_cfg, runtime_bytes=0)
+    assert same.host == auto.host and same.ssd_read_step == auto.ssd_read_step
+    # not one layer's: ssd
+    monkeypatch.setenv(machine_limits.MEM_AVAILABLE_ENV, str(ssd.host_peak + in_ram // kept // 2))
+    auto = plan_run(cfg, model_cfg, runtime_bytes=0)
+    assert auto.gradients == "ssd" and auto.host_gradient_layers is None and auto.host == ssd.host
+    [choice] = auto.choices
+    assert choice.startswith(f"offload.gradients: auto chose ssd (in RAM they would need {format_bytes(grads)} in all, "
+                             f"{format_bytes(host.host_peak)} at the peak, over the ")
     # resolved into the run's config, for the step plan
     from jaxascend.planning import plan_resources
 
