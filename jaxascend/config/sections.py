@@ -246,8 +246,8 @@ class OffloadConfig:
     # Where each step's gradients wait for the update: "ssd" (written by the backward, read by the
     # update: 2 + 2 B/param of SSD traffic a step and 2 B/param on disk), "host" (the same
     # regions kept in RAM: 2 B/param of host memory, no SSD round trip), or "auto": host when
-    # the run's plan still fits with it (after offload.params chose), else as many layers as fit
-    # (host_gradient_layers), else ssd; said in a note.
+    # the run's plan still fits with it, 10% free (after offload.params chose), else as many
+    # layers as fit so (host_gradient_layers), else ssd; said in a note.
     # ssd and host need offload.enabled, and are refused with fp32_grad_buffer (leave it auto).
     gradients: str = "auto"
     # With gradients host: only the layer stack's first N layers keep their gradients in RAM, the

@@ -308,32 +308,33 @@ def _resolve_auto(cfg: Config, model_cfg: ModelConfig, gbps: float, runtime: Run
 
 def _resolve_gradients(cfg: Config, model_cfg: ModelConfig, params: str, gbps: float, runtime: Runtime,
                        levers: bool, processes: int) -> ResourcePlan:
-    """``offload.gradients: auto``: host (the gradient regions in RAM) if the plan still fits
-    with them, else the most layers of the stack whose gradients fit (``host_gradient_layers``),
-    else ssd. ``offload.params: auto`` is resolved first, over the plans this makes: resident
-    weights save more SSD traffic per byte of RAM than host gradients do."""
+    """``offload.gradients: auto``: host (the gradient regions in RAM) if the plan still fits with
+    them and :data:`GRADIENT_HEADROOM` of the limit free, else the most layers of the stack whose
+    gradients fit so (``host_gradient_layers``), else ssd. ``offload.params: auto`` is resolved
+    first, over the plans this makes: resident weights save more SSD traffic per byte of RAM than
+    host gradients do."""
     def planned(where: str, layers: Optional[int] = None) -> ResourcePlan:
         variant = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, gradients=where,
                                                                        host_gradient_layers=layers))
         return _plan(variant, model_cfg, params, gbps, runtime, levers=False, processes=processes)
 
-    def fits(plan: ResourcePlan, share: float = 1.0) -> bool:
-        return plan.limit is None or plan.host_peak <= share * plan.limit.nbytes
+    def fits(plan: ResourcePlan) -> bool:  # with GRADIENT_HEADROOM of the limit free
+        return plan.limit is None or plan.host_peak <= (1 - GRADIENT_HEADROOM) * plan.limit.nbytes
 
     host = planned("host")
     if fits(host):
         plan, choice = host, "offload.gradients: auto chose host (the gradients wait in RAM: "
     else:
-        plan = _most_layers_that_fit(planned, lambda p: fits(p, 1 - SPLIT_HEADROOM), model_cfg.num_hidden_layers)
+        plan = _most_layers_that_fit(planned, fits, model_cfg.num_hidden_layers)
         against = "the budget" if host.limit.source == BUDGET else f"the {host.limit.describe()}"
-        over = f"{format_bytes(host.host['gradients'])} in all, {format_bytes(host.host_peak)} at the peak, over {against}"
+        over = (f"{format_bytes(host.host['gradients'])} in all, {format_bytes(host.host_peak)} at the peak, over "
+                f"{1 - GRADIENT_HEADROOM:.0%} of {against}")
         if plan is None:
             plan = planned("ssd")
             choice = f"offload.gradients: auto chose ssd (in RAM they would need {over})"
         else:
             choice = (f"offload.gradients: auto keeps the first {plan.host_gradient_layers} of the "
-                      f"{model_cfg.num_hidden_layers} layers' gradients in RAM, the rest on SSD (all of them: {over}; "
-                      f"the split leaves {SPLIT_HEADROOM:.0%} of it free; ")
+                      f"{model_cfg.num_hidden_layers} layers' gradients in RAM, the rest on SSD (all of them: {over}; ")
     if plan.gradients == "host":
         grads = plan.host["gradients"]
         # durable steps write them to their log on SSD all the same, and read them back only to resume
@@ -346,9 +347,9 @@ def _resolve_gradients(cfg: Config, model_cfg: ModelConfig, params: str, gbps: f
     return dataclasses.replace(plan, choices=plan.choices + (choice,))
 
 
-# A share of the limit that auto's split of the gradients leaves free: the split fills the RAM up to
-# it by construction, and a run's peak has come out up to 6.4% over its plan (bench_scale_7b).
-SPLIT_HEADROOM = 0.10
+# The share of the limit that auto's gradients in RAM leave free: a split fills the RAM up to it by
+# construction, and a run's peak has come out up to 6.4% over its plan (bench_scale_7b).
+GRADIENT_HEADROOM = 0.10
 
 
 def _most_layers_that_fit(planned, fits, layers: int) -> Optional[ResourcePlan]:

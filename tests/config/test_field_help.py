@@ -105,7 +105,7 @@ CLAIMS = [
           plan={"grad_store": "ssd"}, no_note="offload.gradients: auto"),
     Claim(GRADS, '"host" (the same regions kept in RAM', ("model.remat=full", "offload.gradients=host"),
           plan={"grad_store": "host"}, no_note="offload.gradients: auto"),
-    Claim(GRADS, "host when the run's plan still fits with it (after offload.params chose)", ("model.remat=full",),
+    Claim(GRADS, "host when the run's plan still fits with it, 10% free (after offload.params chose)", ("model.remat=full",),
           plan={"grad_store": "host", "weights": "resident"}, note="offload.gradients: auto chose host (the gradients"),
     Claim(GRADS, "else ssd; said in a note", ("model.remat=full",), mem_available=SCARCE,
           plan={"grad_store": "ssd", "weights": "ssd"}, note="offload.gradients: auto chose ssd (in RAM they would"),
