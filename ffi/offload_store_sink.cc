@@ -48,6 +48,8 @@ namespace nb = nanobind;
 namespace jaxascend {
 namespace {
 
+constexpr int32_t kNoMirror = -1;  // a layer whose gradient has no mirror (it waits on SSD)
+
 class StoreSink : public GradientSink {
  public:
   explicit StoreSink(int64_t store_handle) : store_handle_(store_handle) {
@@ -57,8 +59,8 @@ class StoreSink : public GradientSink {
   }
 
   // Routes tensor id `tensor` to `regions` (one per layer, each `layer_bytes` long); `mirrors`
-  // (none, or one per layer, as long): where each layer's whole gradient is written too once it
-  // is complete (durable steps' log of gradients kept in memory regions).
+  // (none, or one per layer, as long; -1: that layer has none): where each layer's whole gradient
+  // is written too once it is complete (durable steps' log of gradients kept in memory regions).
   void AddTensor(int64_t tensor, const std::vector<int32_t>& regions, int64_t layer_bytes,
                  const std::string& dtype_name, int64_t arrivals, const std::vector<int32_t>& mirrors) {
     const std::string what = "StoreSink.add_tensor(" + std::to_string(tensor) + ")";
@@ -75,6 +77,7 @@ class StoreSink : public GradientSink {
     std::vector<int32_t> all(regions);
     all.insert(all.end(), mirrors.begin(), mirrors.end());
     for (size_t layer = 0; layer < all.size(); ++layer) {
+      if (layer >= regions.size() && all[layer] == kNoMirror) continue;  // a layer without a mirror
       const StoreRegion* r = store->region(all[layer]);
       if (!r) {
         throw nb::value_error((what + ": layer " + std::to_string(layer % regions.size()) +
@@ -116,7 +119,7 @@ class StoreSink : public GradientSink {
     } else {
       s = AddToStored(*store, *t, layer, data, stats);  // a later use of a tied table
     }
-    if (s.ok() && arrival.last && !t->mirrors.empty()) {  // the whole gradient to its mirror too
+    if (s.ok() && arrival.last && !t->mirrors.empty() && t->mirrors[layer] != kNoMirror) {  // to its mirror too
       s = arrival.first ? store->WriteFromHost(t->mirrors[layer], 0, data, t->layer_bytes, /*wait=*/false)
                         : CopyStored(*store, *t, layer);
     }
@@ -231,7 +234,7 @@ void BindStoreSink(nb::module_& m) {
       .def("add_tensor", &StoreSink::AddTensor, nb::arg("tensor"), nb::arg("regions"), nb::arg("layer_bytes"),
            nb::arg("dtype"), nb::arg("arrivals") = 1, nb::arg("mirrors") = std::vector<int32_t>(),
            "Routes tensor id `tensor` to one region id per layer, each layer_bytes long; `arrivals` per layer "
-           "are summed (a tied table's uses); `mirrors`: a region per layer that each whole gradient is "
+           "are summed (a tied table's uses); `mirrors`: a region per layer (-1: none) that each whole gradient is "
            "written to as well.");
   BindReceipts(cls);
   cls.def("hold", &StoreSink::Hold, "Marks every region as being read by the optimizer (arrivals refused).")

@@ -23,6 +23,10 @@ MODES = {  # the tiny shapes: the update is 2 passes of a few chunks each
     # a bfloat16 master that is the streamed weights: their layers rotate through rings too
     "ssd-overlap-bf16-master": ["model.remat=dots", "offload.params=ssd", "optimizer.master_dtype=bfloat16",
                                 "optimizer.state_dtype=int8"],
+    # the first layer's gradients in RAM (logged), the other layer's and leaves' on SSD
+    "ssd-overlap-bf16-master-split": ["model.remat=dots", "offload.params=ssd", "optimizer.master_dtype=bfloat16",
+                                      "optimizer.state_dtype=int8", "offload.gradients=host",
+                                      "offload.host_gradient_layers=1"],
 }
 
 
@@ -57,6 +61,7 @@ def _losses(out):
     ("resident-overlap", ["optimizer_chunk:14", "journal_fsync:5", "backward:3", "durable_sync:4"]),
     ("ssd-overlap", ["optimizer_chunk:11", "backward:2", "journal_write:6", "durable_sync:2"]),
     ("ssd-overlap-bf16-master", ["optimizer_chunk:13", "journal_write:7", "backward:3", "durable_sync:5"]),
+    ("ssd-overlap-bf16-master-split", ["optimizer_chunk:13", "backward:3", "durable_sync:5"]),
 ])
 def test_a_chain_of_kills_resumes_from_the_files_bit_identically(tmp_path, corpus, mode, kills):
     straight = _cli(tmp_path / "straight", corpus, mode)
@@ -74,7 +79,7 @@ def test_a_chain_of_kills_resumes_from_the_files_bit_identically(tmp_path, corpu
     assert not (out / "checkpoints" / "2").exists()  # no checkpoint but the final one was ever written
     _assert_bitwise_equal(_final_state(tmp_path / "straight"), _final_state(out))
     assert _losses(out) == _losses(tmp_path / "straight")
-    if mode in ("resident-overlap", "ssd-overlap-bf16-master"):  # and durable steps are the plain ones, bit for bit
+    if mode in ("resident-overlap", "ssd-overlap-bf16-master", "ssd-overlap-bf16-master-split"):  # = plain steps
         plain = _cli(tmp_path / "plain", corpus, mode, durable=False)
         assert plain.returncode == 0, plain.stderr[-3000:]
         _assert_bitwise_equal(_final_state(tmp_path / "plain"), _final_state(out))

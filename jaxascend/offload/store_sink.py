@@ -21,7 +21,7 @@ the sink returned surfaces at the next sink call or at :meth:`SsdStore.flush`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from jaxascend.native import extension as _native
 from jaxascend.offload.grad_sink import unregister_sink
 from jaxascend.ssd import SsdStore
 
+NO_MIRROR = -1  # a layer whose gradient has no mirror (ffi/offload_store_sink.cc's kNoMirror)
 _DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
 
 
@@ -50,7 +51,8 @@ class SinkTarget:
     layer_bytes: int
     dtype: object  # the gradient dtype the backward pass produces (the compute dtype)
     arrivals: int = 1  # gradients per layer that the sink sums (2: a tied table's lookup and head)
-    mirrors: tuple[str, ...] = ()  # none, or a region per layer each whole gradient is written to as well
+    # none, or per layer the region each whole gradient is written to as well (None: that layer's not)
+    mirrors: tuple[Optional[str], ...] = ()
 
 
 class _RegisteredSink:
@@ -139,7 +141,8 @@ class StoreGradientSink(_RegisteredSink):
         for t in targets:
             region_ids = [store.region(name).id for name in t.regions]
             self._native.add_tensor(int(t.tensor), region_ids, int(t.layer_bytes), _dtype_name(t.dtype),
-                                    int(t.arrivals), [store.region(name).id for name in t.mirrors])
+                                    int(t.arrivals), [NO_MIRROR if name is None else store.region(name).id
+                                                      for name in t.mirrors])
             self._tensors.append(int(t.tensor))
         self._register(self._native, _native.register_store_sink(self._native), self._tensors)
 

@@ -69,9 +69,11 @@ def test_a_kill_in_an_update_rolls_forward_from_the_log(tmp_path, kill, layers):
         state.close()
 
 
-def test_the_sink_writes_each_gradient_to_its_log_as_it_arrives(tmp_path):
+@pytest.mark.parametrize("layers", [None, 1], ids=["all", "first-layer"])
+def test_the_sink_writes_each_gradient_to_its_log_as_it_arrives(tmp_path, layers):
     """The native sink's mirrors: every layer's gradient lands in its memory region and, whole, in
-    its twin on SSD, byte for byte the reference gradient (ffi/offload_store_sink.cc)."""
+    its twin on SSD, byte for byte the reference gradient (ffi/offload_store_sink.cc); with
+    ``host_grad_layers``, the other layers' and leaves' in their regions on SSD, with no twin."""
     import jax
     import jax.numpy as jnp
 
@@ -80,7 +82,7 @@ def test_the_sink_writes_each_gradient_to_its_log_as_it_arrives(tmp_path):
 
     _, params, x = _sinked_setup(tmp_path / "unused", jnp.bfloat16)
     state = OffloadedAdamState.create(params, offload_cfg(tmp_path / "run"), stacked={"emb": False, "w": True},
-                                      grad_store="host", durable_spares=2)
+                                      grad_store="host", durable_spares=2, host_grad_layers=layers)
     with state:
         state.init(params)
         ref = jax.jit(jax.grad(lambda p: _scanned_loss(p["w"], p["emb"], x, lambda q, n, i: q)))(params)
@@ -91,9 +93,13 @@ def test_the_sink_writes_each_gradient_to_its_log_as_it_arrives(tmp_path):
             leaf = state.leaf(name)
             want = np.asarray(ref[name]).view(np.uint8).reshape(leaf.layers, -1)
             for layer, region in enumerate(leaf.grad_regions):
-                assert state.store.region(region).in_memory
+                in_ram = layers is None or (name == "w" and layer < layers)
+                assert state.store.region(region).in_memory == in_ram
                 np.testing.assert_array_equal(state.store.read(region), want[layer])
-                np.testing.assert_array_equal(state.store.read(LOG_PREFIX + region), want[layer])
+                if in_ram:
+                    np.testing.assert_array_equal(state.store.read(LOG_PREFIX + region), want[layer])
+                else:
+                    assert LOG_PREFIX + region not in {r.name for r in state.store.regions()}
 
 
 @pytest.mark.parametrize("store", ["host", "ssd", "host for the stack's first layer"])
