@@ -10,7 +10,8 @@ Contenders, each in its own process, in a rotating order every round:
   * ``overlap_ssd``: overlapped, with the layer stack's weights on SSD too (``offload.params:
     ssd``: less memory, 4 B/param more SSD traffic, the forward's copy handed over in memory);
   * only when ``--contenders`` names them: ``overlap_master16``/``overlap_host_grads`` (``overlap``
-    with a bfloat16 compensated master / the gradients in RAM), ``overlap_ssd_compact``(``_host``)
+    with a bfloat16 compensated master / the gradients in RAM; ``_4layers``: the first 4 layers'
+    only, ``offload.host_gradient_layers``), ``overlap_ssd_compact``(``_host``)
     (``overlap_ssd`` with a compensated master and int8 moments, gradients on SSD / in RAM: 19.5
     and 15.5 B/param a step at 7B), ``overlap``(``_ssd``)``_durable`` (``offload.durable``); each
     its own SSD floor: its measured bytes per step at the round's raw disk speeds;
@@ -68,6 +69,8 @@ CONTENDERS = ("overlap", "sequential", "compute", "overlap_ssd", "deepspeed")
 COMPACT_STATE = ["optimizer.master_dtype=bfloat16", "optimizer.state_dtype=int8"]
 MASTER16 = {"overlap_master16": ["optimizer.master_dtype=bfloat16"],
             "overlap_host_grads": ["offload.gradients=host"],
+            # the first 4 layers' gradients in RAM (0.54b: half the stack), the rest and the table's on SSD
+            "overlap_host_grads_4layers": ["offload.gradients=host", "offload.host_gradient_layers=4"],
             "overlap_ssd_compact": COMPACT_STATE,  # 19.5 B/param a step at 7B, from 33.1
             "overlap_ssd_compact_host": [*COMPACT_STATE, "offload.gradients=host"],  # 15.5 B/param
             "overlap_durable": ["offload.durable=true"], "overlap_ssd_durable": ["offload.durable=true"],
@@ -288,7 +291,8 @@ def summarize(rounds: list[dict], args) -> dict:
         ostep = statistics.median(o["periods"])
         pairs = {"overlap_vs_sequential": "sequential", "overlap_vs_deepspeed": "deepspeed",
                  "overlap_vs_compute": "compute", "overlap_vs_overlap_master16": "overlap_master16",
-                 "overlap_vs_overlap_host_grads": "overlap_host_grads", "overlap_vs_overlap_durable": "overlap_durable"}
+                 "overlap_vs_overlap_host_grads": "overlap_host_grads", "overlap_vs_overlap_durable": "overlap_durable",
+                 "overlap_vs_overlap_host_grads_4layers": "overlap_host_grads_4layers"}
         for name, other in pairs.items():
             if other in r:
                 ratios.setdefault(name, []).append(ostep / statistics.median(r[other]["periods"]))

@@ -91,6 +91,7 @@ def test_the_7b_plan_moves_fewer_bytes_with_a_bfloat16_master(tmp_path, master, 
                                                     f"optimizer.master_dtype={master}",
                                                     f"optimizer.master_rounding={rounding}",
                                                     f"optimizer.state_dtype={state}",
+                                                    "offload.gradients=ssd",  # (auto: as this machine's RAM allows)
                                                     # the README table's chunks (a chunk's int8 record is padded
                                                     # to whole 1 MiB blocks: 16 MiB chunks move 0.4 B/param more)
                                                     "offload.chunk_bytes=256MiB"], inputs=False)
