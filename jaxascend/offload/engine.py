@@ -322,9 +322,7 @@ class PlannedOffloadEngine:
         self.finish_update()
         if self.state.store.cfg.keep_files:  # kept files stay as they are
             return 0
-        layout = self.state.layout
-        on_ssd = [r for leaf in layout.leaves for layer, r in enumerate(leaf.grad_regions)
-                  if layout.grads_in_store and not layout.grad_in_ram(leaf, layer)]
+        on_ssd = [region for region, _ in self.state.layout.grad_regions_in(ram=False)]
         log = self.state.records.gradient_log if self.plan.durable else None  # gradients in RAM: their log
         return self.state.store.release(on_ssd + ([twin for _, twin in log.pairs] if log is not None else []))
 

@@ -23,8 +23,7 @@ LOG_PREFIX = "durable/gradlog/"
 def log_regions(layout) -> list[tuple[str, int]]:
     """(name, bytes) of the log's regions: a twin of each in-memory gradient region (none unless
     ``layout.grad_store`` is host; with ``host_grad_layers``, of those layers' only)."""
-    return [(LOG_PREFIX + region, leaf.grad_layer_bytes) for leaf in layout.leaves
-            for layer, region in enumerate(leaf.grad_regions) if layout.grad_in_ram(leaf, layer)]
+    return [(LOG_PREFIX + region, nbytes) for region, nbytes in layout.grad_regions_in(ram=True)]
 
 
 class GradientLog:

@@ -320,11 +320,18 @@ class OffloadLayout:
             return False
         return self.host_grad_layers is None or (leaf.stacked and layer < self.host_grad_layers)
 
+    def grad_regions_in(self, ram: bool) -> list[tuple[str, int]]:
+        """(name, bytes) of the gradients' store regions kept in RAM (``ram``) or on SSD (none
+        with the ``host_fp32`` buffer, which has no regions)."""
+        if not self.grads_in_store:
+            return []
+        return [(region, leaf.grad_layer_bytes) for leaf in self.leaves
+                for layer, region in enumerate(leaf.grad_regions) if self.grad_in_ram(leaf, layer) == ram]
+
     @property
     def ram_grad_bytes(self) -> int:
         """The gradients' bytes in RAM (store regions kept in memory)."""
-        return sum(leaf.grad_layer_bytes for leaf in self.leaves for layer in range(leaf.layers)
-                   if self.grad_in_ram(leaf, layer))
+        return sum(nbytes for _, nbytes in self.grad_regions_in(ram=True))
 
     @property
     def ssd_grad_bytes(self) -> int:
