@@ -122,21 +122,44 @@ void ParamSource::Gate(bool expect_handover) {
   const bool handover = expect_handover && !leaves_.empty() && leaves_[0].host == nullptr;
   handover_.assign(ready_.size(), handover ? kExpected : kNoHandover);
   failed_.clear();
+  end_waits_ = false;
 }
 
-int32_t ParamSource::TryAcquireHandover(int64_t layer) {
-  CheckLayer(layer, "try_acquire_handover");
+int32_t ParamSource::AcquireHandover(int64_t layer) {
+  CheckLayer(layer, "acquire_handover");
   std::shared_ptr<ShardStore> store = Store();
-  if (!store) throw nb::value_error("ParamSource.try_acquire_handover: the shard store is closed");
+  if (!store) throw nb::value_error("ParamSource.acquire_handover: the shard store is closed");
   int32_t slot = -1;
   nb::gil_scoped_release release;
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   // A slot reserved here is the read-ahead's too: IssueLocked counts it until the handover, so
   // the two never ask the arena for more slots than the class has.
-  if (static_cast<int>(inflight_.size()) + reserved_ >= depth_) return -1;
+  auto full = [&] { return static_cast<int>(inflight_.size()) + reserved_ >= depth_; };
+  if (full() && ForwardFreesSlotLocked()) {  // the forward is behind: wait for it, not for the disk
+    const auto start = std::chrono::steady_clock::now();
+    ready_cv_.wait(lock, [&] { return !full() || !ForwardFreesSlotLocked(); });
+    handover_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  if (full()) return -1;
   if (!store->arena()->Acquire(slot_class_, slot_bytes_, &slot).ok()) return -1;
   ++reserved_;
   return slot;
+}
+
+bool ParamSource::ForwardFreesSlotLocked() const {
+  if (end_waits_ || !failed_.empty() || served_ >= forward_ || served_ >= order_.size()) return false;
+  const int32_t next = order_[served_];
+  for (const auto& p : inflight_) {
+    if (p->handed && p->layer == next) return true;
+  }
+  return false;
+}
+
+void ParamSource::EndHandoverWaits() {
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(mu_);
+  end_waits_ = true;
+  ready_cv_.notify_all();
 }
 
 nb::list ParamSource::HandoverViews(int32_t slot) {
@@ -220,6 +243,7 @@ void ParamSource::Begin(const std::vector<int32_t>& order, int depth) {
     order_ = order;
     forward_ = std::min(order.size(), static_cast<size_t>(num_layers()));
     next_ = 0;
+    served_ = 0;
     depth_ = depth;
     s = IssueLocked();
   }
@@ -231,6 +255,8 @@ void ParamSource::Drain() {
   DrainLocked();
   order_.clear();
   next_ = 0;
+  served_ = 0;
+  ready_cv_.notify_all();  // an optimizer waiting for the forward's slots: no forward now
 }
 
 std::string ParamSource::Fetch(int64_t layer, const std::vector<void*>& outs, const std::vector<size_t>& sizes,
@@ -238,6 +264,8 @@ std::string ParamSource::Fetch(int64_t layer, const std::vector<void*>& outs, co
   const double asked = Now();
   std::unique_lock<std::mutex> lock(mu_);
   std::string err = FetchLocked(lock, layer, outs, sizes, dtypes);
+  ++served_;  // the forward (or backward) has passed this layer and released its slot
+  ready_cv_.notify_all();
   if (events_.size() < kMaxEvents) events_.push_back({layer, asked, Now()});
   return err;
 }
@@ -339,6 +367,7 @@ nb::dict ParamSource::Stats() {
   d["handovers"] = handovers_;
   d["bytes_handed"] = bytes_handed_;
   d["handover_skips"] = handover_skips_;
+  d["handover_wait_seconds"] = handover_wait_seconds_;
   return d;
 }
 

@@ -22,11 +22,14 @@
 // buffer, no slot and no read.
 //
 // Handover (region leaves, overlapped): Gate(true) says the optimizer will hand the forward each
-// layer's new weights in memory. The optimizer takes a slot (TryAcquireHandover), fills it as
+// layer's new weights in memory. The optimizer takes a slot (AcquireHandover), fills it as
 // the kernel emits the layer's chunks, and Handover(layer, slot) queues it as if it had been read:
 // the forward's fetch of that layer needs no SSD read and does not wait for the write-back.
-// Without a free slot the optimizer says SkipHandover(layer), and that layer is read from SSD
-// once it is ready (written back). The backward's recomputation always reads from SSD.
+// Where the slots are all taken by layers handed over and not fetched yet, the optimizer waits
+// for the forward to take the next one (back-pressure: at most `depth` layers ahead), so in a
+// running forward every layer goes over in memory. Where no slot will come that way the
+// optimizer says SkipHandover(layer), and that layer is read from SSD once it is ready
+// (written back). The backward's recomputation always reads from SSD.
 //
 // Layout follows the JAX FFI examples: the typed work in ParamSource::Fetch (offload_param_source.cc),
 // the dispatch (ParamSourceDispatch, offload_param_source_ffi.cc) checks the outputs and turns a
@@ -74,9 +77,17 @@ class ParamSource {
   // The optimizer of the previous step is about to update every layer: none is ready.
   void Gate(bool expect_handover);
 
-  // A slot for the optimizer to fill with layer `layer`'s new weights; -1 when none is free
-  // (then the layer is read from SSD: SkipHandover).
-  int32_t TryAcquireHandover(int64_t layer);
+  // A slot for the optimizer to fill with layer `layer`'s new weights. While the read-ahead's
+  // slots are all taken and the forward's next layer is one already handed over (so the forward
+  // frees a slot without the optimizer's help), it waits for the forward: the optimizer runs at
+  // most `depth` layers ahead of it, and every layer goes over in memory. -1 when no slot will
+  // come that way (the forward is not running, or waits for a layer read from SSD; after
+  // EndHandoverWaits; the arena's class is full): then the layer is read from SSD (SkipHandover).
+  int32_t AcquireHandover(int64_t layer);
+
+  // No forward will take the handed-over layers (the update is being joined without one): every
+  // AcquireHandover waiting, or to come until the next Gate, returns -1.
+  void EndHandoverWaits();
 
   // Zero-copy views of a handover slot, one per leaf (its layer_bytes).
   nanobind::list HandoverViews(int32_t slot);
@@ -155,6 +166,9 @@ class ParamSource {
 
   void DrainLocked(bool keep_handed = false);
 
+  // The forward will free a slot by itself: its next layer is handed over. Caller holds mu_.
+  bool ForwardFreesSlotLocked() const;
+
   std::string slot_class_;
   std::weak_ptr<ShardStore> store_;
   std::mutex mu_;
@@ -172,7 +186,10 @@ class ParamSource {
   size_t forward_ = 0;  // the first entries of the order: the forward (handed over, when expected)
   size_t next_ = 0;
   int depth_ = 1;
-  int reserved_ = 0;  // slots the optimizer holds for a handover not made yet (TryAcquireHandover)
+  int reserved_ = 0;  // slots the optimizer holds for a handover not made yet (AcquireHandover)
+  size_t served_ = 0;  // fetches since Begin: the forward's next layer is order_[served_]
+  bool end_waits_ = false;  // EndHandoverWaits since the last Gate
+  double handover_wait_seconds_ = 0.0;  // the optimizer waiting in AcquireHandover for the forward
   std::deque<std::unique_ptr<Pending>> inflight_;
   int64_t fetches_ = 0;
   int64_t misses_ = 0;

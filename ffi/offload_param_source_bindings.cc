@@ -29,7 +29,8 @@ void BindParamSource(nb::module_& m) {
       .def("gate", &ParamSource::Gate, nb::arg("expect_handover") = false,
            "Marks every layer as not yet updated (an optimizer step starts); with expect_handover the optimizer "
            "hands the forward each layer in a slot.")
-      .def("try_acquire_handover", &ParamSource::TryAcquireHandover, nb::arg("layer"))
+      .def("acquire_handover", &ParamSource::AcquireHandover, nb::arg("layer"))
+      .def("end_handover_waits", &ParamSource::EndHandoverWaits)
       .def("handover_views", &ParamSource::HandoverViews, nb::arg("slot"))
       .def("handover", &ParamSource::Handover, nb::arg("layer"), nb::arg("slot"))
       .def("skip_handover", &ParamSource::SkipHandover, nb::arg("layer"))

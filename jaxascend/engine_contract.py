@@ -107,6 +107,7 @@ class EngineReport:
     param_source_handovers: Optional[int] = None
     param_source_bytes_handed: Optional[int] = None
     param_source_handover_skips: Optional[int] = None
+    param_source_handover_wait_seconds: Optional[float] = None  # the update waiting for the forward to take a layer
 
     def record(self) -> dict[str, Any]:
         return _record(self)

@@ -8,12 +8,13 @@ Contenders, each in its own process, in a rotating order every round:
   * ``compute``: the forward/backward alone, the optimizer skipped (its gradients still go to
     SSD as they are computed: that is part of the backward);
   * ``overlap_ssd``: overlapped, with the layer stack's weights on SSD too (``offload.params:
-    ssd``: less memory, 4 B/param more SSD traffic, the forward's copy handed over in memory);
+    ssd``: less memory; each layer written by the update and read back by the backward's
+    recomputation, the forward's copy handed over in memory);
   * only when ``--contenders`` names them: ``overlap_master16``/``overlap_host_grads`` (``overlap``
     with a bfloat16 compensated master / the gradients in RAM; ``_4layers``: the first 4 layers'
     only, ``offload.host_gradient_layers``), ``overlap_ssd_compact``(``_host``)
-    (``overlap_ssd`` with a compensated master and int8 moments, gradients on SSD / in RAM: 19.5
-    and 15.5 B/param a step at 7B), ``overlap``(``_ssd``)``_durable`` (``offload.durable``); each
+    (``overlap_ssd`` with a compensated master and int8 moments, gradients on SSD / in RAM: 17.7
+    and 13.7 B/param a step at 7B), ``overlap``(``_ssd``)``_durable`` (``offload.durable``); each
     its own SSD floor: its measured bytes per step at the round's raw disk speeds;
   * ``deepspeed``: ``../shared/peers/zero_infinity/zinf_train.py`` with the lean settings
     (``sub_group_size`` 1e8, buckets 5e7, max live params 1e8), optimizer state on NVMe, when
@@ -71,8 +72,8 @@ MASTER16 = {"overlap_master16": ["optimizer.master_dtype=bfloat16"],
             "overlap_host_grads": ["offload.gradients=host"],
             # the first 4 layers' gradients in RAM (0.54b: half the stack), the rest and the table's on SSD
             "overlap_host_grads_4layers": ["offload.gradients=host", "offload.host_gradient_layers=4"],
-            "overlap_ssd_compact": COMPACT_STATE,  # 19.5 B/param a step at 7B, from 33.1
-            "overlap_ssd_compact_host": [*COMPACT_STATE, "offload.gradients=host"],  # 15.5 B/param
+            "overlap_ssd_compact": COMPACT_STATE,  # 17.7 B/param a step at 7B, from 31.4
+            "overlap_ssd_compact_host": [*COMPACT_STATE, "offload.gradients=host"],  # 13.7 B/param
             "overlap_durable": ["offload.durable=true"], "overlap_ssd_durable": ["offload.durable=true"],
             # durable steps with the gradients in RAM: each update first copies them to their log on SSD
             "overlap_host_durable": ["offload.gradients=host", "offload.durable=true"]}

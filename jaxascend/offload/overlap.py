@@ -151,6 +151,7 @@ class BackgroundUpdate:
 
     def join(self) -> StepStats:
         """Waits for the whole update; returns its :class:`StepStats` or raises its error."""
+        self._end_handover_waits()
         self._done.wait()
         self._thread.join()
         if self.error is not None:
@@ -159,8 +160,15 @@ class BackgroundUpdate:
 
     def join_quietly(self) -> None:
         """Waits for the thread without raising (when another error is already being reported)."""
+        self._end_handover_waits()
         self._done.wait()
         self._thread.join()
+
+    def _end_handover_waits(self) -> None:
+        """Joined, the update has no forward to hand layers to (after a step's backward every
+        layer has been taken already): it stops waiting for one."""
+        if self._source is not None and not self._done.is_set():
+            self._source.end_handover_waits()
 
     def overlap_with(self, begin: float, end: float) -> float:
         """The fraction of this update's wall time that ran inside ``[begin, end]`` (e.g. the

@@ -122,11 +122,20 @@ class ParamSource:
 
     def acquire_handover(self, layer: int):
         """``(slot, views)``: an arena slot to fill with layer ``layer``'s new weights (one uint8
-        view per leaf), or None when no slot is free (then :meth:`skip_handover`)."""
-        slot = self._native.try_acquire_handover(int(layer))
+        view per leaf), or None when none will be free (then :meth:`skip_handover`). While the
+        read-ahead's slots hold layers handed over and the forward's next layer is one of them,
+        it waits for the forward to take it (the update keeps at most ``depth`` layers ahead of
+        the forward, and no layer is read back from SSD); it does not wait for a forward that is
+        not running, nor after :meth:`end_handover_waits`."""
+        slot = self._native.acquire_handover(int(layer))
         if slot < 0:
             return None
         return slot, list(self._native.handover_views(slot))
+
+    def end_handover_waits(self) -> None:
+        """No forward will take the layers handed over (the update is joined without one): an
+        :meth:`acquire_handover` waiting returns None, as do those to come until the next :meth:`gate`."""
+        self._native.end_handover_waits()
 
     def handover(self, layer: int, slot: int) -> None:
         """The slot holds layer ``layer``'s new weights: the next forward takes them from there
@@ -158,7 +167,8 @@ class ParamSource:
         ``bytes_read``, ``wait_seconds`` (time the step waited for the disk),
         ``optimizer_wait_seconds`` (time it waited for the previous step's optimizer to update
         a layer), ``bytes_copied`` (host leaves), ``handovers`` and ``handover_skips`` (layers the
-        optimizer handed to the forward in memory, or could not for want of a slot), since creation."""
+        optimizer handed to the forward in memory, or could not for want of a slot),
+        ``handover_wait_seconds`` (time the optimizer waited for the forward to free a slot), since creation."""
         return dict(self._native.stats())
 
     def close(self) -> None:

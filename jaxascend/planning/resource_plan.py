@@ -194,9 +194,12 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     ssd_bytes = layout.state_bytes + grads + streamed + spares
     # Per step: the optimizer reads master/m/v (+ grads) and writes master/m/v (+ the new
     # streamed weights); the backward writes the gradients; the source reads every streamed
-    # layer twice (forward, and the backward's recomputation).
+    # layer for the backward's recomputation, and for the forward unless the overlapped update
+    # hands each layer over in memory (one process: it waits for the forward rather than skip one).
     # A streamed leaf's bfloat16 master is its weights: the update reads them once more.
-    read = layout.state_bytes + grads + 2 * streamed + (streamed if layout.masters_in_params else 0)
+    handed = stream and processes == 1 and cfg.offload.overlap and overlap_refusal(cfg) is None
+    read = layout.state_bytes + grads + (1 if handed else 2) * streamed + \
+        (streamed if layout.masters_in_params else 0)
     # Durable steps with the gradients in RAM write them to their log on SSD (read only to resume).
     write = layout.state_bytes + grads + streamed + logged
     fmt = layout.state
@@ -212,10 +215,11 @@ def _offloaded_plan(cfg: Config, model_cfg: ModelConfig, stream: bool, runtime: 
     if stream:
         notes += (f"streamed weights: {format_bytes(streamed)} on SSD; resident embeddings/norms/head "
                   f"{format_bytes(resident)} ({resident / n:.2f} B/param)",)
-        if processes == 1 and cfg.offload.overlap and overlap_refusal(cfg) is None:
-            notes += (f"the overlapped forward takes each layer from its update in memory where a slot is free "
-                      f"(handover): up to {format_bytes(streamed)} ({streamed / n:.2f} B/param) of the reads above "
-                      f"not made",)
+        if handed:
+            notes += (f"the overlapped forward takes each layer from its update in memory (handover; the update "
+                      f"waits for the forward rather than let it read a layer back): none of the "
+                      f"{format_bytes(streamed)} ({streamed / n:.2f} B/param) of streamed weights is read for it "
+                      f"(the first step's forward reads them)",)
     if processes > 1:
         notes += (f"a job of {processes} processes: host memory, the offload files and the SSD traffic are one "
                   f"process's ({cfg.data.batch_size // processes} of each batch's {cfg.data.batch_size} rows, "

@@ -80,9 +80,9 @@ def test_a_streamed_leafs_master_is_its_params_region(tmp_path, rounding):
 
 
 @pytest.mark.parametrize("master, rounding, state, most", [
-    ("float32", "compensated", "float32", 33.2),
-    ("bfloat16", "compensated", "int8", 19.6),
-    ("bfloat16", "stochastic", "int8", 16.0),  # the target: at most 16 B/param a step
+    ("float32", "compensated", "float32", 31.5),  # (the overlapped forward takes every layer in memory)
+    ("bfloat16", "compensated", "int8", 17.8),
+    ("bfloat16", "stochastic", "int8", 13.8),  # the target: at most 16 B/param a step
 ])
 def test_the_7b_plan_moves_fewer_bytes_with_a_bfloat16_master(tmp_path, master, rounding, state, most):
     hf = preset_config("qwen2", "7B")

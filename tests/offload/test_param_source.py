@@ -2,6 +2,8 @@
 (an unforeseen ask is read synchronously and counted), read errors become one-line errors, and
 the sinks sum a tied table's two arrivals as XLA adds two 16-bit arrays."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -103,6 +105,90 @@ def test_a_slot_held_for_a_handover_is_not_asked_of_the_arena_again(store):
         source.mark_ready(layer)
     stats = _fetch_the_step(source, values)
     assert stats["handovers"] == 2 and stats["handover_skips"] == 2 and stats["fetches"] == 2 * LAYERS
+    source.close()
+
+
+def _hand(source, values, layer, taken):
+    slot, views = taken
+    for leaf, view in zip(source.leaves, views):
+        view[:] = values[leaf.path][layer].reshape(-1).view(np.uint8)
+    source.handover(layer, slot)
+
+
+def _acquire_in_thread(source, layer):
+    """Starts ``acquire_handover(layer)`` on a thread; returns (thread, box of its result)."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(source.acquire_handover(layer)), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_the_update_waits_for_the_forward_to_take_a_handed_layer_instead_of_skipping(store):
+    """Back-pressure: with both slots holding layers handed over and not fetched, the update of the
+    next layer waits until the forward takes layer 0 (not for the disk), then gets its slot: every
+    layer goes over in memory and none is read from SSD for the forward."""
+    store, layout, values = store
+    source = ParamSource(store, layout.streamed_leaves, depth=2)
+    source.gate(handover=True)
+    source.begin_step()
+    for layer in (0, 1):
+        _hand(source, values, layer, source.acquire_handover(layer))
+    thread, box = _acquire_in_thread(source, 2)
+    thread.join(0.3)
+    assert thread.is_alive() and not box  # waiting: the forward has not taken layer 0 yet
+    got = fetch_step_outputs(_fetch(source, 0))
+    np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint16), values[source.leaves[0].path][0].view(np.uint16))
+    thread.join(10)
+    assert not thread.is_alive() and box[0] is not None
+    _hand(source, values, 2, box[0])
+    thread, box = _acquire_in_thread(source, 3)  # layers 1 and 2 hold the slots: waits for layer 1
+    _fetch_then(source, 1, thread)
+    _hand(source, values, 3, box[0])
+    for layer in range(LAYERS):
+        source.mark_ready(layer)
+    for layer in source.step_order()[2:]:  # the rest of the forward, and the backward from SSD
+        got = fetch_step_outputs(_fetch(source, layer))
+        np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint16),
+                                      values[source.leaves[0].path][layer].view(np.uint16))
+    source.end_step()
+    stats = source.stats()
+    assert stats["handovers"] == LAYERS and stats["handover_skips"] == 0 and stats["misses"] == 0
+    assert stats["bytes_read"] == sum(leaf.size * 2 for leaf in layout.leaves)  # the backward's only
+    assert stats["handover_wait_seconds"] > 0.2
+    source.close()
+
+
+def _fetch_then(source, layer, thread):
+    fetch_step_outputs(_fetch(source, layer))
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_the_update_does_not_wait_where_the_forward_would_not_free_a_slot(store):
+    """No wait where the forward's next layer is not handed over (it waits for a read from SSD,
+    which needs the update to go on), nor once the update is joined without a forward
+    (end_handover_waits): the layer is read from SSD instead."""
+    store, layout, values = store
+    source = ParamSource(store, layout.streamed_leaves, depth=2)
+    source.gate(handover=True)
+    source.begin_step()
+    source.skip_handover(0)
+    for layer in (1, 2):
+        _hand(source, values, layer, source.acquire_handover(layer))
+    assert source.acquire_handover(3) is None  # the forward's next, layer 0, comes from SSD
+    source.end_step()
+    source.gate(handover=True)
+    source.begin_step()
+    for layer in (0, 1):
+        _hand(source, values, layer, source.acquire_handover(layer))
+    thread, box = _acquire_in_thread(source, 2)
+    thread.join(0.2)
+    assert thread.is_alive()
+    source.end_handover_waits()  # joined with no forward to come
+    thread.join(10)
+    assert not thread.is_alive() and box == [None]
+    assert source.acquire_handover(3) is None
+    source.end_step()
     source.close()
 
 

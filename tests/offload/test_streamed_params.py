@@ -130,7 +130,8 @@ def test_auto_streams_when_resident_does_not_fit(tmp_path, corpus):
     resident = plan_run(cfg, model_cfg, "resident", runtime_bytes=0)
     streamed = plan_run(cfg, model_cfg, "ssd", runtime_bytes=0)
     assert streamed.host["resident params"] < resident.host["resident params"]
-    assert streamed.ssd_read_step - resident.ssd_read_step == 2 * (streamed.ssd_bytes - resident.ssd_bytes)
+    # read once a step, by the backward's recomputation (the overlapped forward takes each from its update)
+    assert streamed.ssd_read_step - resident.ssd_read_step == streamed.ssd_bytes - resident.ssd_bytes
     budget = (resident.host_peak + streamed.host_peak) // 2
     cfg.offload.host_memory_budget = budget
     assert plan_run(cfg, model_cfg, runtime_bytes=0).params == "ssd"  # auto
