@@ -123,19 +123,26 @@ def _acquire_in_thread(source, layer):
     return thread, box
 
 
-def test_the_update_waits_for_the_forward_to_take_a_handed_layer_instead_of_skipping(store):
-    """Back-pressure: with both slots holding layers handed over and not fetched, the update of the
-    next layer waits until the forward takes layer 0 (not for the disk), then gets its slot: every
-    layer goes over in memory and none is read from SSD for the forward."""
-    store, layout, values = store
-    source = ParamSource(store, layout.streamed_leaves, depth=2)
+def _a_third_layer_waiting(source, values):
+    """A step whose update has handed layers 0 and 1 over (both slots) and asks for layer 2's on a
+    thread: (thread, box), the thread checked to be waiting (the forward has taken nothing yet)."""
     source.gate(handover=True)
     source.begin_step()
     for layer in (0, 1):
         _hand(source, values, layer, source.acquire_handover(layer))
     thread, box = _acquire_in_thread(source, 2)
     thread.join(0.3)
-    assert thread.is_alive() and not box  # waiting: the forward has not taken layer 0 yet
+    assert thread.is_alive() and not box
+    return thread, box
+
+
+def test_the_update_waits_for_the_forward_to_take_a_handed_layer_instead_of_skipping(store):
+    """Back-pressure: with both slots holding layers handed over and not fetched, the update of the
+    next layer waits until the forward takes layer 0 (not for the disk), then gets its slot: every
+    layer goes over in memory and none is read from SSD for the forward."""
+    store, layout, values = store
+    source = ParamSource(store, layout.streamed_leaves, depth=2)
+    thread, box = _a_third_layer_waiting(source, values)
     got = fetch_step_outputs(_fetch(source, 0))
     np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint16), values[source.leaves[0].path][0].view(np.uint16))
     thread.join(10)
@@ -177,13 +184,7 @@ def test_the_update_does_not_wait_where_the_forward_would_not_free_a_slot(store)
         _hand(source, values, layer, source.acquire_handover(layer))
     assert source.acquire_handover(3) is None  # the forward's next, layer 0, comes from SSD
     source.end_step()
-    source.gate(handover=True)
-    source.begin_step()
-    for layer in (0, 1):
-        _hand(source, values, layer, source.acquire_handover(layer))
-    thread, box = _acquire_in_thread(source, 2)
-    thread.join(0.2)
-    assert thread.is_alive()
+    thread, box = _a_third_layer_waiting(source, values)
     source.end_handover_waits()  # joined with no forward to come
     thread.join(10)
     assert not thread.is_alive() and box == [None]
