@@ -123,6 +123,9 @@ void ParamSource::Gate(bool expect_handover) {
   handover_.assign(ready_.size(), handover ? kExpected : kNoHandover);
   failed_.clear();
   end_waits_ = false;
+  // Until the next forward begins, it is as good as asking for layer 0: a forward that will not
+  // come is one the update is joined without (EndHandoverWaits).
+  forward_pending_ = handover;
 }
 
 int32_t ParamSource::AcquireHandover(int64_t layer) {
@@ -147,8 +150,9 @@ int32_t ParamSource::AcquireHandover(int64_t layer) {
 }
 
 bool ParamSource::ForwardFreesSlotLocked() const {
-  if (end_waits_ || !failed_.empty() || served_ >= forward_ || served_ >= order_.size()) return false;
-  const int32_t next = order_[served_];
+  if (end_waits_ || !failed_.empty()) return false;
+  if (!forward_pending_ && (served_ >= forward_ || served_ >= order_.size())) return false;
+  const int32_t next = forward_pending_ ? 0 : order_[served_];  // a forward goes up the stack
   for (const auto& p : inflight_) {
     if (p->handed && p->layer == next) return true;
   }
@@ -244,6 +248,7 @@ void ParamSource::Begin(const std::vector<int32_t>& order, int depth) {
     forward_ = std::min(order.size(), static_cast<size_t>(num_layers()));
     next_ = 0;
     served_ = 0;
+    forward_pending_ = false;
     depth_ = depth;
     s = IssueLocked();
   }

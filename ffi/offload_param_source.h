@@ -189,6 +189,7 @@ class ParamSource {
   int reserved_ = 0;  // slots the optimizer holds for a handover not made yet (AcquireHandover)
   size_t served_ = 0;  // fetches since Begin: the forward's next layer is order_[served_]
   bool end_waits_ = false;  // EndHandoverWaits since the last Gate
+  bool forward_pending_ = false;  // gated with a handover, and the forward has not begun yet
   double handover_wait_seconds_ = 0.0;  // the optimizer waiting in AcquireHandover for the forward
   std::deque<std::unique_ptr<Pending>> inflight_;
   int64_t fetches_ = 0;

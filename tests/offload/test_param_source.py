@@ -125,13 +125,18 @@ def _acquire_in_thread(source, layer):
 
 def _a_third_layer_waiting(source, values):
     """A step whose update has handed layers 0 and 1 over (both slots) and asks for layer 2's on a
-    thread: (thread, box), the thread checked to be waiting (the forward has taken nothing yet)."""
+    thread: (thread, box), the thread checked to be waiting, before the forward has begun (it will
+    ask for layer 0 first) and after, while it has taken nothing yet."""
+    source.begin_step()  # the step whose gradients the update applies
+    source.end_step()
     source.gate(handover=True)
-    source.begin_step()
     for layer in (0, 1):
         _hand(source, values, layer, source.acquire_handover(layer))
     thread, box = _acquire_in_thread(source, 2)
-    thread.join(0.3)
+    thread.join(0.2)
+    assert thread.is_alive() and not box
+    source.begin_step()
+    thread.join(0.2)
     assert thread.is_alive() and not box
     return thread, box
 
