@@ -81,6 +81,7 @@ class EngineReport:
     optimizer_seconds_step: Optional[float] = None
     ssd_read_bytes_steps: Optional[int] = None  # every step's traffic so far (checkpoints, evaluations left out)
     ssd_written_bytes_steps: Optional[int] = None
+    ssd_bytes_first_step: Optional[tuple] = None  # (read, written) of this run's first step, in the sums above
     ssd_read_bytes_run: Optional[int] = None  # since the engine opened the files: init, restore, steps, saves
     ssd_written_bytes_run: Optional[int] = None
     state_dtype: Optional[str] = None

@@ -60,6 +60,7 @@ class TrainResult:
     # gradients included): the SSD endurance cost of the run. 0 for the in-memory engine.
     ssd_bytes_written_run: int = 0
     steps_this_run: int = 0  # steps this invocation ran (skipped ones included)
+    ssd_bytes_first_step: tuple = (0, 0)  # (read, written) of its first step, in ssd_bytes_read/_written
     state_dtype: str = "float32"  # how the optimizer's moments were stored (optimizer.state_dtype)
     offload_files: str = "none"  # removed at the end (the last checkpoint holds the state), or kept
     tokens_per_s_steps: Optional[list[int]] = None  # [first, last] step of tokens_per_s

@@ -174,6 +174,7 @@ def _run(cfg: Config, group, stack: RunStack) -> TrainResult:
                          arena_high_water_bytes=report.arena_high_water_bytes or 0,
                          ssd_bytes_read=report.ssd_read_bytes_steps or 0,
                          ssd_bytes_written=report.ssd_written_bytes_steps or 0,
+                         ssd_bytes_first_step=tuple(report.ssd_bytes_first_step or (0, 0)),
                          out_dir=str(r.out_dir), eval_loss=final_eval["eval_loss"] if final_eval else None,
                          data=stream.stats(), updates_this_run=r.last - start - (report.skipped_steps - skipped_before),
                          ssd_bytes_written_run=report.ssd_written_bytes_run or 0,
@@ -302,6 +303,17 @@ def _write_timeline(data: Optional[dict], out_dir: Path) -> None:
         console.note("timeline.png not drawn: matplotlib is not installed (timeline.json has the events)")
 
 
+def _ssd_per_step(r: TrainResult) -> str:
+    """A step's SSD traffic: over this run's steps after its first (whose forward had no update
+    beside it, and whose own update runs in the next step's) where there are more, else the first's."""
+    read, written, steps, which = r.ssd_bytes_read, r.ssd_bytes_written, max(r.steps_this_run, 1), ""
+    if r.steps_this_run > 1:
+        read, written, steps = read - r.ssd_bytes_first_step[0], written - r.ssd_bytes_first_step[1], steps - 1
+        which = "; this run's steps after its first"
+    return (f"{format_bytes(read / steps)} / {format_bytes(written / steps)} "
+            f"({(read + written) / steps / r.num_params:.1f} B/param, {r.state_dtype} moments{which})")
+
+
 def _summary(r: TrainResult, report: EngineReport, rate: str, stack: str) -> str:
     processes, devices = report.data_parallel_processes, report.data_parallel_devices
     rows = [
@@ -326,10 +338,7 @@ def _summary(r: TrainResult, report: EngineReport, rate: str, stack: str) -> str
         rows += [
             ("arena capacity / high-water", f"{format_bytes(r.arena_capacity_bytes)} / "
                                             f"{format_bytes(r.arena_high_water_bytes)}"),
-            ("SSD read / written per step", f"{format_bytes(r.ssd_bytes_read / max(r.steps_this_run, 1))} / "
-                                            f"{format_bytes(r.ssd_bytes_written / max(r.steps_this_run, 1))} "
-                                            f"({(r.ssd_bytes_read + r.ssd_bytes_written) / max(r.steps_this_run, 1) / r.num_params:.1f} "
-                                            f"B/param, {r.state_dtype} moments)"),
+            ("SSD read / written per step", _ssd_per_step(r)),
             ("SSD written this run (endurance)", format_bytes(r.ssd_bytes_written_run)),
             ("offload files", r.offload_files),
         ]

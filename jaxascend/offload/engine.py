@@ -135,6 +135,7 @@ class PlannedOffloadEngine:
             # records), checkpoints and evaluations left out; the store's own counters hold
             # the run's totals, init and restore included (the endurance cost).
             self.ssd_bytes_read = self.ssd_bytes_written = 0
+            self.ssd_first_step: Optional[tuple[int, int]] = None  # this run's first step's (read, written)
             self._io_mark = self._io_counters()
         except BaseException:
             self.state.close()
@@ -286,6 +287,8 @@ class PlannedOffloadEngine:
         timing.update(ssd_read_bytes=read - self._io_mark[0], ssd_written_bytes=written - self._io_mark[1])
         self.ssd_bytes_read += timing["ssd_read_bytes"]
         self.ssd_bytes_written += timing["ssd_written_bytes"]
+        if self.ssd_first_step is None:  # its forward had no update beside it (overlap): apart in the summary
+            self.ssd_first_step = (timing["ssd_read_bytes"], timing["ssd_written_bytes"])
         self._io_mark = (read, written)
 
     def evaluate(self, batches: Iterable[TokenBatch]) -> tuple[float, int]:
@@ -411,6 +414,7 @@ class PlannedOffloadEngine:
             ssd_read_bytes_step=last.bytes_read if last else 0, ssd_write_bytes_step=last.bytes_written if last else 0,
             ssd_gbps_step=last.ssd_gbps if last else 0.0, optimizer_seconds_step=last.seconds if last else 0.0,
             ssd_read_bytes_steps=self.ssd_bytes_read, ssd_written_bytes_steps=self.ssd_bytes_written,
+            ssd_bytes_first_step=self.ssd_first_step,
             ssd_read_bytes_run=read_run, ssd_written_bytes_run=written_run,
             state_dtype=state.layout.state.dtype, state_rounding=state.layout.state.rounding,
             state_bytes=state.layout.state_bytes, resident_param_bytes=state.layout.resident_param_bytes,

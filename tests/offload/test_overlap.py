@@ -20,7 +20,8 @@ from jaxascend.native import extension as _native
 from jaxascend.config import load_config
 from jaxascend.offload.native_path import sink_gradient
 from jaxascend.offload.param_source import ParamSource
-from jaxascend.trainer import run
+from jaxascend.metrics import format_bytes
+from jaxascend.trainer import _ssd_per_step, run
 from tests._corpus import write_word_corpus
 from tests.offload.test_streamed_params import TINY
 from tests.test_resume import _assert_bitwise_equal, _final_state
@@ -84,6 +85,14 @@ def test_overlap_is_bit_identical_to_the_sequential_step(tmp_path, corpus, param
         assert 3 * overlapped <= handed <= 3 * (overlapped + 1)
         # The update waits for the forward rather than skip a layer: none is read back from SSD.
         assert records[-1]["param_source_handover_skips"] == 0 and records[-1]["param_source_handovers"] > 0
+        # The summary's step traffic leaves out the first step (no update beside its forward).
+        first = (records[0]["ssd_read_bytes"], records[0]["ssd_written_bytes"])
+        later = records[1:]
+        assert ovl.ssd_bytes_first_step == first and sum(r["ssd_read_bytes"] for r in later) > 0
+        assert _ssd_per_step(ovl).startswith(
+            f"{format_bytes(sum(r['ssd_read_bytes'] for r in later) / len(later))} / "
+            f"{format_bytes(sum(r['ssd_written_bytes'] for r in later) / len(later))} (")
+        assert _ssd_per_step(ovl).endswith("; this run's steps after its first)")
     if case == "float16-overflow-mid":
         assert [r["skipped"] for r in records] == [False, True, False]
         assert [r["skipped"] for r in seq_records] == [False, True, False]
