@@ -131,7 +131,8 @@ def test_ready_config_parses_with_real_paths(path, tiny_qwen, tmp_path):
     assert "/path/to/" in text and "model.path" in text  # placeholders and how to set them
     cfg = load_config(path, [f"model.path={tiny_qwen}", f"data.paths=[{data}]"])
     assert cfg.model.path == str(tiny_qwen) and cfg.data.tokenizer in ("model", "auto")  # auto: the model's, here
-    assert cfg.offload.enabled and cfg.offload.arena_bytes and cfg.offload.chunk_bytes
+    # the arena exactly as its plan needs (a fixed size would be allocated and locked, the rest unused)
+    assert cfg.offload.enabled and cfg.offload.arena_bytes is None and cfg.offload.chunk_bytes
     assert cfg.model.dtype == "bfloat16"
     # The architecture comes from the folder, run settings from the YAML.
     resolved = model_config_from_hf(cfg.model.path, cfg.model)

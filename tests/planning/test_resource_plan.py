@@ -19,7 +19,7 @@ from jaxascend.hf import abstract_params, model_config_from_hf_dict, preset_conf
 from jaxascend.planning import disk_plan, machine_limits
 from jaxascend.planning.resource_plan import PlanError, format_bytes, plan_run
 from jaxascend.planning.step_memory import REMAT
-from jaxascend.offload.state_layout import job_state_layout
+from jaxascend.offload import job_state_layout
 from jaxascend.preparation import resolve_model_config
 from tests.test_workflow import assert_one_error_line
 
