@@ -55,6 +55,10 @@ PERTURBED = {"float32-perturbed": MASTERS["float32"] + [f"optimizer.eps={PERTURB
 PERTURBED_LR = {"float32-perturbed-lr+": MASTERS["float32"] + ["optimizer.learning_rate=3.00003e-4"],
                 "float32-perturbed-lr-": MASTERS["float32"] + ["optimizer.learning_rate=2.99997e-4"]}
 BASE = ["model.dtype=bfloat16", "model.param_dtype=float32"]
+# The 0.54B regime's held-out statistic (``--large-heldout``, fixed before its runs on 2026-12-05):
+# the loss of the weights after the last step on the first 64 rows of 128 tokens of numpy's Python
+# sources (data no run trains on), in 8 batches of 8; the same bound as the training loss's.
+HELDOUT_ROWS = (8, 8)  # eval.batches, eval.batch_size
 
 
 def numpy_sources() -> str:
@@ -80,10 +84,13 @@ def drift(start: dict, end: dict) -> float:
     return (num / den) ** 0.5
 
 
-def verdict(runs: dict, key: str = "losses", spread_from: dict | None = None) -> dict:
-    """Each run's last-10% mean against float32's; the spread is the farthest float32-perturbed run's
-    (or ``spread_from``'s, an earlier verdict of the same float32 run, whose perturbed runs it keeps)."""
+def verdict(runs: dict, heldout: bool = False, spread_from: dict | None = None) -> dict:
+    """Each run's last-10% mean (``heldout``: its held-out loss at the end) against float32's; the
+    spread is the farthest float32-perturbed run's (or ``spread_from``'s, an earlier verdict of the
+    same float32 run, whose perturbed runs it keeps)."""
     def tail_mean(r):
+        if heldout:
+            return float(r["eval_loss"])
         x = np.asarray(r["losses"])
         return float(x[-max(1, len(x) // 10):].mean())
 
@@ -123,11 +130,15 @@ def scratch_large(args, work: Path) -> dict:
     its perturbation, and the combinations of ``--large`` (about 10 minutes a run on 2 cores)."""
     moments_only = {"float32+int8": MASTERS["float32"] + ["optimizer.state_dtype=int8"]}  # the int8 moments' part
     chosen = {k: v for k, v in {**MASTERS, **COMPACT, **moments_only}.items() if k == "float32" or k in args.large}
+    label, shape = "scratch 0.54b", LARGE
+    if args.large_heldout:  # other folders: the earlier runs have no held-out loss
+        label, shape = "scratch 0.54b heldout", LARGE + [
+            f"eval.paths=[{numpy_sources()}]", f"eval.batches={HELDOUT_ROWS[0]}", f"eval.batch_size={HELDOUT_ROWS[1]}"]
     if args.large_spread_from:
-        return _from_scratch("scratch 0.54b", chosen, LARGE, args.large_steps, work, args.reuse,
+        return _from_scratch(label, chosen, shape, args.large_steps, work, args.reuse,
                              _earlier_spread(Path(args.large_spread_from), args.large_steps))
     perturbed = {**PERTURBED, **(PERTURBED_LR if args.large_spread else {})}
-    return _from_scratch("scratch 0.54b", {**chosen, **perturbed}, LARGE, args.large_steps, work, args.reuse)
+    return _from_scratch(label, {**chosen, **perturbed}, shape, args.large_steps, work, args.reuse)
 
 
 def _earlier_spread(path: Path, steps: int) -> dict:
@@ -158,6 +169,8 @@ def _from_scratch(label: str, chosen: dict, shape: list[str], steps: int, work: 
                              f"{spread_from['final_loss']!r} as in {spread_from['path']}: run its perturbations")
     out = {"steps": steps, "num_params": runs["float32"]["num_params"], "runs": runs,
            "verdict": verdict(runs, spread_from=spread_from)}
+    if all("eval_loss" in r for r in runs.values()):
+        out["verdict_heldout"] = verdict(runs, heldout=True)
     if spread_from:
         out["perturbations_from"] = spread_from["path"]
     return out
@@ -227,6 +240,10 @@ def main(argv=None) -> dict:
     p.add_argument("--large-spread-from", metavar="JSON",
                    help="take the 0.54B regime's perturbed float32 runs from an earlier output of this benchmark "
                         "instead of running them (float32 must end at that output's final loss, bit for bit)")
+    p.add_argument("--large-heldout", action="store_true",
+                   help="the 0.54B runs also evaluate their last weights on held-out rows (HELDOUT_ROWS of numpy's "
+                        "Python sources), and the rule is applied to that loss too (with --large-spread: all three "
+                        "perturbations; not with --large-spread-from, whose runs have no held-out loss)")
     p.add_argument("--pretrain-steps", type=int, default=1000)
     p.add_argument("--finetune-steps", type=int, default=300)
     p.add_argument("--learning-rates", type=float, nargs="+", default=[1e-5, 5e-5])
@@ -238,6 +255,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=str(REPO / "docs" / "bench_master_quality"))
     p.add_argument("--reuse", action="store_true", help="keep runs already finished in --work-dir")
     args = p.parse_args(argv)
+    if args.large_heldout and args.large_spread_from:
+        p.error("--large-heldout with --large-spread-from: the earlier perturbed runs have no held-out loss")
     work = Path(args.work_dir)
     results = {"tolerance": TOLERANCE, "cpu": cpu_model()}
     if args.only in (None, "scratch") and args.steps:

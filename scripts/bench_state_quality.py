@@ -71,7 +71,8 @@ def _figures(summary: dict, seconds) -> dict:
     return {"losses": summary["losses"], "seconds": seconds,
             "ssd_bytes_per_step": (summary["ssd_bytes_read"] + summary["ssd_bytes_written"])
             / max(summary["steps_this_run"], 1),
-            "ssd_bytes_written_run": summary["ssd_bytes_written_run"], "num_params": summary["num_params"]}
+            "ssd_bytes_written_run": summary["ssd_bytes_written_run"], "num_params": summary["num_params"],
+            **({"eval_loss": summary["eval_loss"]} if summary.get("eval_loss") is not None else {})}
 
 
 def smooth(x: np.ndarray, k: int = 20) -> np.ndarray:
