@@ -137,13 +137,12 @@ int32_t ParamSource::AcquireHandover(int64_t layer) {
   std::unique_lock<std::mutex> lock(mu_);
   // A slot reserved here is the read-ahead's too: IssueLocked counts it until the handover, so
   // the two never ask the arena for more slots than the class has.
-  auto full = [&] { return static_cast<int>(inflight_.size()) + reserved_ >= depth_; };
-  if (full() && ForwardFreesSlotLocked()) {  // the forward is behind: wait for it, not for the disk
+  if (SlotsTakenLocked() && ForwardFreesSlotLocked()) {  // the forward is behind: wait for it, not for the disk
     const auto start = std::chrono::steady_clock::now();
-    ready_cv_.wait(lock, [&] { return !full() || !ForwardFreesSlotLocked(); });
+    ready_cv_.wait(lock, [&] { return !SlotsTakenLocked() || !ForwardFreesSlotLocked(); });
     handover_wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
-  if (full()) return -1;
+  if (SlotsTakenLocked()) return -1;
   if (!store->arena()->Acquire(slot_class_, slot_bytes_, &slot).ok()) return -1;
   ++reserved_;
   return slot;
@@ -387,7 +386,7 @@ Status ParamSource::IssueLocked() {
       ++next_;  // handed over: already in flight
       continue;
     }
-    if (static_cast<int>(inflight_.size()) + reserved_ >= depth_ || !ready_[layer]) break;
+    if (SlotsTakenLocked() || !ready_[layer]) break;
     auto p = std::make_unique<Pending>();
     p->layer = order_[next_];
     Status s = store->arena()->Acquire(slot_class_, slot_bytes_, &p->slot);

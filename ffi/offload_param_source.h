@@ -169,6 +169,9 @@ class ParamSource {
   // The forward will free a slot by itself: its next layer is handed over. Caller holds mu_.
   bool ForwardFreesSlotLocked() const;
 
+  // Every slot of the read-ahead is in flight or reserved for a handover. Caller holds mu_.
+  bool SlotsTakenLocked() const { return static_cast<int>(inflight_.size()) + reserved_ >= depth_; }
+
   std::string slot_class_;
   std::weak_ptr<ShardStore> store_;
   std::mutex mu_;
