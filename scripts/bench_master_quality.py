@@ -219,7 +219,8 @@ def plot(results: dict, path: Path, prefix: str = "") -> None:
         for k, (name, r) in enumerate(runs.items()):
             y = smooth(np.asarray(r["losses"]), 10)
             ax.plot(np.arange(len(y)) + 10, y, lw=1.1, color=f"C{k}",
-                    label=name + (f" (drift {r['drift']:.2e})" if "drift" in r else ""))
+                    label=name + (f" (drift {r['drift']:.2e})" if "drift" in r else "")
+                    + (f" (held-out {r['eval_loss']:.5f})" if "eval_loss" in r else ""))
         ax.set_title(prefix + title)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (mean of 10 steps)")
