@@ -88,15 +88,15 @@ def verdict(runs: dict, heldout: bool = False, spread_from: dict | None = None) 
     """Each run's last-10% mean (``heldout``: its held-out loss at the end) against float32's; the
     spread is the farthest float32-perturbed run's (or ``spread_from``'s, an earlier verdict of the
     same float32 run, whose perturbed runs it keeps)."""
-    def tail_mean(r):
+    def statistic(r):
         if heldout:
             return float(r["eval_loss"])
         x = np.asarray(r["losses"])
         return float(x[-max(1, len(x) // 10):].mean())
 
-    base = tail_mean(runs["float32"])
+    base = statistic(runs["float32"])
     perturbed = [r for name, r in runs.items() if name.startswith("float32-perturbed")]
-    spread = max((abs(tail_mean(r) / base - 1) for r in perturbed), default=0.0)
+    spread = max((abs(statistic(r) / base - 1) for r in perturbed), default=0.0)
     out = {}
     if spread_from is not None:
         spread = max(spread, spread_from["perturbation_spread"])
@@ -104,7 +104,7 @@ def verdict(runs: dict, heldout: bool = False, spread_from: dict | None = None) 
     for name, r in runs.items():
         if name == "float32":
             continue
-        rel = tail_mean(r) / base - 1
+        rel = statistic(r) / base - 1
         entry = {"final_relative_difference": round(rel, 5),
                  "within_rule": abs(rel) <= max(TOLERANCE, spread)}
         if "drift" in r and "drift" in runs["float32"]:
